@@ -1,0 +1,56 @@
+"""Tiny random checkpoints of each supported architecture, saved with ``save_pretrained``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+BASE: dict[str, Any] = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.08,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+CONFIG_CLASSES = {
+    "llama": transformers.LlamaConfig,
+    "mistral": transformers.MistralConfig,
+    "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+}
+
+MODEL_CLASSES = {
+    "llama": transformers.LlamaForCausalLM,
+    "mistral": transformers.MistralForCausalLM,
+    "qwen2": transformers.Qwen2ForCausalLM,
+    "qwen3": transformers.Qwen3ForCausalLM,
+}
+
+
+def make_hf_model(kind: str, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+    """A seeded random model of architecture ``kind`` with ``BASE`` settings plus overrides."""
+    config = CONFIG_CLASSES[kind](**{**BASE, **overrides})
+    torch.manual_seed(seed)
+    model = MODEL_CLASSES[kind](config).float().eval()
+    return model
+
+
+def save_tiny_model(
+    path: Path, kind: str, seed: int = 0, max_shard_size: str | None = None, **overrides: Any
+) -> transformers.PreTrainedModel:
+    """Build a tiny model, save it to ``path`` (safetensors), and return the HF model."""
+    model = make_hf_model(kind, seed, **overrides)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return model

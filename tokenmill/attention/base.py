@@ -1,0 +1,62 @@
+"""AttentionBackend: the one interface every attention implementation provides.
+
+``forward(q, k, v, layer_id, kv_view)`` stores this step's keys/values at
+``kv_view.out_cache_loc`` and returns the attention output over each request's slots.
+Shapes: ``q`` ``[T, n_heads, head_dim]``, ``k``/``v`` ``[T, n_kv_heads, head_dim]``, output like
+``q``. ``T`` is the number of tokens in the flat ragged batch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from tokenmill.cache.views import DecodeKVCache, KVView, PrefillKVCache
+
+
+class AttentionBackend(ABC):
+    """Base class; subclasses own ``forward`` and call ``_check_fwd`` first."""
+
+    name: str = "base"
+
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_view: KVView
+    ) -> torch.Tensor:
+        """Store k/v for this step's tokens, attend, return ``[T, n_heads, head_dim]``."""
+
+    def _check_fwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_view: KVView) -> None:
+        """Raise ValueError on any mismatch between the tensors, the view and this backend."""
+        if not isinstance(kv_view, (PrefillKVCache, DecodeKVCache)):
+            raise ValueError(f"kv_view must be PrefillKVCache or DecodeKVCache, got {type(kv_view).__name__}")
+        n_tokens = q.shape[0]
+        if q.dim() != 3 or q.shape[1:] != (self.n_heads, self.head_dim):
+            raise ValueError(f"q must be [T, {self.n_heads}, {self.head_dim}], got {tuple(q.shape)}")
+        for name, t in (("k", k), ("v", v)):
+            if t.shape != (n_tokens, self.n_kv_heads, self.head_dim):
+                raise ValueError(
+                    f"{name} must be [{n_tokens}, {self.n_kv_heads}, {self.head_dim}], got {tuple(t.shape)}"
+                )
+        buffer = kv_view.k_buffer
+        if not 0 <= layer_id < buffer.shape[0]:
+            raise ValueError(f"layer_id {layer_id} out of range [0, {buffer.shape[0]})")
+        if buffer.shape[2:] != (self.n_kv_heads, self.head_dim):
+            raise ValueError(f"KV buffer heads/dim {tuple(buffer.shape[2:])} do not match the backend's")
+        if q.dtype != buffer.dtype or k.dtype != buffer.dtype or v.dtype != buffer.dtype:
+            raise ValueError(f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype} must equal the KV buffer's {buffer.dtype}")
+        if kv_view.out_cache_loc.numel() != n_tokens:
+            raise ValueError(f"out_cache_loc has {kv_view.out_cache_loc.numel()} entries for {n_tokens} tokens")
+        n_reqs = kv_view.req_pool_indices.numel()
+        if isinstance(kv_view, DecodeKVCache) and n_tokens != n_reqs:
+            raise ValueError(f"a decode view needs one token per request: {n_tokens} tokens, {n_reqs} requests")
+        if isinstance(kv_view, PrefillKVCache) and sum(kv_view.extend_lens_cpu) != n_tokens:
+            raise ValueError(f"prefill view covers {sum(kv_view.extend_lens_cpu)} tokens, got {n_tokens}")

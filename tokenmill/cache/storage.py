@@ -1,0 +1,93 @@
+"""KV cache layers 1 and 2.
+
+Layer 1, :class:`KVStorage`: one slot holds the keys and values of one token for every layer.
+It knows nothing about requests.
+
+Layer 2, :class:`ReqToTokenPool`: ``table[row, pos]`` is the slot of token ``pos`` of the request
+that owns ``row``. Rows are handed out and returned; a returned row is cleared so its old contents
+can never leak into the next request that gets it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class KVStorage:
+    """``k_buffer`` / ``v_buffer`` of shape ``[n_layers, n_slots, n_kv_heads, head_dim]``."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_slots: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if min(n_layers, n_slots, n_kv_heads, head_dim) < 1:
+            raise ValueError("KVStorage dimensions must all be >= 1")
+        shape = (n_layers, n_slots, n_kv_heads, head_dim)
+        self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def n_slots(self) -> int:
+        return self.k_buffer.shape[1]
+
+    @staticmethod
+    def bytes_per_slot(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes that one token's keys and values take over all layers."""
+        return 2 * n_layers * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ReqToTokenPool:
+    """int32 table ``[max_rows, max_context_len]`` mapping (request row, position) -> slot.
+
+    ``alloc``/``free`` are thread-safe. Only the row's owner writes into its row. A freed row is
+    zeroed, so a new owner never sees the previous owner's slots.
+    """
+
+    def __init__(self, max_rows: int, max_context_len: int, device: torch.device | str) -> None:
+        if max_rows < 1 or max_context_len < 1:
+            raise ValueError("ReqToTokenPool needs max_rows >= 1 and max_context_len >= 1")
+        self.table = torch.zeros((max_rows, max_context_len), dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    @property
+    def max_rows(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def max_context_len(self) -> int:
+        return self.table.shape[1]
+
+    @property
+    def n_free(self) -> int:
+        with self._lock:
+            return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        """A free row, or None when all rows are taken."""
+        with self._lock:
+            return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        """Clear ``row`` and return it. Freeing a row twice raises."""
+        if not 0 <= row < self.max_rows:
+            raise ValueError(f"row {row} out of range [0, {self.max_rows})")
+        self.table[row].zero_()
+        with self._lock:
+            if row in self._free_rows:
+                raise RuntimeError(f"request row {row} freed twice")
+            self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Record ``slots`` as the slots of positions ``start ..`` of ``row``."""
+        end = start + slots.numel()
+        if end > self.max_context_len:
+            raise ValueError(f"position {end} beyond max_context_len {self.max_context_len}")
+        self.table[row, start:end] = slots.to(self.table.device, torch.int32)

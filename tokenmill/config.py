@@ -1,0 +1,119 @@
+"""EngineConfig: every tunable of the engine and every constant, in one place.
+
+Sizes that depend on the model or the device (number of KV slots, dtype, device) are resolved
+once at engine start by :meth:`EngineConfig.resolved_device` / :meth:`resolved_dtype` and the
+cache manager's sizing; everything else is read as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. All fields can be passed as keyword arguments to ``LLM(...)``."""
+
+    model: str | None = None
+    """Path to a Hugging Face checkpoint folder; None means the bundled default model."""
+    dtype: str = "auto"
+    """"auto" (fp32 on CPU, the checkpoint's dtype on GPU), "float32", "bfloat16" or "float16"."""
+    device: str = "auto"
+    """"auto" (cuda if available, else cpu), or any torch device string."""
+    seed: int = 0
+    """Seed of the engine's default random generator (requests without a seed)."""
+
+    # KV cache sizing
+    page_size: int = 1
+    """Slots per KV page (power of two, 1..256). 1 = token-level allocation."""
+    num_kv_slots: int | None = None
+    """Exact number of KV slots; overrides the memory budget below when set."""
+    kv_cache_memory: int | None = None
+    """KV cache budget in bytes; when None, ``kv_cache_memory_fraction`` of free memory is used."""
+    kv_cache_memory_fraction: float = 0.5
+    """Fraction of free device memory (after weights) given to the KV cache when no byte budget."""
+    max_kv_slots: int = 4_000_000
+    """Upper bound on slots derived from a memory budget (keeps CPU allocations sane)."""
+    enable_prefix_caching: bool = True
+    """Share full KV pages between requests with identical prefixes (radix cache)."""
+
+    # Batching
+    max_running_requests: int = 128
+    """Rows in the request-to-token table: the most requests running at once."""
+    max_context_len: int | None = None
+    """Longest prompt + output; None means the model's limit."""
+    max_num_batched_tokens: int = 2048
+    """Per-step token budget: prefill chunks plus decode tokens in one forward."""
+    max_waiting_requests: int = 4096
+    """Bound on the waiting queue; new requests beyond it are refused."""
+
+    # Attention
+    attention_backend: str = "auto"
+    """"auto" (triton on CUDA, torch elsewhere), "torch" or "triton"; explicit choices are strict."""
+    prefill_q_tile: int = 16
+    """Query rows per tile of the ragged prefill kernel."""
+    max_decode_splits: int = 16
+    """Cap on the number of KV splits per request in the split-KV decode kernel."""
+    decode_split_min_tokens: int = 256
+    """A decode split covers at least this many context tokens."""
+
+    # CUDA graphs
+    cuda_graphs: bool = True
+    """Capture steady-state decode steps in CUDA graphs (GPU only)."""
+    cuda_graph_max_batch: int = 64
+    """Largest decode batch captured in a CUDA graph."""
+
+    # Server-side caps
+    max_n: int = 16
+    max_tokens_cap: int | None = None
+    max_top_logprobs: int = 20
+    max_stop_strings: int = 16
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size > 256 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two in [1, 256], got {self.page_size}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
+            )
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
+        for name in ("max_running_requests", "max_num_batched_tokens", "prefill_q_tile", "max_decode_splits"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_slots is not None and self.num_kv_slots < self.page_size:
+            raise ValueError(f"num_kv_slots must be >= page_size ({self.page_size}), got {self.num_kv_slots}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from keyword arguments, naming any unknown one in the error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """fp32 on CPU for "auto" (bf16 matmuls are ~100x slower there); checkpoint dtype on GPU."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if self.resolved_device().type == "cpu":
+            return torch.float32
+        return checkpoint_dtype or torch.bfloat16

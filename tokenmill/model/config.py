@@ -1,0 +1,185 @@
+"""ModelConfig: the parts of a Hugging Face ``config.json`` that the model code needs.
+
+Supports LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM, in both the
+transformers-4 layout (``rope_theta`` + ``rope_scaling``) and the transformers-5 layout
+(``rope_parameters``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelConfigError(ValueError):
+    """A config.json that tokenmill cannot run; the message names the file and the field."""
+
+
+@dataclass
+class RopeConfig:
+    """Rotary embedding parameters (``rope_type`` one of :data:`ROPE_TYPES`)."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+
+@dataclass
+class ModelConfig:
+    """Architecture hyper-parameters of a decoder-only transformer."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    checkpoint_dtype: torch.dtype | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def max_context_len(self) -> int:
+        """Longest sequence this model computes exactly.
+
+        A model with sliding-window attention is limited to its window: tokenmill does not
+        implement windowed attention, and refusing longer contexts beats attending wrongly.
+        """
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"no config.json in {Path(path)}: not a Hugging Face checkpoint folder")
+        try:
+            raw = json.loads(config_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelConfigError(f"{config_path} is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ModelConfigError(f"{config_path} must hold a JSON object, got {type(raw).__name__}")
+        return cls.from_dict(raw, source=str(config_path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelConfigError(
+                f"{source}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def need(key: str, kind: type = int) -> Any:
+            if key not in raw or raw[key] is None:
+                raise ModelConfigError(f"{source}: missing required field {key!r}")
+            value = raw[key]
+            if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ModelConfigError(f"{source}: {key!r} must be a positive integer, got {value!r}")
+            if kind is float and (not isinstance(value, (int, float)) or value <= 0):
+                raise ModelConfigError(f"{source}: {key!r} must be a positive number, got {value!r}")
+            return value
+
+        hidden = need("hidden_size")
+        num_heads = need("num_attention_heads")
+        num_kv_heads = raw.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads:
+            raise ModelConfigError(
+                f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
+                f"num_key_value_heads ({num_kv_heads})"
+            )
+        head_dim = raw.get("head_dim") or hidden // num_heads
+        if raw.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ModelConfigError(f"{source}: partial_rotary_factor != 1 is not supported")
+        hidden_act = raw.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ModelConfigError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
+
+        is_qwen = arch.startswith("Qwen")
+        sliding = raw.get("sliding_window")
+        if is_qwen and not raw.get("use_sliding_window", False):
+            sliding = None
+        dtype_name = raw.get("torch_dtype") or raw.get("dtype")
+        eos = raw.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=raw.get("max_position_embeddings") or 2048,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=_parse_rope(raw, source),
+            attention_bias=True if arch == "Qwen2ForCausalLM" else bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            sliding_window=sliding,
+            checkpoint_dtype=_TORCH_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        )
+
+
+def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
+    """Read RoPE settings from either ``rope_parameters`` (v5) or ``rope_theta``/``rope_scaling`` (v4)."""
+    params: dict[str, Any] = dict(raw.get("rope_scaling") or {})
+    params.update(raw.get("rope_parameters") or {})
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ModelConfigError(f"{source}: unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    rope = RopeConfig(rope_type=rope_type, theta=float(theta))
+    if rope_type == "default":
+        return rope
+    factor = params.get("factor")
+    if factor is None and rope_type != "yarn":
+        raise ModelConfigError(f"{source}: rope type {rope_type!r} needs a 'factor'")
+    original = params.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+    if original is None and rope_type in ("llama3", "yarn"):
+        original = raw.get("max_position_embeddings")
+    if factor is None:  # yarn without factor: derived from the context extension
+        factor = raw["max_position_embeddings"] / original
+    rope.factor = float(factor)
+    rope.original_max_position_embeddings = original
+    for name in ("low_freq_factor", "high_freq_factor", "attention_factor", "mscale", "mscale_all_dim", "truncate"):
+        if params.get(name) is not None:
+            setattr(rope, name, params[name])
+    for name in ("beta_fast", "beta_slow"):
+        if params.get(name):
+            setattr(rope, name, float(params[name]))
+    return rope

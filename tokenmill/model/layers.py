@@ -1,0 +1,190 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, MLP, attention.
+
+Numerics follow the Hugging Face implementations exactly (normalization in fp32, RoPE in the
+"rotate_half" layout with fp32 frequencies). Projections are fused at load time: ``qkv_proj``
+holds q, k, v stacked on the output dimension and ``gate_up_proj`` holds gate and up.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.attention.base import AttentionBackend
+from tokenmill.cache.views import KVView
+from tokenmill.model.config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for the given positions, for every supported ``rope_type``.
+
+    "dynamic" (NTK) recomputes the base per token from the length of its request in the current
+    forward, as transformers does per forward call; the other types use a fixed ``inv_freq``.
+    """
+
+    def __init__(self, head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope = rope
+        self.max_position_embeddings = max_position_embeddings
+        inv_freq, self.attention_factor = _inv_freq(head_dim, rope)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+
+    @property
+    def is_dynamic(self) -> bool:
+        return self.rope.rope_type == "dynamic"
+
+    def forward(
+        self, positions: torch.Tensor, seq_lens: torch.Tensor | None, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape ``[T, head_dim]``; ``seq_lens`` (per token) only for "dynamic"."""
+        pos = positions.float()[:, None]
+        if self.is_dynamic:
+            assert seq_lens is not None, "dynamic RoPE needs the per-token request length"
+            mpe = self.max_position_embeddings
+            length = torch.clamp(seq_lens.float(), min=mpe)
+            factor = self.rope.factor
+            exponent = self.head_dim / (self.head_dim - 2)
+            base = self.rope.theta * ((factor * length / mpe) - (factor - 1)) ** exponent
+            inv_freq = 1.0 / (base[:, None] ** self.exponents.to(positions.device)[None, :])
+            freqs = pos * inv_freq
+        else:
+            freqs = pos * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+
+
+def _inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention factor (the transformers formulas for each type)."""
+    base_inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = rope.rope_type
+    if kind in ("default", "dynamic"):
+        return base_inv, 1.0
+    if kind == "linear":
+        return base_inv / rope.factor, 1.0
+    if kind == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / base_inv
+        scaled = torch.where(wavelen > low_wavelen, base_inv / rope.factor, base_inv)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(dim, rope)
+    raise ValueError(f"unsupported rope type {kind!r}")
+
+
+def _yarn_inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    factor = rope.factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        original = rope.original_max_position_embeddings
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2).float() / dim)
+    inv_extrapolation = 1.0 / pos_freqs
+    inv_interpolation = 1.0 / (factor * pos_freqs)
+    inv_freq = inv_interpolation * (1 - extrapolation_weight) + inv_extrapolation * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, D]`` in the rotate_half layout."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Attention(nn.Module):
+    """Self-attention with fused q/k/v, optional q/k RMSNorm (qwen3), RoPE, and a pluggable backend."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads = config.num_heads
+        self.n_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size = self.n_heads * self.head_dim
+        kv_size = self.n_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+        kv_view: KVView,
+    ) -> torch.Tensor:
+        n_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(n_tokens, self.n_heads, self.head_dim)
+        k = k.view(n_tokens, self.n_kv_heads, self.head_dim)
+        v = v.view(n_tokens, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), self.layer_id, kv_view)
+        return self.o_proj(out.reshape(n_tokens, self.n_heads * self.head_dim))
