@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default-model"
+"""The small model bundled with tokenmill, used when no model path is given."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -32,6 +36,8 @@ class EngineConfig:
     """"auto" (cuda if available, else cpu), or any torch device string."""
     seed: int = 0
     """Seed of the engine's default random generator (requests without a seed)."""
+    skip_tokenizer_init: bool = False
+    """Run without a tokenizer: prompts must be token ids, outputs carry token ids and no text."""
 
     # KV cache sizing
     page_size: int = 1
@@ -40,9 +46,9 @@ class EngineConfig:
     """Exact number of KV slots; overrides the memory budget below when set."""
     kv_cache_memory: int | None = None
     """KV cache budget in bytes; when None, ``kv_cache_memory_fraction`` of free memory is used."""
-    kv_cache_memory_fraction: float = 0.5
-    """Fraction of free device memory (after weights) given to the KV cache when no byte budget."""
-    max_kv_slots: int = 4_000_000
+    kv_cache_memory_fraction: float | None = None
+    """Fraction of free memory (after weights) for the KV cache; None = 0.85 on GPU, 0.1 on CPU."""
+    max_kv_slots: int = 262_144
     """Upper bound on slots derived from a memory budget (keeps CPU allocations sane)."""
     enable_prefix_caching: bool = True
     """Share full KV pages between requests with identical prefixes (radix cache)."""
@@ -88,7 +94,7 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
             )
-        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+        if self.kv_cache_memory_fraction is not None and not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         for name in ("max_running_requests", "max_num_batched_tokens", "prefill_q_tile", "max_decode_splits"):
             if getattr(self, name) < 1:
@@ -104,6 +110,9 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+    def model_path(self) -> Path:
+        return Path(self.model) if self.model else DEFAULT_MODEL_DIR
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -16,7 +16,12 @@ import torch
 
 
 class KVStorage:
-    """``k_buffer`` / ``v_buffer`` of shape ``[n_layers, n_slots, n_kv_heads, head_dim]``."""
+    """``k_buffer`` / ``v_buffer`` of shape ``[n_layers, n_slots, n_kv_heads, head_dim]``.
+
+    Buffers are allocated uninitialized (untouched memory costs nothing until used): every slot
+    is written before it is read, except slot 0 — the reserved dummy slot that padded or masked
+    reads may touch — which is zeroed so it can never inject NaN into a masked attention.
+    """
 
     def __init__(
         self,
@@ -30,8 +35,10 @@ class KVStorage:
         if min(n_layers, n_slots, n_kv_heads, head_dim) < 1:
             raise ValueError("KVStorage dimensions must all be >= 1")
         shape = (n_layers, n_slots, n_kv_heads, head_dim)
-        self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_buffer = torch.empty(shape, dtype=dtype, device=device)
+        self.v_buffer = torch.empty(shape, dtype=dtype, device=device)
+        self.k_buffer[:, 0].zero_()
+        self.v_buffer[:, 0].zero_()
 
     @property
     def n_slots(self) -> int:

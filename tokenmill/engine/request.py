@@ -1,0 +1,219 @@
+"""Requests and their results: SamplingParams, Request, RequestOutput, CompletionOutput.
+
+Names and defaults follow vLLM so users can switch engines without relearning the API.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the caller (e.g. the client went away)
+    ERROR = "error"  # the engine failed this request; ``CompletionOutput.error`` says why
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation parameters (vLLM names and defaults).
+
+    ``temperature == 0`` is exact greedy argmax. ``top_k <= 0`` disables top-k. ``logprobs=k``
+    returns the chosen token's logprob plus the ``k`` most likely (k=0: only the chosen one),
+    computed from the model's log-softmax before any sampling transform.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return list(self.stop or [])
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the first bad parameter (type or range)."""
+        ints = ("n", "top_k", "min_tokens")
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+        for name in ints:
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in floats:
+            if not _is_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise ValueError(f"{name} must be an integer or None, got {value!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= vocab_size:
+                raise ValueError(f"{name} must be in [0, {vocab_size}], got {value}")
+        if self.stop is not None and (
+            not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop)
+        ):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
+                raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or not 0 <= token < vocab_size:
+                    raise ValueError(f"logit_bias token id {token!r} is outside the vocabulary [0, {vocab_size})")
+                if not _is_number(bias) or not -100 <= bias <= 100:
+                    raise ValueError(f"logit_bias value for token {token} must be in [-100, 100], got {bias!r}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token, with its rank (1 = most likely) under the model."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` completions of a request. In a streamed delta, text/token_ids are the new part."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    weight_versions: list[int] = field(default_factory=list)  # weight version that produced each token
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+def now() -> float:
+    return time.monotonic()
+
+
+def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Fold a streamed delta into the cumulative output of a request (returns the new total)."""
+    if total is None:
+        total = RequestOutput(
+            request_id=delta.request_id,
+            prompt=delta.prompt,
+            prompt_token_ids=delta.prompt_token_ids,
+            outputs=[],
+            finished=False,
+            metrics=delta.metrics,
+            prompt_logprobs=delta.prompt_logprobs,
+            num_cached_tokens=delta.num_cached_tokens,
+        )
+    by_index = {c.index: c for c in total.outputs}
+    for part in delta.outputs:
+        acc = by_index.get(part.index)
+        if acc is None:
+            acc = by_index[part.index] = CompletionOutput(
+                index=part.index, logprobs=[] if part.logprobs is not None else None
+            )
+        acc.text += part.text
+        acc.token_ids += part.token_ids
+        acc.weight_versions += part.weight_versions
+        if part.logprobs is not None and acc.logprobs is not None:
+            acc.logprobs += part.logprobs
+        acc.finish_reason, acc.stop_reason, acc.error = part.finish_reason, part.stop_reason, part.error
+    total.outputs = [by_index[i] for i in sorted(by_index)]
+    total.finished = delta.finished
+    total.metrics = delta.metrics
+    return total

@@ -1,0 +1,70 @@
+"""Sequence: one completion being generated (a request with ``n > 1`` owns ``n`` of them).
+
+The scheduler, cache manager, sampler and detokenizer work on sequences; only the engine thread
+touches them. Cache fields (``row``, ``n_kv``, ``prefix_node``) are owned by the CacheManager.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tokenmill.engine.request import Logprob, SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    index: int = 0
+    group: Any = None  # the engine's per-request state this sequence belongs to
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    wait_for: "Sequence | None" = None  # admitted only once this one's prompt is cached (n > 1)
+    generator: torch.Generator | None = None  # per-request seed; None = the engine's generator
+
+    # owned by the CacheManager
+    row: int | None = None
+    n_kv: int = 0  # positions 0..n_kv-1 have slots in the request-to-token row
+    prefix_node: Any = None  # radix node locked on behalf of this sequence
+    n_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
+    prompt_cached: bool = False  # the prompt's full pages are in the radix cache
+
+    # owned by the scheduler
+    admit_order: int = -1
+    n_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while some known tokens still lack KV beyond the one being decoded."""
+        return self.n_kv < self.n_tokens - 1
