@@ -54,3 +54,12 @@ def save_tiny_model(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
     return model
+
+
+def save_tiny_checkpoint(path: Path, kind: str = "llama", seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+    """A complete checkpoint folder: tiny random model plus the tiny word-level tokenizer."""
+    from tests.tiny_tokenizer import save_tiny_tokenizer
+
+    model = save_tiny_model(path, kind, seed, **overrides)
+    save_tiny_tokenizer(path, vocab_size=model.config.vocab_size)
+    return model

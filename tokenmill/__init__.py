@@ -1,0 +1,9 @@
+"""tokenmill: an LLM inference engine with a token-level paged KV cache and continuous batching."""
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import AsyncEngine, Engine
+from tokenmill.engine.request import CompletionOutput, RequestOutput, SamplingParams
+from tokenmill.llm import LLM
+
+__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__version__ = "0.1.0"

@@ -1,0 +1,206 @@
+"""The engine end to end on a tiny random llama: batching, preemption, chunked prefill, stops,
+sampling parameters through the real loop, intake errors, abort, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import save_tiny_checkpoint
+from tokenmill import LLM, AsyncEngine, SamplingParams
+from tokenmill.engine.request import RequestOutput
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf_model = save_tiny_checkpoint(path, "llama", max_position_embeddings=512)
+    hf_model.generation_config.eos_token_id = None
+    return path, hf_model
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint) -> LLM:
+    engine = LLM(model=str(checkpoint[0]), num_kv_slots=2048, max_num_batched_tokens=128)
+    yield engine
+    engine.shutdown()
+
+
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_batch_with_preemption_and_chunking_equals_alone_and_transformers(checkpoint) -> None:
+    path, hf_model = checkpoint
+    rng = random.Random(0)
+    lengths = [3, 300] + [rng.randint(3, 300) for _ in range(18)]
+    prompts = [[rng.randrange(4, 97) for _ in range(n)] for n in lengths]
+    max_tokens = [1, 64] + [rng.randint(1, 64) for _ in range(18)]
+    params = [SamplingParams(max_tokens=m, **GREEDY) for m in max_tokens]
+    llm = LLM(model=str(path), num_kv_slots=1024, max_num_batched_tokens=96, page_size=4)
+    try:
+        batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.engine.stats()
+        alone = [llm.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    finally:
+        llm.shutdown()
+    assert stats["scheduler"]["preemptions"] > 0
+    assert stats["scheduler"]["chunked_prefills"] > 0
+    assert stats["scheduler"]["mixed_steps"] > 0
+    assert stats["scheduler"]["max_batch_tokens"] <= 96
+    assert [len(b) for b in batched] == max_tokens
+    assert batched == alone
+    for prompt, m, ours in zip(prompts, max_tokens, batched):
+        assert ours == hf_greedy(hf_model, prompt, m)
+
+
+def test_pool_returns_to_baseline_and_rows_are_free(llm: LLM) -> None:
+    llm.generate([[5, 6, 7, 8]] * 3, SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats["running"] == stats["waiting"] == stats["active_requests"] == 0
+    assert stats["free_rows"] == llm.engine.config.max_running_requests
+    used = stats["kv_capacity_pages"] - stats["kv_free_pages"]
+    assert used == stats["kv_cached_pages"]  # only the prefix cache holds pages
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(n=0), "n"),
+        (dict(temperature="hot"), "temperature"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(logit_bias={1000: 1.0}), "logit_bias"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
+def test_bad_parameters_are_rejected_and_engine_keeps_serving(llm: LLM, kwargs: dict, param: str) -> None:
+    with pytest.raises(ValueError, match=param):
+        llm.generate(["hello world"], SamplingParams(**kwargs), use_tqdm=False)
+    out = llm.generate(["hello world"], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_bad_prompts_are_rejected_before_anything_runs(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([[]], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt \(600 tokens\) \+ max_tokens \(16\) = 616 exceeds"):
+        llm.generate([[5] * 600], use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[5, 5000]], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt must be a string or a list of token ids"):
+        llm.generate([3.5], use_tqdm=False)
+    before = llm.engine.stats()
+    with pytest.raises(ValueError, match="max_tokens"):  # second prompt bad: first must not run either
+        llm.generate(["hello", "world"], [SamplingParams(), SamplingParams(max_tokens=-1)], use_tqdm=False)
+    assert llm.engine.stats()["scheduler"]["steps"] == before["scheduler"]["steps"]
+
+
+def test_stop_strings_cut_text_exactly(llm: LLM) -> None:
+    prompt = [7, 8, 9, 10, 11]
+    full = llm.generate([prompt], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0].outputs[0]
+    words = full.text.split()
+    assert len(words) >= 6
+    # a stop string spanning the boundary between the 3rd and 4th generated words
+    stop = f"{words[2][-1:]} {words[3][:1]}"
+    cut = full.text.index(stop)
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, stop=[stop], **GREEDY), use_tqdm=False)[0].outputs[0]
+    assert out.text == full.text[:cut]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    kept = llm.generate(
+        [prompt], SamplingParams(max_tokens=12, stop=stop, include_stop_str_in_output=True, **GREEDY), use_tqdm=False
+    )[0].outputs[0]
+    assert kept.text == full.text[: cut + len(stop)]
+    # generation stops at the first token whose text completes the stop string
+    completes = min(k for k in range(1, len(words) + 1) if stop in " " + " ".join(words[:k]))
+    assert out.token_ids == full.token_ids[:completes]
+
+
+def test_streaming_deltas_concatenate_to_the_full_output(llm: LLM, checkpoint) -> None:
+    prompt = [7, 8, 9, 10, 11]
+    full = llm.generate([prompt], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0].outputs[0]
+    words = full.text.split()
+    stop = f"{words[4]} {words[5][:1]}"
+    expected = full.text[: full.text.index(stop)]
+
+    async def stream() -> list[RequestOutput]:
+        engine = AsyncEngine(llm.engine)
+        return [d async for d in engine.generate(prompt, SamplingParams(max_tokens=12, stop=stop, **GREEDY))]
+
+    deltas = asyncio.run(stream())
+    assert len(deltas) >= 3
+    assert "".join(d.outputs[0].text for d in deltas if d.outputs) == expected
+    assert all(not stop.startswith(d.outputs[0].text) or not d.outputs[0].text for d in deltas[:-1] if d.outputs)
+    assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "stop"
+
+
+def test_n_completions_compute_the_prompt_once(llm: LLM) -> None:
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+    before = llm.engine.stats()["scheduler"]["prompt_tokens_computed"]
+    out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0]
+    computed = llm.engine.stats()["scheduler"]["prompt_tokens_computed"] - before
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 6 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert computed == len(prompt) + 3  # siblings reuse the cached prompt, recomputing only its last token
+
+
+def test_seed_is_reproducible_whatever_the_batch(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    noise = [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)] * 3
+    mixed = llm.generate([[9, 9, 9, 9], [5, 6, 7], [20, 21], [30]], [noise[0], seeded, noise[1], noise[2]],
+                         use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone
+    other = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=4321, max_tokens=10, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    assert other != alone
+
+
+def test_logit_bias_and_logprobs_through_the_engine(llm: LLM) -> None:
+    out = llm.generate([[5, 6]], SamplingParams(max_tokens=4, temperature=0.8, logit_bias={42: 100.0}, logprobs=2,
+                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [42] * 4
+    assert len(out.logprobs) == 4 and all(42 in lp and len(lp) <= 3 for lp in out.logprobs)
+
+
+def test_abort_mid_decode_releases_pages(checkpoint) -> None:
+    llm = LLM(model=str(checkpoint[0]), num_kv_slots=2048, enable_prefix_caching=False)
+    engine = llm.engine
+    try:
+        got_tokens = threading.Event()
+        finished = threading.Event()
+        final: list[RequestOutput] = []
+
+        def on_output(delta: RequestOutput) -> None:
+            if delta.outputs and delta.outputs[0].token_ids:
+                got_tokens.set()
+            if delta.finished:
+                final.append(delta)
+                finished.set()
+
+        rid = engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=400, **GREEDY), on_output)
+        assert got_tokens.wait(30)
+        engine.abort(rid)
+        assert finished.wait(30)
+        assert final[0].outputs[0].finish_reason == "abort"
+        stats = engine.stats()
+        assert stats["kv_free_pages"] == stats["kv_capacity_pages"]
+        assert stats["free_rows"] == engine.config.max_running_requests
+    finally:
+        llm.shutdown()

@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, throughput runs and side-by-side comparisons."""

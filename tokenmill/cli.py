@@ -1,0 +1,134 @@
+"""Command line: ``tokenmill generate | chat | serve | bench``.
+
+Every :class:`~tokenmill.config.EngineConfig` field is also an option (``--max-running-requests``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+import types
+import typing
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.request import SamplingParams
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        kind = hints[f.name]
+        if isinstance(kind, types.UnionType):  # X | None
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        flag = "--" + f.name.replace("_", "-")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            group.add_argument(flag, type=kind, default=None, metavar=kind.__name__.upper())
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from the options given on the command line (others keep their defaults)."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in given.items() if v is not None})
+
+
+def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop,
+    )
+
+
+async def _stream(engine: Any, prompt: str | list[int], params: SamplingParams) -> str:
+    from tokenmill.engine.engine import AsyncEngine
+
+    text = []
+    async for delta in AsyncEngine(engine).generate(prompt, params):
+        for out in delta.outputs:
+            print(out.text, end="", flush=True)
+            text.append(out.text)
+            if out.error:
+                raise RuntimeError(out.error)
+    print(flush=True)
+    return "".join(text)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tokenmill.engine.engine import Engine
+
+    engine = Engine(engine_config(args))
+    try:
+        print(args.prompt, end="", flush=True)
+        asyncio.run(_stream(engine, args.prompt, _sampling_params(args)))
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from tokenmill.engine.engine import Engine
+
+    engine = Engine(engine_config(args))
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    turns = [args.message] if args.message else None
+    try:
+        while True:
+            if turns is not None:
+                if not turns:
+                    return 0
+                user = turns.pop(0)
+            else:
+                try:
+                    user = input("> ")
+                except EOFError:
+                    return 0
+            messages.append({"role": "user", "content": user})
+            prompt = engine.tokenizer.apply_chat_template(messages)
+            reply = asyncio.run(_stream(engine, prompt, _sampling_params(args)))
+            messages.append({"role": "assistant", "content": reply})
+    finally:
+        engine.shutdown()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt, streaming to stdout")
+    gen.add_argument("prompt")
+    _add_sampling_options(gen)
+    _add_engine_options(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat with the model (interactive, or --message for one turn)")
+    chat.add_argument("--message", action="append", default=None, help="a user turn (repeatable); else stdin")
+    chat.add_argument("--system", default=None)
+    _add_sampling_options(chat)
+    _add_engine_options(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

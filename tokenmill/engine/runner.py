@@ -1,0 +1,61 @@
+"""ModelRunner: StepPlan -> flat batch tensors + KV view -> model -> logits of the sampled rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.cache.manager import CacheManager
+from tokenmill.cache.views import KVView
+from tokenmill.engine.scheduler import StepPlan
+from tokenmill.model.transformer import CausalLM
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    kv_view: KVView
+    logits_indices: torch.Tensor  # [n_sampled] rows of the flat batch that need logits
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: CacheManager, device: torch.device) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+
+    def prepare(self, plan: StepPlan) -> ForwardBatch:
+        """Pack the plan's tokens in batch order (decode first, then prefill chunks)."""
+        device = self.device
+        if plan.is_pure_decode:
+            view = self.cache.bind_decode(plan.decode, plan.decode_slots)
+            input_ids = torch.tensor([s.all_token_ids[s.n_kv - 1] for s in plan.decode], device=device)
+            positions = view.seq_lens - 1
+            return ForwardBatch(input_ids, positions, view, torch.arange(len(plan.decode), device=device))
+
+        seqs = plan.decode + [s for s, _ in plan.prefill]
+        extend_lens = [1] * len(plan.decode) + [n for _, n in plan.prefill]
+        ids: list[int] = []
+        pos: list[int] = []
+        logits_rows: list[int] = []
+        for seq, n in zip(seqs, extend_lens):
+            start = seq.n_kv - n
+            ids.extend(seq.all_token_ids[start : seq.n_kv])
+            pos.extend(range(start, seq.n_kv))
+            if seq.n_kv == seq.n_tokens:
+                logits_rows.append(len(ids) - 1)
+        parts = ([plan.decode_slots] if plan.decode else []) + plan.prefill_slots
+        view = self.cache.bind_prefill(seqs, extend_lens, torch.cat(parts))
+        return ForwardBatch(
+            torch.tensor(ids, device=device),
+            torch.tensor(pos, device=device),
+            view,
+            torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        )
+
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Logits ``[len(plan.sample_seqs), vocab]`` in ``plan.sample_seqs`` order."""
+        batch = self.prepare(plan)
+        return self.model(batch.input_ids, batch.positions, batch.kv_view, batch.logits_indices)

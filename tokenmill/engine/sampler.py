@@ -1,0 +1,270 @@
+"""Batched next-token sampling with vLLM semantics.
+
+Per step, for each sequence (one row of ``logits``), in this order:
+
+1. ``logit_bias`` is added; while ``min_tokens`` is unmet, EOS ids (unless ``ignore_eos``) and
+   ``stop_token_ids`` are set to ``-inf``.
+2. Repetition / frequency / presence penalties (:func:`apply_penalties`), using per-row token
+   counts that the sampler maintains incrementally across steps.
+3. ``temperature == 0``: exact argmax. Otherwise: divide by the temperature, drop tokens under
+   ``min_p * max prob``, keep the ``top_k`` largest, keep the ``top_p`` nucleus (computed on the
+   distribution left after min-p and top-k), then draw with the exponential race
+   ``argmax(probs / Exp(1))`` using the sequence's own generator if it has one.
+
+Logprobs come from ``log_softmax`` of the raw model logits, before any of the above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.engine.request import Logprob
+from tokenmill.engine.sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    """``token_ids[i]`` and ``logprobs[i]`` belong to ``seqs[i]``; ``logprobs[i]`` is None unless
+    that sequence asked for logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
+    """Return a penalized copy of ``logits`` ``[N, V]``; the inputs are not modified.
+
+    ``prompt_mask`` ``[N, V]`` (bool) marks tokens in each row's prompt and ``output_counts``
+    ``[N, V]`` counts them in its output. Per row ``i`` with penalties ``repetition[i]``,
+    ``frequency[i]``, ``presence[i]`` (each ``[N]``):
+    a token seen in the prompt or output becomes ``l / r`` if ``l > 0`` else ``l * r``; then
+    ``f * count`` and ``p * (count > 0)`` are subtracted.
+    """
+    counts = output_counts.to(logits.dtype)
+    in_output = output_counts > 0
+    scale = torch.where(prompt_mask | in_output, repetition[:, None].to(logits.dtype), 1.0)
+    penalized = torch.where(logits > 0, logits / scale, logits * scale)
+    return penalized - frequency[:, None] * counts - presence[:, None] * in_output.to(logits.dtype)
+
+
+def _filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Return ``logits`` ``[R, V]`` with tokens outside min-p / top-k / top-p set to ``-inf``.
+
+    ``top_k[i] <= 0``, ``top_p[i] == 1`` and ``min_p[i] == 0`` disable the filter for row ``i``.
+    One sort serves all three filters; the most likely token always survives.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    drop = probs < min_p[:, None] * probs[:, :1]
+    positions = torch.arange(vocab, device=logits.device)
+    drop |= (top_k[:, None] > 0) & (positions[None, :] >= top_k[:, None])
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 for the top token
+    drop |= (top_p[:, None] < 1.0) & (mass_before >= top_p[:, None])
+    kept = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(-1, order, kept)
+
+
+class Sampler:
+    """Chooses the next token of each sequence in a batch (see the module docstring).
+
+    ``sample`` never modifies the caller's ``logits``: the general path works on an fp32 copy and
+    the all-greedy fast path only reads them.
+
+    Penalty state: ``output_counts`` (int32) and ``prompt_mask`` (bool), both ``[max_rows, V]``,
+    allocated on the first penalized sequence. Row ``r`` describes the sequence whose ``seq_id``
+    owns it and the first ``n`` of its output tokens. A penalized sequence whose row is owned by
+    another sequence (recycled row, preempted sequence back in a new row) or whose output length
+    differs from what was counted gets its row rebuilt from its prompt and output; after sampling,
+    the chosen token is counted, on the assumption that the caller appends it to
+    ``output_token_ids`` before the next ``sample`` (otherwise the row is rebuilt then).
+    """
+
+    def __init__(self, vocab_size: int, max_rows: int, device: torch.device, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.max_rows = max_rows
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed)
+        self.output_counts: torch.Tensor | None = None
+        self.prompt_mask: torch.Tensor | None = None
+        self._owner: list[int | None] = [None] * max_rows
+        self._n_counted: list[int] = [0] * max_rows
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> SampleResult:
+        """Pick one token per sequence from ``logits`` ``[len(seqs), V]`` (any float dtype).
+
+        Penalized sequences must have ``row`` set. Draws for a sequence with ``generator`` use only
+        that generator; other random sequences share the sampler's generator.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(seqs) or logits.shape[1] != self.vocab_size:
+            raise ValueError(f"logits must be [{len(seqs)}, {self.vocab_size}], got {list(logits.shape)}")
+        banned = [_banned_ids(seq, eos_token_ids) for seq in seqs]
+        penalized = [seq for seq in seqs if seq.params.uses_penalties]
+        wants_logprobs = any(seq.params.logprobs is not None for seq in seqs)
+        if (
+            all(seq.params.is_greedy and not seq.params.logit_bias for seq in seqs)
+            and not penalized
+            and not any(banned)
+            and not wants_logprobs
+        ):
+            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
+
+        work = logits.to(dtype=torch.float32, copy=True)
+        self._apply_bias_and_bans(work, seqs, banned)
+        if penalized:
+            self._apply_penalties(work, seqs)
+        tokens = work.argmax(dim=-1)
+        random_rows = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
+        if random_rows:
+            index = torch.tensor(random_rows, device=work.device)
+            tokens[index] = self._sample_random(work[index], [seqs[i] for i in random_rows])
+        token_ids = tokens.tolist()
+        if penalized:
+            self._count_chosen(seqs, token_ids)
+        logprobs = _logprobs(logits, seqs, token_ids) if wants_logprobs else [None] * len(seqs)
+        return SampleResult(token_ids, logprobs)
+
+    def _apply_bias_and_bans(self, work: torch.Tensor, seqs: list[Sequence], banned: list[set[int]]) -> None:
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
+        for i, seq in enumerate(seqs):
+            for token, bias in (seq.params.logit_bias or {}).items():
+                rows.append(i)
+                cols.append(token)
+                values.append(float(bias))
+        if rows:
+            index = (torch.tensor(rows, device=work.device), torch.tensor(cols, device=work.device))
+            work.index_put_(index, torch.tensor(values, device=work.device), accumulate=True)
+        ban_rows = [i for i, ids in enumerate(banned) for _ in ids]
+        if ban_rows:
+            ban_cols = [token for ids in banned for token in ids]
+            index = (torch.tensor(ban_rows, device=work.device), torch.tensor(ban_cols, device=work.device))
+            work.index_put_(index, torch.tensor(float("-inf"), device=work.device))
+
+    def _apply_penalties(self, work: torch.Tensor, seqs: list[Sequence]) -> None:
+        batch_rows = [i for i, seq in enumerate(seqs) if seq.params.uses_penalties]
+        penalized = [seqs[i] for i in batch_rows]
+        state_rows = torch.tensor(self._sync_rows(penalized), device=self.device)
+        assert self.output_counts is not None and self.prompt_mask is not None
+        index = torch.tensor(batch_rows, device=work.device)
+        work[index] = apply_penalties(
+            work[index],
+            self.prompt_mask[state_rows].to(work.device),
+            self.output_counts[state_rows].to(work.device),
+            torch.tensor([s.params.repetition_penalty for s in penalized], device=work.device),
+            torch.tensor([s.params.frequency_penalty for s in penalized], device=work.device),
+            torch.tensor([s.params.presence_penalty for s in penalized], device=work.device),
+        )
+
+    def _sync_rows(self, seqs: list[Sequence]) -> list[int]:
+        """Make each sequence's state row describe it (rebuilding stale rows); return the rows."""
+        if self.output_counts is None:
+            self.output_counts = torch.zeros(self.max_rows, self.vocab_size, dtype=torch.int32, device=self.device)
+            self.prompt_mask = torch.zeros(self.max_rows, self.vocab_size, dtype=torch.bool, device=self.device)
+        assert self.prompt_mask is not None
+        rows = []
+        for seq in seqs:
+            row = seq.row
+            if row is None or not 0 <= row < self.max_rows:
+                raise ValueError(f"sequence {seq.seq_id} uses penalties but has row {row!r}")
+            if self._owner[row] != seq.seq_id or self._n_counted[row] != len(seq.output_token_ids):
+                prompt = torch.tensor(seq.prompt_token_ids, dtype=torch.int64, device=self.device)
+                output = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=self.device)
+                self.prompt_mask[row].zero_()
+                self.prompt_mask[row, prompt] = True
+                self.output_counts[row] = torch.bincount(output, minlength=self.vocab_size)
+                self._owner[row] = seq.seq_id
+                self._n_counted[row] = len(seq.output_token_ids)
+            rows.append(row)
+        return rows
+
+    def _count_chosen(self, seqs: list[Sequence], token_ids: list[int]) -> None:
+        assert self.output_counts is not None
+        rows: list[int] = []
+        chosen: list[int] = []
+        for seq, token in zip(seqs, token_ids):
+            if seq.params.uses_penalties:
+                assert seq.row is not None
+                rows.append(seq.row)
+                chosen.append(token)
+                self._n_counted[seq.row] = len(seq.output_token_ids) + 1
+        index = (torch.tensor(rows, device=self.device), torch.tensor(chosen, device=self.device))
+        self.output_counts.index_put_(index, torch.ones(len(rows), dtype=torch.int32, device=self.device), accumulate=True)
+
+    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Draw one token per row of ``logits`` ``[R, V]`` (modified in place) for non-greedy ``seqs``."""
+        device = logits.device
+        logits.div_(torch.tensor([s.params.temperature for s in seqs], device=device)[:, None])
+        if any(s.params.top_k > 0 or s.params.top_p < 1.0 or s.params.min_p > 0.0 for s in seqs):
+            logits = _filter_logits(
+                logits,
+                torch.tensor([s.params.top_k for s in seqs], device=device),
+                torch.tensor([s.params.top_p for s in seqs], device=device),
+                torch.tensor([s.params.min_p for s in seqs], device=device),
+            )
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        shared = [j for j, s in enumerate(seqs) if s.generator is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1], device=device).exponential_(
+                generator=self._generator
+            )
+        for j, seq in enumerate(seqs):
+            if seq.generator is not None:
+                noise[j].exponential_(generator=seq.generator)
+        return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
+def _banned_ids(seq: Sequence, eos_token_ids: set[int]) -> set[int]:
+    """Token ids forbidden for ``seq`` this step: stop tokens (and EOS) while min_tokens is unmet."""
+    params = seq.params
+    if len(seq.output_token_ids) >= params.min_tokens:
+        return set()
+    banned = set(params.stop_token_ids or [])
+    if not params.ignore_eos:
+        banned |= eos_token_ids
+    return banned
+
+
+def _logprobs(
+    raw_logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]
+) -> list[dict[int, Logprob] | None]:
+    """Chosen token plus the top ``params.logprobs`` tokens of the raw distribution, per sequence.
+
+    A token's rank is 1 + the number of tokens with a strictly larger logprob (ties share a rank).
+    The chosen token comes first in each dict.
+    """
+    rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    index = torch.tensor(rows, device=raw_logits.device)
+    logprobs = torch.log_softmax(raw_logits[index].float(), dim=-1)
+    chosen = torch.tensor([token_ids[i] for i in rows], device=logprobs.device)
+    chosen_lp = logprobs.gather(1, chosen[:, None])
+    chosen_rank = (logprobs > chosen_lp).sum(dim=-1) + 1
+    k_max = max(seqs[i].params.logprobs or 0 for i in rows)
+    top_lp, top_ids = logprobs.topk(k_max, dim=-1)
+    top_rank = torch.searchsorted(-top_lp, -top_lp, side="left") + 1
+
+    result: list[dict[int, Logprob] | None] = [None] * len(seqs)
+    chosen_lp_list, chosen_rank_list = chosen_lp[:, 0].tolist(), chosen_rank.tolist()
+    top_lp_list, top_ids_list, top_rank_list = top_lp.tolist(), top_ids.tolist(), top_rank.tolist()
+    for j, i in enumerate(rows):
+        k = seqs[i].params.logprobs or 0
+        entry = {token_ids[i]: Logprob(chosen_lp_list[j], chosen_rank_list[j])}
+        for token, value, rank in zip(top_ids_list[j][:k], top_lp_list[j][:k], top_rank_list[j][:k]):
+            entry.setdefault(token, Logprob(value, rank))
+        result[i] = entry
+    return result

@@ -1,0 +1,111 @@
+"""LLM: the offline batch API, with vLLM's names (``LLM(model=...).generate(prompts, params)``)."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from tqdm import tqdm
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import Engine
+from tokenmill.engine.request import RequestOutput, SamplingParams, accumulate
+
+Prompt = str | list[int] | dict[str, Any]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Runs batches of prompts to completion. ``LLM(model=None)`` uses the bundled default model.
+
+    Keyword arguments are :class:`~tokenmill.config.EngineConfig` fields.
+    """
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.engine = Engine(EngineConfig.from_kwargs(model=model, **engine_options))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer.hf
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; outputs in input order.
+
+        ``prompts``: a string, a list of token ids, ``{"prompt_token_ids": [...]}`` or
+        ``{"prompt": "..."}``, or a list of those. All prompts are validated before any runs, so a
+        bad one raises ValueError without leaving others half done.
+        """
+        batch = _as_batch(prompts)
+        params = _params_for(batch, sampling_params)
+        return self._run(batch, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations (the chat template)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        batch: list[Prompt] = [
+            tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools)
+            for conv in conversations
+        ]
+        return self._run(batch, _params_for(batch, sampling_params), use_tqdm)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def _run(self, batch: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        prompts = [_prompt_value(p) for p in batch]
+        for prompt, p in zip(prompts, params):  # validate everything before queueing anything
+            engine.validate(prompt, p)
+        deltas: queue.Queue[RequestOutput] = queue.Queue()
+        ids = [engine.add_request(prompt, p, deltas.put) for prompt, p in zip(prompts, params)]
+        totals: dict[str, RequestOutput] = {}
+        done = 0
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while done < len(ids):
+                delta = deltas.get()
+                totals[delta.request_id] = accumulate(totals.get(delta.request_id), delta)
+                if delta.finished:
+                    done += 1
+                    bar.update(1)
+        return [totals[i] for i in ids]
+
+
+def _as_batch(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _prompt_value(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    return prompt
+
+
+def _params_for(batch: list[Prompt], params: SamplingParams | list[SamplingParams] | None) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in batch]
+    if isinstance(params, SamplingParams):
+        return [params] * len(batch)
+    if len(params) != len(batch):
+        raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
+    return list(params)
