@@ -25,6 +25,8 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         if isinstance(kind, types.UnionType):  # X | None
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
         flag = "--" + f.name.replace("_", "-")
+        if flag in parser._option_string_actions:  # a sampling option of the same name (--seed) serves both
+            continue
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
         else:
@@ -33,7 +35,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the options given on the command line (others keep their defaults)."""
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in given.items() if v is not None})
 
 
@@ -106,6 +108,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
         engine.shutdown()
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.server.app import run_server
+
+    run_server(
+        engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
+        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(chat)
     _add_engine_options(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="model name clients send (default: folder name)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or x-api-key)")
+    serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    _add_engine_options(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 
