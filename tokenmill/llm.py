@@ -61,6 +61,14 @@ class LLM:
         ]
         return self._run(batch, _params_for(batch, sampling_params), use_tqdm)
 
+    def update_weights(self, weights: Any, **kwargs: Any) -> int:
+        """Push new weights (see :meth:`tokenmill.Engine.update_weights`); returns the new version."""
+        return self.engine.update_weights(weights, **kwargs)
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

@@ -8,6 +8,10 @@ Steady-state decode: when a decode step has exactly the same sequences in the sa
 previous decode step, each one token longer, the previous view's tensors are advanced in place.
 The guard is a signature of (seq_id, row) pairs, and any alloc/free/reset clears it, so a row
 recycled to a new sequence can never replay its previous occupant's positions or slots.
+
+Epochs: ``reset_prefix_cache`` (e.g. after a weight update) starts a new epoch; a sequence
+admitted in an older epoch never inserts its KV into the radix cache, so no later request can
+reuse KV computed under old weights.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class CacheManager:
         self.allocator = PageAllocator(storage.n_slots // self.page_size, self.page_size)
         self.radix = RadixCache(self.allocator) if config.enable_prefix_caching else None
         self.stats = CacheStats()
+        self.epoch = 0
         device = storage.k_buffer.device
         rows, splits = req_pool.max_rows, config.max_decode_splits
         self.partial_out = torch.zeros((rows, n_heads, splits, head_dim), dtype=torch.float32, device=device)
@@ -91,7 +96,7 @@ class CacheManager:
         if row is None:
             return False
         self._last_decode = None
-        seq.row, seq.n_kv, seq.n_cached_tokens = row, 0, 0
+        seq.row, seq.n_kv, seq.n_cached_tokens, seq.cache_epoch = row, 0, 0, self.epoch
         if self.radix is not None:
             tokens = seq.all_token_ids[:-1]
             match = self.radix.match_prefix(tokens)
@@ -157,7 +162,7 @@ class CacheManager:
         Where the tree already holds identical pages (computed by another sequence), ``seq``
         switches to the tree's pages and releases its duplicates.
         """
-        if self.radix is None or seq.row is None:
+        if self.radix is None or seq.row is None or seq.cache_epoch != self.epoch:
             return
         n_full = seq.n_kv // self.page_size * self.page_size
         if n_full == 0:
@@ -187,7 +192,7 @@ class CacheManager:
         n_full = seq.n_kv // self.page_size * self.page_size
         pages = self._row_pages(seq.row, seq.n_kv)
         if self.radix is not None:
-            if cache_pages and n_full:
+            if cache_pages and n_full and seq.cache_epoch == self.epoch:
                 self.radix.insert(seq.all_token_ids[:n_full], pages[: n_full // self.page_size])
             if seq.prefix_node is not None:
                 self.radix.unlock(seq.prefix_node)
@@ -200,6 +205,7 @@ class CacheManager:
         """Forget every cached prefix (e.g. after a weight update). Running sequences keep theirs."""
         if self.radix is not None:
             self.radix.reset()
+        self.epoch += 1
         self._last_decode = None
 
     # ----------------------------------------------------------------- views

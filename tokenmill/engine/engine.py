@@ -41,6 +41,7 @@ from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler, StepPlan
 from tokenmill.engine.sequence import Sequence, SeqStatus
+from tokenmill.engine.weight_update import WeightsSource, apply_update, plan_update
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.loader import load_model
 from tokenmill.tokenizer import Tokenizer
@@ -171,6 +172,53 @@ class Engine:
 
         self._commands.put(run)
         return future.result(timeout)
+
+    def update_weights(
+        self,
+        weights: WeightsSource,
+        *,
+        version: int | None = None,
+        flush_cache: bool = True,
+        abort_running: bool = False,
+    ) -> int:
+        """Replace model weights between steps; returns the new weight version.
+
+        ``weights``: ``(name, tensor)`` pairs with Hugging Face names (partial updates allowed)
+        or a safetensors checkpoint folder. Everything is validated first: an invalid update
+        raises :class:`~tokenmill.model.loader.WeightError` and leaves the engine exactly as it
+        was. In-flight requests keep running (each token is tagged with the version that
+        produced it) unless ``abort_running``; ``flush_cache`` drops the prefix cache so no later
+        request reuses KV computed under the old weights. ``version`` defaults to current + 1 and
+        must increase.
+        """
+        self._check_alive()
+        planned = plan_update(self.model, weights)
+
+        def apply() -> int:
+            new_version = self.weight_version + 1 if version is None else version
+            if new_version <= self.weight_version:
+                raise ValueError(f"version must increase: {new_version} <= current {self.weight_version}")
+            if abort_running:
+                for state in list(self._requests.values()):
+                    self._abort(state.request_id)
+            apply_update(self.model, planned)
+            if flush_cache:
+                self.cache.reset_prefix_cache()
+            self.weight_version = new_version
+            return new_version
+
+        return self.call(apply)
+
+    def pause_generation(self) -> None:
+        """Stop scheduling steps (requests stay queued/running) until :meth:`resume_generation`."""
+        self.call(lambda: setattr(self, "_paused", True))
+
+    def resume_generation(self) -> None:
+        self.call(lambda: setattr(self, "_paused", False))
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     def stats(self) -> dict[str, Any]:
         """A consistent snapshot of scheduler, cache and request counters."""

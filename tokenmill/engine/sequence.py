@@ -47,6 +47,7 @@ class Sequence:
     prefix_node: Any = None  # radix node locked on behalf of this sequence
     n_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
     prompt_cached: bool = False  # the prompt's full pages are in the radix cache
+    cache_epoch: int = -1  # the prefix-cache epoch its KV was computed in (see CacheManager.epoch)
 
     # owned by the scheduler
     admit_order: int = -1

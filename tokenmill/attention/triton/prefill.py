@@ -1,0 +1,116 @@
+"""Ragged paged prefill (extend) attention with a causal mask offset by each request's cached prefix.
+
+Grid ``(n_tiles, n_heads)``: program ``(t, h)`` takes query rows
+``tile_q_start[t] .. tile_q_start[t] + q_tile - 1`` (clipped to the request's extend length) of
+request ``tile_req[t]`` for query head ``h``, padded to a ``BLOCK_M >= 16`` tile. Query row ``j``
+sits at absolute position ``prefix_lens[r] + j`` and attends to positions ``0 ..`` that position,
+read in ``BLOCK_N`` chunks through ``req_to_token[req_pool_indices[r]]`` (the cached prefix and
+this step's tokens, which the store kernel has already written). Online softmax in fp32 (exp2);
+GQA by indexing KV head ``h // group``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.attention.triton.common import BLOCK_N, LOG2E, dot_block, dot_precision
+from tokenmill.cache.views import PrefillKVCache
+
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
+    req_to_token_ptr, req_pool_ptr, prefix_lens_ptr, extend_lens_ptr, qo_indptr_ptr, tile_req_ptr, tile_q_start_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kcs, stride_kch, stride_vcs, stride_vch,
+    stride_rt,
+    qk_scale, q_tile,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    req = tl.load(tile_req_ptr + tile)
+    q_start = tl.load(tile_q_start_ptr + tile)
+    prefix = tl.load(prefix_lens_ptr + req).to(tl.int32)
+    q_end = tl.minimum(q_start + q_tile, tl.load(extend_lens_ptr + req).to(tl.int32))
+    first_row = tl.load(qo_indptr_ptr + req)
+    table = req_to_token_ptr + tl.load(req_pool_ptr + req).to(tl.int64) * stride_rt
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_idx = q_start + offs_m
+    mask_m = q_idx < q_end
+    mask_d = offs_d < HEAD_DIM
+    q_pos = prefix + q_idx
+    rows = (first_row + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :], other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_end = prefix + q_end
+    for n0 in range(0, kv_end, BLOCK_N):
+        pos = n0 + offs_n
+        mask_n = pos < kv_end
+        slots = tl.load(table + pos, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(  # [BLOCK_D, BLOCK_N]: K^T straight from the cache
+            k_cache_ptr + slots[None, :] * stride_kcs + kvh * stride_kch + offs_d[:, None],
+            mask=mask_d[:, None] & mask_n[None, :], other=0.0,
+        )
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(mask_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row sees position 0 in the first chunk
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + slots[:, None] * stride_vcs + kvh * stride_vch + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :], other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(
+        o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :],
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: PrefillKVCache, scale: float
+) -> torch.Tensor:
+    """Causal attention of the ragged ``q`` ``[T, H, D]`` over each request's prefix + new tokens.
+
+    ``k_cache``/``v_cache`` are one layer's ``[n_slots, Hkv, D]`` with this step's k/v already
+    stored. Returns ``[T, H, D]`` in ``q``'s dtype.
+    """
+    n_tokens, n_heads, head_dim = q.shape
+    n_tiles = view.tile_req.numel()
+    out = torch.empty_like(q)
+    if n_tokens == 0 or n_tiles == 0:
+        return out
+    block_m = dot_block(view.q_tile)
+    _prefill_kernel[(n_tiles, n_heads)](
+        q, k_cache, v_cache, out,
+        view.req_to_token, view.req_pool_indices, view.prefix_lens, view.extend_lens, view.qo_indptr,
+        view.tile_req, view.tile_q_start,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        view.req_to_token.stride(0),
+        scale * LOG2E, view.q_tile,
+        GROUP=n_heads // k_cache.shape[1], HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=dot_block(head_dim),
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=8 if block_m >= 128 else 4,
+    )
+    return out
