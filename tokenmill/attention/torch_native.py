@@ -1,7 +1,9 @@
 """Reference attention backend in plain PyTorch; runs on any device.
 
-Every other backend is tested against this one. Prefill attends per request (ragged, causal mask
-offset by the cached prefix); decode is batched over all requests without a per-request loop.
+Every other backend is tested against this one. Decode rows (one query token) are attended in
+one batched call whatever the step's phase; prefill rows are attended per request (ragged, causal
+mask offset by the cached prefix). GQA never copies K/V per query head: the query heads of one KV
+head are folded into the query-row dimension instead.
 """
 
 from __future__ import annotations
@@ -22,48 +24,93 @@ class TorchNativeBackend(AttentionBackend):
         self._check_fwd(q, k, v, layer_id, kv_view)
         k_cache = kv_view.k_buffer[layer_id]
         v_cache = kv_view.v_buffer[layer_id]
-        k_cache[kv_view.out_cache_loc] = k
-        v_cache[kv_view.out_cache_loc] = v
+        k_cache.index_copy_(0, kv_view.out_cache_loc, k)  # index_copy_: far faster than index_put on CPU
+        v_cache.index_copy_(0, kv_view.out_cache_loc, v)
         if isinstance(kv_view, DecodeKVCache):
-            return self._decode(q, k_cache, v_cache, kv_view)
-        return self._prefill(q, k_cache, v_cache, kv_view)
+            return self._decode(q, k_cache, v_cache, kv_view.req_pool_indices, kv_view.seq_lens,
+                                kv_view.max_seq_len, kv_view.req_to_token)
+        return self._prefill(q, k, v, k_cache, v_cache, kv_view)
 
     def _prefill(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: PrefillKVCache
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        view: PrefillKVCache,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
-        group = self.n_heads // self.n_kv_heads
+        extend = view.extend_lens_cpu
+        single = [i for i, n in enumerate(extend) if n == 1]
+        if len(single) > 1:  # decode-like rows of a mixed step: one batched call
+            idx = torch.tensor(single, device=q.device)
+            rows = view.qo_indptr[idx]
+            max_len = max(view.prefix_lens_cpu[i] + 1 for i in single)
+            out[rows] = self._decode(q[rows], k_cache, v_cache, view.req_pool_indices[idx], view.seq_lens[idx],
+                                     max_len, view.req_to_token)
+            done = set(single)
+        else:
+            done = set()
         rows = view.req_pool_indices.tolist()
         start = 0
-        for row, prefix, extend in zip(rows, view.prefix_lens_cpu, view.extend_lens_cpu):
-            total = prefix + extend
-            slots = view.req_to_token[row, :total].long()
-            keys = k_cache[slots].transpose(0, 1)  # [Hkv, S, D]
-            values = v_cache[slots].transpose(0, 1)
-            if group > 1:
-                keys = keys.repeat_interleave(group, dim=0)
-                values = values.repeat_interleave(group, dim=0)
-            queries = q[start : start + extend].transpose(0, 1)  # [H, E, D]
-            q_pos = torch.arange(prefix, total, device=q.device)
-            mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]  # [E, S]
-            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
-            out[start : start + extend] = attn.transpose(0, 1)
-            start += extend
+        for i, (row, prefix, n) in enumerate(zip(rows, view.prefix_lens_cpu, extend)):
+            if i not in done:
+                if prefix == 0:  # nothing cached: this step's k/v are the whole context
+                    keys, values = k[start : start + n], v[start : start + n]
+                else:
+                    slots = view.req_to_token[row, : prefix + n].long()
+                    keys, values = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
+                out[start : start + n] = self._attend_causal(q[start : start + n], keys, values, prefix)
+            start += n
         return out
 
+    def _attend_causal(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int) -> torch.Tensor:
+        """Query rows at positions ``prefix ..`` over keys ``0 ..``; q ``[E, H, D]``, k/v ``[S, Hkv, D]``."""
+        n, group = q.shape[0], self.n_heads // self.n_kv_heads
+        total = keys.shape[0]
+        # [E, Hkv, G, D] -> [Hkv, G*E, D]: all query heads of a KV head share its keys
+        queries = q.view(n, self.n_kv_heads, group, self.head_dim).permute(1, 2, 0, 3).reshape(
+            self.n_kv_heads, group * n, self.head_dim
+        )
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [Hkv, S, D]
+        if prefix == 0:
+            mask = None
+            if group > 1:
+                mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril_().repeat(group, 1)
+            attn = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scale
+            )
+        else:
+            q_pos = torch.arange(prefix, prefix + n, device=q.device)
+            mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]  # [E, S]
+            attn = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask.repeat(group, 1), scale=self.scale
+            )
+        return attn.view(self.n_kv_heads, group, n, self.head_dim).permute(2, 0, 1, 3).reshape(
+            n, self.n_heads, self.head_dim
+        )
+
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: DecodeKVCache
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_len: int,
+        req_to_token: torch.Tensor,
     ) -> torch.Tensor:
+        """One query token per request, batched: q ``[B, H, D]``."""
         batch = q.shape[0]
         group = self.n_heads // self.n_kv_heads
-        max_len = view.max_seq_len
         positions = torch.arange(max_len, device=q.device)
-        valid = positions[None, :] < view.seq_lens[:, None]  # [B, L]
-        slots = view.req_to_token[view.req_pool_indices, :max_len].long()
-        slots = torch.where(valid, slots, 0)
-        keys = k_cache[slots].permute(0, 2, 1, 3)  # [B, Hkv, L, D]
-        values = v_cache[slots].permute(0, 2, 1, 3)
+        valid = positions[None, :] < seq_lens[:, None]  # [B, L]
+        slots = torch.where(valid, req_to_token[req_pool_indices, :max_len], 0).long().view(-1)
+        shape = (batch, max_len, self.n_kv_heads, self.head_dim)
+        keys = k_cache.index_select(0, slots).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_cache.index_select(0, slots).view(shape).transpose(1, 2)
         queries = q.view(batch, self.n_kv_heads, group, self.head_dim)  # [B, Hkv, G, D]
-        mask = valid[:, None, None, :]
-        attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
+        attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=valid[:, None, None, :],
+                                              scale=self.scale)
         return attn.reshape(batch, self.n_heads, self.head_dim)
