@@ -3,7 +3,9 @@
 transformers runs static batches (left padding, greedy, no EOS) of each size in
 --hf-batch-sizes; a batch generates until its longest output, and only each request's own
 output tokens count. tokenmill runs the whole workload through ``LLM.generate``.
-Prints output tokens/s of each and the ratio to transformers' best batch size.
+Prints output tokens/s of each and the ratio to transformers' best batch size; with
+--roofline also the machine's measured matmul GFLOP/s and copy GB/s, the compute roof of the
+workload, each engine's fraction of it, and the batch-1 decode time against its bandwidth floor.
 
     python benchmarks/compare_transformers.py                  # the default workload (slow)
     python benchmarks/compare_transformers.py --num-prompts 16 --hf-batch-sizes 16
@@ -20,6 +22,8 @@ from pathlib import Path
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.roofline import copy_gbps, matmul_gflops
+from tokenmill.bench.throughput import run_throughput
 from tokenmill.bench.workload import Workload, make_random_llama, make_workload
 
 
@@ -44,19 +48,11 @@ def run_transformers(path: Path, work: Workload, batch_size: int) -> float:
     return work.n_output_tokens / (time.perf_counter() - start)
 
 
-def run_tokenmill(path: Path, work: Workload, **engine_options) -> tuple[float, dict]:
-    llm = LLM(model=str(path), skip_tokenizer_init=True, **engine_options)
-    try:
-        warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        llm.generate(work.prompts[:2], warm, use_tqdm=False)
-        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
-        start = time.perf_counter()
-        outs = llm.generate(work.prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        assert [len(o.outputs[0].token_ids) for o in outs] == work.output_lens
-        return work.n_output_tokens / elapsed, llm.engine.stats()
-    finally:
-        llm.shutdown()
+def batch1_decode_ms(llm: LLM, n_tokens: int = 64) -> float:
+    """Median-free simple measure: ms per token of one request decoding ``n_tokens`` tokens."""
+    params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
+    out = llm.generate([[5] * 16], params, use_tqdm=False)[0]
+    return (out.metrics.finished_time - out.metrics.first_token_time) * 1000 / (n_tokens - 1)
 
 
 def main() -> None:
@@ -68,32 +64,50 @@ def main() -> None:
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument("--roofline", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args()
 
     path = args.model or make_random_llama(Path(tempfile.gettempdir()) / "tokenmill-bench-llama")
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     work = make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), vocab)
-    ours, stats = run_tokenmill(path, work, max_num_batched_tokens=args.max_num_batched_tokens,
-                                max_running_requests=args.max_running_requests)
+    llm = LLM(model=str(path), skip_tokenizer_init=True, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_running_requests=args.max_running_requests)
+    try:
+        ours, _ = run_throughput(llm, work)
+        b1_ms = batch1_decode_ms(llm) if args.roofline else None
+        n_params = sum(p.numel() for p in llm.engine.model.parameters())
+        model_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    finally:
+        llm.shutdown()
     hf = {b: run_transformers(path, work, b) for b in args.hf_batch_sizes}
     best = max(hf, key=hf.get)
     result = {
         "workload": work.meta | {"prompt_tokens": work.n_prompt_tokens, "output_tokens": work.n_output_tokens},
-        "tokenmill_output_tok_s": round(ours, 2),
+        "tokenmill_output_tok_s": round(ours.output_tok_per_s, 2),
+        "tokenmill_engine_overhead": round(ours.engine_overhead, 4),
         "transformers_output_tok_s": {b: round(v, 2) for b, v in hf.items()},
-        "ratio_vs_best_transformers": round(ours / hf[best], 3),
+        "ratio_vs_best_transformers": round(ours.output_tok_per_s / hf[best], 3),
         "transformers_best_batch": best,
         "threads": torch.get_num_threads(),
     }
+    if args.roofline:
+        gflops, gbps = matmul_gflops(), copy_gbps()
+        flops = 2 * n_params * (work.n_prompt_tokens + work.n_output_tokens)
+        roof_tok_s = work.n_output_tokens / (flops / (gflops * 1e9))
+        floor_ms = model_bytes / (gbps * 1e9) * 1000
+        result["roofline"] = {
+            "matmul_gflops": round(gflops, 1), "copy_gbps": round(gbps, 1),
+            "compute_roof_output_tok_s": round(roof_tok_s, 1),
+            "tokenmill_fraction_of_roof": round(ours.output_tok_per_s / roof_tok_s, 3),
+            "transformers_fraction_of_roof": round(hf[best] / roof_tok_s, 3),
+            "batch1_decode_ms": round(b1_ms, 2), "batch1_bandwidth_floor_ms": round(floor_ms, 2),
+            "batch1_ratio_to_floor": round(b1_ms / floor_ms, 2),
+        }
     if args.json:
         print(json.dumps(result))
         return
-    print(f"workload: {work.meta}, {work.n_prompt_tokens} prompt + {work.n_output_tokens} output tokens")
-    print(f"tokenmill:    {ours:8.2f} output tok/s  (preemptions {stats['scheduler']['preemptions']})")
-    for b, v in hf.items():
-        print(f"transformers: {v:8.2f} output tok/s  (static batch {b})")
-    print(f"ratio tokenmill / transformers(best, batch {best}): {ours / hf[best]:.2f}x")
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -118,6 +118,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    return args.bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     _add_engine_options(serve)
     serve.set_defaults(func=cmd_serve)
+
+    from tokenmill.bench import serve as bench_serve
+    from tokenmill.bench import throughput as bench_throughput
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    for name, module in (("throughput", bench_throughput), ("serve", bench_serve)):
+        doc = module.__doc__ or ""
+        sub_bench = bench.add_parser(name, help=doc.splitlines()[0], description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(sub_bench)
+        sub_bench.set_defaults(func=cmd_bench, bench_main=module.main)
     return parser
 
 

@@ -124,13 +124,13 @@ class RadixCache:
         """
         ps = self._page_size
         tokens = tuple(tokens)
-        tokens = tokens[: len(tokens) // ps * ps]
         now = self._tick()
         node = self._root
         node.last_access = now
         matched: list[torch.Tensor] = []
         pos = 0
         while pos < len(tokens):
+            # A trailing partial page never equals a child's full first page.
             child = node.children.get(tokens[pos : pos + ps])
             if child is None:
                 break

@@ -105,6 +105,8 @@ class Engine:
         self.weight_version = 0
         self.failed_requests = 0
         self.finished_requests = 0
+        self.step_time = 0.0  # wall seconds in steps that ran a forward
+        self.forward_time = 0.0  # of which inside the model forward
         self._requests: dict[str, RequestState] = {}
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._stop = threading.Event()
@@ -236,6 +238,8 @@ class Engine:
                 "kv_cached_pages": cache.radix.n_cached_pages if cache.radix is not None else 0,
                 "free_rows": cache.req_pool.n_free,
                 "weight_version": self.weight_version,
+                "step_time_s": self.step_time,
+                "forward_time_s": self.forward_time,
                 "finished_requests": self.finished_requests,
                 "failed_requests": self.failed_requests,
                 "active_requests": len(self._requests),
@@ -371,6 +375,8 @@ class Engine:
             touched[seq.group.request_id] = seq.group
         for state in touched.values():
             self._emit(state)
+        self.step_time += now() - started
+        self.forward_time += self.runner.last_forward_time
 
     def _append(self, seq: Sequence, token: int, logprobs: Any) -> None:
         state: RequestState = seq.group

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = device
+        self.last_forward_time = 0.0  # seconds inside the model call of the last step (CPU: exact)
 
     def prepare(self, plan: StepPlan) -> ForwardBatch:
         """Pack the plan's tokens in batch order (decode first, then prefill chunks)."""
@@ -58,4 +60,9 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Logits ``[len(plan.sample_seqs), vocab]`` in ``plan.sample_seqs`` order."""
         batch = self.prepare(plan)
-        return self.model(batch.input_ids, batch.positions, batch.kv_view, batch.logits_indices)
+        start = time.perf_counter()
+        logits = self.model(batch.input_ids, batch.positions, batch.kv_view, batch.logits_indices)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        self.last_forward_time = time.perf_counter() - start
+        return logits

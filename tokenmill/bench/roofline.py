@@ -1,0 +1,30 @@
+"""The machine's measured limits: fp32 matmul GFLOP/s and memory copy GB/s (median of repeats)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def _median_seconds(fn, repeats: int = 7) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_gflops(n: int = 2048) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b)) / 1e9
+
+
+def copy_gbps(n_bytes: int = 256 * 1024**2) -> float:
+    src = torch.empty(n_bytes // 4)
+    src.fill_(1.0)
+    dst = torch.empty_like(src)
+    return 2 * n_bytes / _median_seconds(lambda: dst.copy_(src)) / 1e9  # read + write

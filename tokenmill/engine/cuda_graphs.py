@@ -1,0 +1,155 @@
+"""CUDA graphs for pure decode steps: capture the model's forward once per padded batch size.
+
+A decode step of ``B`` requests runs in the graph of the smallest bucket ``bs >= B`` (1, 2, 4, 8,
+... up to ``cuda_graph_max_batch``). Every tensor the captured forward reads lives in static
+buffers; :meth:`CudaGraphDecodeRunner.run` copies the step's metadata into them and replays.
+Entries ``B .. bs-1`` are padding: token 0 at position 0 in request row 0 with one token of
+context, storing its k/v in slot 0 (the reserved page 0, never handed to a request), so they
+read only valid slots and write nothing anyone reads. Sampling stays outside the graph.
+
+Requirements: a CUDA device and a backend whose decode forward is capturable
+(``supports_cuda_graphs``: fixed grid, no host sync); weights updated in place (as
+``apply_update`` does) stay valid, since the graphs hold the parameters' addresses.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tokenmill.cache.manager import CacheManager
+from tokenmill.cache.views import DecodeKVCache
+from tokenmill.config import EngineConfig
+from tokenmill.model.transformer import CausalLM
+
+PAD_SLOT = 0
+"""Slot of the reserved page 0: where padded entries store their k/v."""
+PAD_ROW = 0
+"""req_to_token row padded entries read (one position, any valid slot; their output is dropped)."""
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Powers of two below ``max_batch``, then ``max_batch`` itself."""
+    buckets = []
+    size = 1
+    while size < max_batch:
+        buckets.append(size)
+        size *= 2
+    return buckets + [max_batch]
+
+
+def make_cuda_graph_runner(model: CausalLM, cache: CacheManager, config: EngineConfig) -> CudaGraphDecodeRunner | None:
+    """A runner when ``config.cuda_graphs`` is on, the cache lives on CUDA and the backend is capturable."""
+    device = cache.storage.k_buffer.device
+    if not config.cuda_graphs or device.type != "cuda":
+        return None
+    if not getattr(model.backend, "supports_cuda_graphs", False):
+        return None
+    if model.rotary.is_dynamic:  # dynamic NTK RoPE copies a CPU tensor to the device per forward
+        return None
+    return CudaGraphDecodeRunner(model, cache, config)
+
+
+class CudaGraphDecodeRunner:
+    """Lazily captured decode graphs per batch bucket, replayed with metadata copied in place.
+
+    Engine thread only. ``run`` returns logits ``[B, vocab]`` that stay valid until the next
+    ``run`` (they live in the graph's output buffer).
+    """
+
+    def __init__(self, model: CausalLM, cache: CacheManager, config: EngineConfig) -> None:
+        self.model = model
+        self.cache = cache
+        device = cache.storage.k_buffer.device
+        self.max_batch = min(config.cuda_graph_max_batch, cache.partial_out.shape[0])
+        if self.max_batch < 1:
+            raise ValueError(f"cuda_graph_max_batch must be >= 1, got {config.cuda_graph_max_batch}")
+        self.buckets = batch_buckets(self.max_batch)
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.req_pool_indices = torch.full((n,), PAD_ROW, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
+        self.kv_indptr = torch.arange(n + 1, dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.full((n,), PAD_SLOT, dtype=torch.int64, device=device)
+        self.num_splits = torch.ones(n, dtype=torch.int32, device=device)
+        self._steps = torch.arange(1, n + 1, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds: dict[int, float] = {}
+        self._pool: tuple | None = None
+
+    def can_run(self, batch: int) -> bool:
+        return 1 <= batch <= self.max_batch
+
+    def bucket(self, batch: int) -> int:
+        """Smallest captured size that holds ``batch`` requests."""
+        return next(size for size in self.buckets if size >= batch)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, view: DecodeKVCache) -> torch.Tensor:
+        """Logits ``[B, vocab]`` of the decode step ``view`` (capturing its bucket on first use)."""
+        batch = input_ids.numel()
+        size = self.bucket(batch)
+        self._load(input_ids, positions, view, size)
+        if size not in self.graphs:
+            self._capture(size)
+        self.graphs[size].replay()
+        return self.outputs[size][:batch]
+
+    def _load(self, input_ids: torch.Tensor, positions: torch.Tensor, view: DecodeKVCache, size: int) -> None:
+        """Copy the step into the static buffers and reset entries ``B .. size-1`` to padding."""
+        n = input_ids.numel()
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.req_pool_indices[:n].copy_(view.req_pool_indices)
+        self.seq_lens[:n].copy_(view.seq_lens)
+        self.out_cache_loc[:n].copy_(view.out_cache_loc)
+        self.num_splits[:n].copy_(view.num_splits)
+        self.kv_indptr[: n + 1].copy_(view.kv_indptr)
+        if n < size:
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.req_pool_indices[n:size].fill_(PAD_ROW)
+            self.seq_lens[n:size].fill_(1)
+            self.out_cache_loc[n:size].fill_(PAD_SLOT)
+            self.num_splits[n:size].fill_(1)
+            torch.add(self.kv_indptr[n : n + 1], self._steps[: size - n], out=self.kv_indptr[n + 1 : size + 1])
+
+    def _view(self, size: int) -> DecodeKVCache:
+        """The decode view over the first ``size`` static entries."""
+        cache = self.cache
+        return DecodeKVCache(
+            k_buffer=cache.storage.k_buffer,
+            v_buffer=cache.storage.v_buffer,
+            req_to_token=cache.req_pool.table,
+            req_pool_indices=self.req_pool_indices[:size],
+            seq_lens=self.seq_lens[:size],
+            kv_indptr=self.kv_indptr[: size + 1],
+            out_cache_loc=self.out_cache_loc[:size],
+            num_splits=self.num_splits[:size],
+            partial_out=cache.partial_out,
+            partial_lse=cache.partial_lse,
+            max_seq_len=cache.req_pool.max_context_len,  # an upper bound; capturable backends ignore it
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.model(self.input_ids[:size], self.positions[:size], self._view(size))
+
+    def _capture(self, size: int) -> None:
+        """Warm up (compiles kernels; rewrites this step's k/v with the same values), then capture."""
+        started = time.perf_counter()
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(size)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.outputs[size] = self._forward(size)
+        self._pool = graph.pool()
+        self.graphs[size] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds[size] = time.perf_counter() - started

@@ -1,0 +1,122 @@
+"""Prometheus metrics of one server, in a registry of its own (several servers can share a process).
+
+Engine state (running / waiting requests, KV usage, preemptions, prefix-cache hit rate) is read
+from ``Engine.stats()`` at scrape time; tokens, finish reasons and latencies are recorded by the
+server per engine request through a :class:`RequestTracker`. ``render`` blocks on the engine
+thread for a snapshot: call it off the event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tokenmill.engine.engine import Engine, EngineDeadError
+from tokenmill.engine.request import RequestOutput
+
+Stats = dict[str, Any]
+
+
+def _hit_rate(stats: Stats) -> float:
+    cache = stats["cache"]
+    return cache["prefix_hit_tokens"] / cache["prefix_query_tokens"] if cache["prefix_query_tokens"] else 0.0
+
+
+# name, help, family, value from Engine.stats()
+_ENGINE_METRICS: list[tuple[str, str, type[Metric], Callable[[Stats], float]]] = [
+    ("tokenmill_num_requests_running", "Sequences being computed.", GaugeMetricFamily, lambda s: s["running"]),
+    ("tokenmill_num_requests_waiting", "Sequences waiting to be admitted.", GaugeMetricFamily, lambda s: s["waiting"]),
+    ("tokenmill_kv_cache_usage_ratio", "Fraction of KV pages in use.", GaugeMetricFamily, lambda s: s["kv_usage"]),
+    ("tokenmill_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up.",
+     GaugeMetricFamily, _hit_rate),
+    ("tokenmill_num_preemptions", "Sequences preempted for lack of KV pages.", CounterMetricFamily,
+     lambda s: s["scheduler"]["preemptions"]),
+]
+
+
+class _EngineCollector(Collector):
+    """Reads one ``Engine.stats()`` snapshot per scrape; reports nothing once the engine is dead."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def describe(self) -> Iterable[Metric]:
+        return [family(name, doc) for name, doc, family, _ in _ENGINE_METRICS]
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            stats = self._engine.stats()
+        except EngineDeadError:
+            return []
+        return [family(name, doc, value=value(stats)) for name, doc, family, value in _ENGINE_METRICS]
+
+
+class ServerMetrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.prompt_tokens = Counter("tokenmill_prompt_tokens", "Prompt tokens of served requests.", registry=reg)
+        self.generation_tokens = Counter("tokenmill_generation_tokens", "Generated tokens.", registry=reg)
+        self.finished = Counter(
+            "tokenmill_finished_completions", "Completions (choices) finished, by finish reason.",
+            ["finish_reason"], registry=reg,
+        )
+        self.ttft = Histogram(
+            "tokenmill_time_to_first_token_seconds", "From request arrival to its first token.", registry=reg,
+            buckets=(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40),
+        )
+        self.itl = Histogram(
+            "tokenmill_inter_token_latency_seconds", "Between consecutive outputs of a request.", registry=reg,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5),
+        )
+        self.e2e = Histogram(
+            "tokenmill_e2e_request_latency_seconds", "From request arrival to its last token.", registry=reg,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300),
+        )
+        reg.register(_EngineCollector(engine))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric (blocks for an engine snapshot)."""
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Tokens, finish reasons and latencies of one engine request, fed its deltas as they arrive.
+
+    ``arrival`` is the ``time.monotonic()`` at which the server received the HTTP request.
+    ``close`` counts the completions that never finished (the client went away) as aborted.
+    """
+
+    def __init__(self, metrics: ServerMetrics, arrival: float, prompt_tokens: int, n: int) -> None:
+        self._metrics = metrics
+        self._arrival = arrival
+        self._last_output: float | None = None
+        self._unfinished = n
+        metrics.prompt_tokens.inc(prompt_tokens)
+
+    def observe(self, delta: RequestOutput) -> None:
+        m, t = self._metrics, time.monotonic()
+        tokens = sum(len(out.token_ids) for out in delta.outputs)
+        if tokens:
+            m.generation_tokens.inc(tokens)
+            if self._last_output is None:
+                m.ttft.observe(t - self._arrival)
+            else:
+                m.itl.observe(t - self._last_output)
+            self._last_output = t
+        for out in delta.outputs:
+            if out.finish_reason is not None:
+                m.finished.labels(out.finish_reason).inc()
+                self._unfinished -= 1
+        if delta.finished:
+            m.e2e.observe(t - self._arrival)
+
+    def close(self) -> None:
+        if self._unfinished > 0:
+            self._metrics.finished.labels("abort").inc(self._unfinished)
+            self._unfinished = 0

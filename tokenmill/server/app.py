@@ -1,0 +1,98 @@
+"""The HTTP server: FastAPI app factory, API-key check, operational routes, ``run_server``.
+
+Routes: OpenAI (:mod:`tokenmill.server.openai`), Anthropic (:mod:`tokenmill.server.anthropic`),
+``GET /health`` (200 while the engine loop runs, else 503; never needs the API key),
+``GET /metrics`` (Prometheus text), ``GET /version``.
+
+With ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer KEY`` or
+``x-api-key: KEY``. Request bodies over ``max_body_bytes`` are refused with 413, judged by
+Content-Length and by the bytes actually received (FastAPI's ``max_body_size``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Awaitable, Callable
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from tokenmill import __version__
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import Engine
+from tokenmill.metrics import ServerMetrics
+from tokenmill.server import anthropic, openai
+from tokenmill.server.errors import APIError, install_error_handlers
+from tokenmill.server.state import ServerState, get_state
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """A dependency that lets a request through only if it carries ``api_key`` (constant-time compare)."""
+    expected = api_key.encode() if api_key is not None else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        offered = [request.headers.get("x-api-key", ""), token.strip() if scheme.lower() == "bearer" else ""]
+        if not any(key and hmac.compare_digest(key.encode(), expected) for key in offered):
+            raise APIError(401, "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)",
+                           code="invalid_api_key")
+
+    return check
+
+
+def create_app(
+    engine: Engine,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """An app serving ``engine`` (which the caller owns and shuts down).
+
+    ``served_model_name`` is the name clients must send as ``model``; default: the model folder's name.
+    """
+    name = served_model_name or engine.config.model_path().name
+    app = FastAPI(title="tokenmill", version=__version__, max_body_size=max_body_bytes,
+                  openapi_url=None if api_key else "/openapi.json")
+    app.state.server = ServerState(engine, name, ServerMetrics(engine))
+    install_error_handlers(app, max_body_bytes)
+    auth = [Depends(_api_key_check(api_key))]
+    app.include_router(openai.router, dependencies=auth)
+    app.include_router(anthropic.router, dependencies=auth)
+
+    @app.get("/health")
+    async def health(state: ServerState = Depends(get_state)) -> JSONResponse:
+        healthy = state.engine.is_healthy()
+        return JSONResponse({"status": "ok" if healthy else "engine is not running"}, status_code=200 if healthy else 503)
+
+    @app.get("/metrics", dependencies=auth)
+    async def metrics(state: ServerState = Depends(get_state)) -> Response:
+        return Response(await asyncio.to_thread(state.metrics.render), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version", dependencies=auth)
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    return app
+
+
+def run_server(
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> None:
+    """Start an engine and serve it until interrupted, then shut the engine down."""
+    engine = Engine(config)
+    try:
+        uvicorn.run(create_app(engine, served_model_name, api_key, max_body_bytes), host=host, port=port)
+    finally:
+        engine.shutdown()

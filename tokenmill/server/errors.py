@@ -1,0 +1,117 @@
+"""Errors as HTTP responses, in OpenAI's shape or, under ``/v1/messages``, Anthropic's.
+
+OpenAI: ``{"error": {"message", "type", "param", "code"}}``.
+Anthropic: ``{"type": "error", "error": {"type", "message"}}``.
+
+Engine refusals map to statuses in :func:`engine_errors`; anything unexpected becomes a 500 whose
+message carries an id that is also in the server log, next to the traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import uuid
+from collections.abc import Iterator, Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from tokenmill.engine.engine import EngineDeadError, EngineOverloadedError
+from tokenmill.engine.request import SamplingParams
+
+logger = logging.getLogger("tokenmill.server")
+
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+_ENGINE_PARAMS = SamplingParams.field_names() | {"prompt"}
+_LEADING_NAME = re.compile(r"[a-z_]+")
+
+
+class APIError(Exception):
+    """An error for the client: HTTP ``status``, a message, and the offending parameter if any."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_response(request: Request, error: APIError) -> JSONResponse:
+    """``error`` in the wire format of the route that ``request`` addressed."""
+    if request.url.path.startswith(ANTHROPIC_PREFIX):
+        kind = _ANTHROPIC_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+        body: dict = {"type": "error", "error": {"type": kind, "message": error.message}}
+    else:
+        kind = (
+            "server_error" if error.status >= 500
+            else "authentication_error" if error.status == 401
+            else "invalid_request_error"
+        )
+        body = {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}}
+    return JSONResponse(body, status_code=error.status)
+
+
+@contextlib.contextmanager
+def engine_errors(aliases: Mapping[str, str]) -> Iterator[None]:
+    """Turn the engine's refusals into APIErrors.
+
+    ValueError -> 400, with ``param`` taken from the message's leading parameter name (the engine
+    names it first) and renamed through ``aliases`` to the route's own name for it;
+    EngineOverloadedError and EngineDeadError -> 503.
+    """
+    try:
+        yield
+    except ValueError as exc:
+        message = str(exc)
+        match = _LEADING_NAME.match(message)
+        name = match.group(0) if match and match.group(0) in _ENGINE_PARAMS else None
+        raise APIError(400, message, param=aliases.get(name, name) if name else None) from exc
+    except EngineOverloadedError as exc:
+        raise APIError(503, f"the server is overloaded, retry later: {exc}", code="overloaded") from exc
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), code="engine_dead") from exc
+
+
+def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
+    """Render every error the app can raise in the route's wire format."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        if first["type"] == "json_invalid":
+            detail = first.get("ctx", {}).get("error", "")
+            return error_response(request, APIError(400, f"the request body is not valid JSON: {detail}"))
+        loc = [str(part) for part in first["loc"] if part != "body"]
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        return error_response(request, APIError(400, f"{where}: {first['msg']}", param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 413:
+            message = f"the request body is larger than the limit of {max_body_bytes} bytes"
+            return error_response(request, APIError(413, message, code="request_too_large"))
+        return error_response(request, APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        error_id = f"err-{uuid.uuid4().hex[:16]}"
+        logger.error("internal error %s on %s %s", error_id, request.method, request.url.path, exc_info=exc)
+        return error_response(request, APIError(500, f"internal server error (id {error_id})", code="internal_error"))

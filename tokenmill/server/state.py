@@ -1,0 +1,68 @@
+"""ServerState: what every route needs — the engine, the served model's name, tokenizer work.
+
+Tokenizer work (encoding, chat templating, token strings for logprobs) runs in worker threads,
+never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+from fastapi import Request
+
+from tokenmill.engine.engine import AsyncEngine, Engine
+from tokenmill.metrics import ServerMetrics
+from tokenmill.server.errors import APIError
+from tokenmill.tokenizer import Tokenizer
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    model_name: str
+    metrics: ServerMetrics
+    started: int = field(default_factory=lambda: int(time.time()))
+    async_engine: AsyncEngine = field(init=False)
+    _token_strings: dict[int, str] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        if self.engine.tokenizer is None:
+            raise ValueError("the HTTP server needs an engine with a tokenizer (skip_tokenizer_init=False)")
+        self.async_engine = AsyncEngine(self.engine)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def encode(self, texts: list[str]) -> list[list[int]]:
+        return await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts])
+
+    async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """Token ids of ``messages`` through the chat template; a template that refuses them -> 400."""
+        try:
+            return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, True, tools)
+        except (ValueError, jinja2.TemplateError) as exc:
+            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+
+    async def token_strings(self, ids: list[int]) -> dict[int, str]:
+        """Each id decoded on its own (special tokens kept), memoized."""
+        missing = [t for t in set(ids) if t not in self._token_strings]
+        if missing:
+            decode = self.tokenizer.decode
+            texts = await asyncio.to_thread(lambda: [decode([t], skip_special_tokens=False) for t in missing])
+            self._token_strings.update(zip(missing, texts))
+        return {t: self._token_strings[t] for t in ids}
+
+
+def get_state(request: Request) -> ServerState:
+    """FastAPI dependency: the ServerState of the app serving ``request``."""
+    return request.app.state.server
