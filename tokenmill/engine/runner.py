@@ -33,7 +33,7 @@ class ModelRunner:
         device = self.device
         if plan.is_pure_decode:
             view = self.cache.bind_decode(plan.decode, plan.decode_slots)
-            input_ids = torch.tensor([s.all_token_ids[s.n_kv - 1] for s in plan.decode], device=device)
+            input_ids = torch.tensor([s.tokens(s.n_kv - 1, s.n_kv)[0] for s in plan.decode], device=device)
             positions = view.seq_lens - 1
             return ForwardBatch(input_ids, positions, view, torch.arange(len(plan.decode), device=device))
 
@@ -44,7 +44,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         for seq, n in zip(seqs, extend_lens):
             start = seq.n_kv - n
-            ids.extend(seq.all_token_ids[start : seq.n_kv])
+            ids.extend(seq.tokens(start, seq.n_kv))
             pos.extend(range(start, seq.n_kv))
             if seq.n_kv == seq.n_tokens:
                 logits_rows.append(len(ids) - 1)

@@ -57,6 +57,15 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without concatenating the whole history."""
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+
     @property
     def n_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

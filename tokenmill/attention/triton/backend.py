@@ -79,10 +79,10 @@ class TritonBackend(AttentionBackend):
             raise ValueError("req_to_token must be contiguous in its position dimension")
         if isinstance(view, DecodeKVCache):
             rows, heads, splits, dim = view.partial_out.shape
-            expected = (view.req_pool_indices.numel(), self.n_heads, splits)
-            if rows < expected[0] or (heads, dim) != (self.n_heads, self.head_dim):
+            batch = view.req_pool_indices.numel()
+            if rows < batch or (heads, dim) != (self.n_heads, self.head_dim):
                 raise ValueError(
-                    f"partial_out {tuple(view.partial_out.shape)} must be [>= B={expected[0]}, "
+                    f"partial_out {tuple(view.partial_out.shape)} must be [>= B={batch}, "
                     f"{self.n_heads}, max_splits, {self.head_dim}]"
                 )
             if view.partial_lse.shape != (rows, heads, splits):

@@ -22,7 +22,6 @@ from tokenmill.attention.triton.common import BLOCK_N, LOG2E, dot_block, dot_pre
 from tokenmill.cache.views import DecodeKVCache
 
 
-
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, num_splits_ptr,
@@ -82,7 +81,8 @@ def _decode_split_kernel(
 
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    log2_lse = m_i + tl.log2(tl.where(nonempty, l_i, 1.0))  # scores were scaled by log2(e)
+    lse = tl.where(nonempty, log2_lse * 0.6931471805599453, float("-inf"))  # natural log
     row_o = part_out_ptr + b.to(tl.int64) * stride_pob + split * stride_pos
     tl.store(row_o + heads[:, None] * stride_poh + offs_d[None, :], out, mask=mask_hd)
     tl.store(part_lse_ptr + b.to(tl.int64) * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
