@@ -371,10 +371,22 @@ class Engine:
             return
         touched: dict[str, RequestState] = {}
         for seq, token, logprobs in zip(sample_seqs, result.token_ids, result.logprobs):
-            self._append(seq, token, logprobs)
-            touched[seq.group.request_id] = seq.group
+            if seq.is_finished:  # a sibling's failure already ended it
+                continue
+            try:
+                self._append(seq, token, logprobs)
+                touched[seq.group.request_id] = seq.group
+            except Exception as exc:  # e.g. detokenization: only this request fails
+                logger.error("finishing a token failed:\n%s", traceback.format_exc())
+                self._fail([seq], f"internal error after sampling: {type(exc).__name__}: {exc}")
         for state in touched.values():
-            self._emit(state)
+            if state.request_id not in self._requests:
+                continue
+            try:
+                self._emit(state)
+            except Exception as exc:
+                logger.error("emitting output failed:\n%s", traceback.format_exc())
+                self._fail(state.seqs, f"internal error while emitting output: {type(exc).__name__}: {exc}")
         self.step_time += now() - started
         self.forward_time += self.runner.last_forward_time
 
@@ -428,6 +440,13 @@ class Engine:
                     self._finish(seq, FinishReason.ERROR.value, cache=False)
             self._emit(state)
 
+    @staticmethod
+    def _text_delta(state: RequestState, seq: Sequence) -> str:
+        """New text of ``seq``; none for a failed sequence (its detokenizer may be what failed)."""
+        if not state.detokenizers or seq.error is not None:
+            return ""
+        return state.detokenizers[seq.index].take_delta(seq.is_finished)
+
     def _emit(self, state: RequestState) -> None:
         """Send the request's new tokens/text since the last emit; drop it once finished."""
         outputs = []
@@ -443,7 +462,7 @@ class Engine:
             outputs.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=state.detokenizers[seq.index].take_delta(seq.is_finished) if state.detokenizers else "",
+                    text=self._text_delta(state, seq),
                     token_ids=new_ids,
                     logprobs=seq.output_logprobs[start:] if seq.params.logprobs is not None else None,
                     finish_reason=seq.finish_reason,

@@ -5,8 +5,8 @@ Routes: OpenAI (:mod:`tokenmill.server.openai`), Anthropic (:mod:`tokenmill.serv
 ``GET /metrics`` (Prometheus text), ``GET /version``.
 
 With ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer KEY`` or
-``x-api-key: KEY``. Request bodies over ``max_body_bytes`` are refused with 413, judged by
-Content-Length and by the bytes actually received (FastAPI's ``max_body_size``).
+``x-api-key: KEY``. Request bodies over ``max_body_bytes`` are refused with 413
+(:class:`~tokenmill.server.body_limit.BodySizeLimit`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.metrics import ServerMetrics
 from tokenmill.server import anthropic, openai
+from tokenmill.server.body_limit import BodySizeLimit
 from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.state import ServerState, get_state
 
@@ -58,8 +59,8 @@ def create_app(
     ``served_model_name`` is the name clients must send as ``model``; default: the model folder's name.
     """
     name = served_model_name or engine.config.model_path().name
-    app = FastAPI(title="tokenmill", version=__version__, max_body_size=max_body_bytes,
-                  openapi_url=None if api_key else "/openapi.json")
+    app = FastAPI(title="tokenmill", version=__version__, openapi_url=None if api_key else "/openapi.json")
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.state.server = ServerState(engine, name, ServerMetrics(engine))
     install_error_handlers(app, max_body_bytes)
     auth = [Depends(_api_key_check(api_key))]
