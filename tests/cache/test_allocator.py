@@ -233,5 +233,5 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None
+    max_examples=100, stateful_step_count=30, deadline=None
 )

@@ -340,18 +340,19 @@ def test_lock_survives_split_of_locked_node() -> None:
 # ---------------------------------------------------------------------------
 # Randomised request simulation.
 
+# Shared prefixes over a 3-token vocabulary, so that requests collide often.
 PREFIXES = [
-    (0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2),
-    (0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2),
-    (0, 1, 2, 0, 0, 0, 0, 0, 0, 1, 1, 1),
+    (0, 1, 2, 0, 1, 2, 0, 1),
+    (0, 0, 0, 0, 1, 1, 1, 1),
+    (0, 1, 2, 0, 0, 0, 0, 0),
 ]
 
 token_seqs = st.builds(
     lambda prefix, cut, tail: prefix[:cut] + tuple(tail),
     st.sampled_from(PREFIXES),
-    st.integers(0, 12),
-    st.lists(st.integers(0, 2), max_size=5),
-).filter(len)
+    st.integers(1, 8),
+    st.lists(st.integers(0, 2), max_size=4),
+)
 
 
 @dataclass
@@ -372,9 +373,9 @@ class RadixMachine(RuleBasedStateMachine):
     # Token prefix (up to the end of the page) whose KV each allocated page stores.
     content: dict[int, tuple[int, ...]]
 
-    @initialize(page_size=st.sampled_from([1, 2, 4]), n_pages=st.integers(2, 14))
-    def setup(self, page_size: int, n_pages: int) -> None:
-        self.alloc, self.cache = make(n_pages, page_size)
+    @initialize(page_size=st.sampled_from([1, 2, 4]), pool_tokens=st.integers(4, 40))
+    def setup(self, page_size: int, pool_tokens: int) -> None:
+        self.alloc, self.cache = make(max(2, 1 + pool_tokens // page_size), page_size)
         self.ps = page_size
         self.requests = {}
         self.content = {}
@@ -418,10 +419,8 @@ class RadixMachine(RuleBasedStateMachine):
         self.alloc.decref(torch.tensor(req.pages, dtype=torch.int64))
         self.cache.unlock(req.node)
 
-    # -- rules --------------------------------------------------------------
-
-    @rule(tokens=token_seqs)
-    def start_request(self, tokens: tuple[int, ...]) -> None:
+    def start(self, tokens: tuple[int, ...]) -> int | None:
+        """Admit a request the way the cache manager does; return its id, or None if no room."""
         ps = self.ps
         m = self.cache.match_prefix(tokens)
         self.check_match(tokens, m.pages, m.n_tokens)
@@ -432,12 +431,27 @@ class RadixMachine(RuleBasedStateMachine):
         if new is None:
             self.cache.unlock(m.node)
             self.alloc.decref(m.pages)
-            return
+            return None
         pages = m.pages.tolist() + new.tolist()
         for i in range(m.pages.numel(), len(pages)):
             self.content[pages[i]] = tokens[: (i + 1) * ps]
-        self.requests[self.next_id] = Request(tokens, pages, m.node, self.epoch, m.n_tokens)
+        rid = self.next_id
         self.next_id += 1
+        self.requests[rid] = Request(tokens, pages, m.node, self.epoch, m.n_tokens)
+        return rid
+
+    # -- rules --------------------------------------------------------------
+
+    @rule(tokens=token_seqs)
+    def start_request(self, tokens: tuple[int, ...]) -> None:
+        self.start(tokens)
+
+    @rule(tokens=token_seqs)
+    def serve_request(self, tokens: tuple[int, ...]) -> None:
+        """Admit a request and finish it at once, caching its pages."""
+        rid = self.start(tokens)
+        if rid is not None:
+            self.release(rid, insert=True)
 
     @precondition(lambda self: bool(self.requests))
     @rule(data=st.data())
@@ -468,11 +482,13 @@ class RadixMachine(RuleBasedStateMachine):
     def finish_request(self, data: st.DataObject, insert: bool) -> None:
         self.release(data.draw(st.sampled_from(sorted(self.requests))), insert)
 
+    @precondition(lambda self: self.cache.n_cached_pages > 0)
     @rule(tokens=token_seqs)
     def lookup(self, tokens: tuple[int, ...]) -> None:
         m = self.cache.match_prefix(tokens)
         self.check_match(tokens, m.pages, m.n_tokens)
 
+    @precondition(lambda self: self.cache.n_cached_pages > 0)
     @rule(n=st.integers(0, 8))
     def evict(self, n: int) -> None:
         free_before = self.alloc.n_free
@@ -482,19 +498,12 @@ class RadixMachine(RuleBasedStateMachine):
             assert self.cache.n_evictable_pages == 0
             assert all(node.lock_count > 0 for node in tree_nodes(self.cache)[1:])
 
+    @precondition(lambda self: self.cache.n_cached_pages > 0)
     @rule()
     def reset(self) -> None:
         self.cache.reset()
         self.epoch += 1
 
-    @rule()
-    def drain(self) -> None:
-        for rid in sorted(self.requests):
-            self.release(rid, insert=True)
-        self.check_consistent()
-        self.cache.reset()
-        self.epoch += 1
-        assert self.alloc.n_free == self.alloc.capacity
 
     # -- invariants -----------------------------------------------------------
 
@@ -545,13 +554,22 @@ class RadixMachine(RuleBasedStateMachine):
         for p in range(1, alloc.n_pages):
             expected = held.get(p, 0) + (p in in_tree)
             assert refcounts[p] == expected, (p, refcounts[p], held.get(p, 0), p in in_tree)
-            assert alloc.is_free(p) == (expected == 0)
-        assert alloc.n_free + alloc.n_used == alloc.capacity
+        free = set(alloc.free_pages().tolist())
+        assert free.isdisjoint(held) and free.isdisjoint(in_tree)
+        assert alloc.n_free + len(set(held) | in_tree) == alloc.capacity
 
     def teardown(self) -> None:
-        if hasattr(self, "cache"):
-            self.drain()
+        """Finish every request and drop the tree: no page may leak."""
+        if not hasattr(self, "cache"):
+            return
+        for rid in sorted(self.requests):
+            self.release(rid, insert=True)
+        self.check_consistent()
+        self.cache.reset()
+        self.epoch += 1
+        self.check_consistent()
+        assert self.alloc.n_free == self.alloc.capacity
 
 
 TestRadixMachine = RadixMachine.TestCase
-TestRadixMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestRadixMachine.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)

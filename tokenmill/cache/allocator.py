@@ -177,7 +177,7 @@ class PageAllocator:
         pages = pages.to(device="cpu", dtype=torch.int64)
         if pages.numel():
             low = 0 if allow_reserved else 1
-            lo, hi = int(pages.min()), int(pages.max())
+            lo, hi = (int(x) for x in torch.aminmax(pages))
             if lo < low or hi >= self._n_pages:
                 raise ValueError(
                     f"page ids must lie in [{low}, {self._n_pages}), got range [{lo}, {hi}]"

@@ -20,6 +20,9 @@ class RadixNode:
     first page of tokens, so siblings always differ within their first page.
     ``lock_count`` counts the ``lock`` calls on this node or its descendants
     that have not been undone; a node with ``lock_count > 0`` is never evicted.
+    ``last_access`` is the cache's logical clock at the last match or insert
+    through this node, ``serial`` breaks LRU ties, and ``epoch`` is the tree
+    generation the node belongs to (``RadixCache.reset`` starts a new one).
     The root has an empty key and no pages.
     """
 
@@ -126,7 +129,6 @@ class RadixCache:
         tokens = tuple(tokens)
         now = self._tick()
         node = self._root
-        node.last_access = now
         matched: list[torch.Tensor] = []
         pos = 0
         while pos < len(tokens):
@@ -168,7 +170,6 @@ class RadixCache:
             )
         now = self._tick()
         node = self._root
-        node.last_access = now
         pos = 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos : pos + ps])
@@ -227,7 +228,8 @@ class RadixCache:
         becomes a candidate once its last child is gone. Stops early when
         nothing evictable is left. Returns the number of pages that actually
         became free in the allocator (pages still held by requests do not
-        count), which may exceed ``n_pages``.
+        count), which may exceed ``n_pages``. Costs O(tree nodes) to find the
+        candidates plus O(log) per evicted node.
         """
         freed = 0
         if n_pages <= 0:
