@@ -96,7 +96,8 @@ class EngineConfig:
             )
         if self.kv_cache_memory_fraction is not None and not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
-        for name in ("max_running_requests", "max_num_batched_tokens", "prefill_q_tile", "max_decode_splits"):
+        for name in ("max_running_requests", "max_num_batched_tokens", "prefill_q_tile", "max_decode_splits",
+                     "cuda_graph_max_batch", "decode_split_min_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_slots is not None and self.num_kv_slots < self.page_size:

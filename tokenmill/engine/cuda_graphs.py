@@ -46,8 +46,6 @@ def make_cuda_graph_runner(model: CausalLM, cache: CacheManager, config: EngineC
         return None
     if not getattr(model.backend, "supports_cuda_graphs", False):
         return None
-    if model.rotary.is_dynamic:  # dynamic NTK RoPE copies a CPU tensor to the device per forward
-        return None
     return CudaGraphDecodeRunner(model, cache, config)
 
 

@@ -22,11 +22,13 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
+from tokenmill.attention.base import AttentionBackend
 from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.cache.manager import CacheManager
 from tokenmill.cache.sizing import kv_cache_slots
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool
 from tokenmill.config import EngineConfig
+from tokenmill.engine.cuda_graphs import make_cuda_graph_runner
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.request import (
     CompletionOutput,
@@ -100,7 +102,7 @@ class Engine:
         req_pool = ReqToTokenPool(cfg.max_running_requests, self.max_context_len, self.device)
         self.cache = CacheManager(cfg, storage, req_pool, mc.num_heads, mc.head_dim)
         self.scheduler = Scheduler(cfg, self.cache)
-        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.runner = ModelRunner(self.model, self.cache, self.device, make_cuda_graph_runner(self.model, self.cache, cfg))
         self.sampler = Sampler(mc.vocab_size, cfg.max_running_requests, self.device, cfg.seed)
         self.weight_version = 0
         self.failed_requests = 0
@@ -115,11 +117,17 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)
         self._thread.start()
 
-    def _make_backend(self) -> TorchNativeBackend:
+    def _make_backend(self) -> AttentionBackend:
+        """"auto": triton on CUDA when installed, else torch. An explicit choice is strict: the
+        Triton backend raises on anything it does not support instead of falling back."""
         mc = self.model_config
         choice = self.config.attention_backend
-        if choice == "triton" or (choice == "auto" and self.device.type == "cuda"):
-            from tokenmill.attention.triton import TritonBackend  # noqa: PLC0415 (optional dependency)
+        if choice == "auto":
+            from tokenmill.attention.triton import TRITON_AVAILABLE
+
+            choice = "triton" if self.device.type == "cuda" and TRITON_AVAILABLE else "torch"
+        if choice == "triton":
+            from tokenmill.attention.triton import TritonBackend
 
             return TritonBackend(mc.num_heads, mc.num_kv_heads, mc.head_dim, self.config)
         return TorchNativeBackend(mc.num_heads, mc.num_kv_heads, mc.head_dim)
@@ -240,6 +248,7 @@ class Engine:
                 "weight_version": self.weight_version,
                 "step_time_s": self.step_time,
                 "forward_time_s": self.forward_time,
+                "cuda_graph_capture_s": sum(self.runner.graphs.capture_seconds.values()) if self.runner.graphs else 0.0,
                 "finished_requests": self.finished_requests,
                 "failed_requests": self.failed_requests,
                 "active_requests": len(self._requests),

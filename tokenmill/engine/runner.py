@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.cache.manager import CacheManager
 from tokenmill.cache.views import KVView
+from tokenmill.engine.cuda_graphs import CudaGraphDecodeRunner
 from tokenmill.engine.scheduler import StepPlan
 from tokenmill.model.transformer import CausalLM
 
@@ -22,10 +23,13 @@ class ForwardBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: CacheManager, device: torch.device) -> None:
+    def __init__(
+        self, model: CausalLM, cache: CacheManager, device: torch.device, graphs: CudaGraphDecodeRunner | None = None
+    ) -> None:
         self.model = model
         self.cache = cache
         self.device = device
+        self.graphs = graphs  # CUDA-graph replay of pure decode steps (GPU only)
         self.last_forward_time = 0.0  # seconds inside the model call of the last step (CPU: exact)
 
     def prepare(self, plan: StepPlan) -> ForwardBatch:
@@ -61,7 +65,10 @@ class ModelRunner:
         """Logits ``[len(plan.sample_seqs), vocab]`` in ``plan.sample_seqs`` order."""
         batch = self.prepare(plan)
         start = time.perf_counter()
-        logits = self.model(batch.input_ids, batch.positions, batch.kv_view, batch.logits_indices)
+        if plan.is_pure_decode and self.graphs is not None and self.graphs.can_run(len(plan.decode)):
+            logits = self.graphs.run(batch.input_ids, batch.positions, batch.kv_view)  # valid until next run
+        else:
+            logits = self.model(batch.input_ids, batch.positions, batch.kv_view, batch.logits_indices)
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         self.last_forward_time = time.perf_counter() - start

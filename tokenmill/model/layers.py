@@ -45,7 +45,8 @@ class RotaryEmbedding(nn.Module):
         self.max_position_embeddings = max_position_embeddings
         inv_freq, self.attention_factor = _inv_freq(head_dim, rope)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        self.register_buffer("exponents", exponents, persistent=False)
 
     @property
     def is_dynamic(self) -> bool:
@@ -63,7 +64,7 @@ class RotaryEmbedding(nn.Module):
             factor = self.rope.factor
             exponent = self.head_dim / (self.head_dim - 2)
             base = self.rope.theta * ((factor * length / mpe) - (factor - 1)) ** exponent
-            inv_freq = 1.0 / (base[:, None] ** self.exponents.to(positions.device)[None, :])
+            inv_freq = 1.0 / (base[:, None] ** self.exponents[None, :])
             freqs = pos * inv_freq
         else:
             freqs = pos * self.inv_freq[None, :]

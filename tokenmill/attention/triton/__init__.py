@@ -1,9 +1,9 @@
 """Triton attention backend (optional: needs the ``triton`` package).
 
-Importing this package never fails: without triton, ``TritonBackend`` raises ImportError when
-constructed. Nothing else in tokenmill imports triton, so ``TRITON_INTERPRET`` (read by triton
-when the kernels are defined, i.e. when this package is first imported) can be set at any time
-before that first import.
+Importing this package never fails: without triton, ``TRITON_AVAILABLE`` is False and
+``TritonBackend`` raises ImportError when constructed. Nothing else in tokenmill imports this
+package at import time, so ``TRITON_INTERPRET`` (read by triton when the kernels are defined,
+i.e. when this package is first imported) can be set at any time before that first import.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ except ImportError as exc:
 else:
     _TRITON_ERROR = None
 
-if _TRITON_ERROR is None:
+TRITON_AVAILABLE = _TRITON_ERROR is None
+
+if TRITON_AVAILABLE:
     from tokenmill.attention.triton.backend import TritonBackend
 else:
 
@@ -31,4 +33,4 @@ else:
             )
 
 
-__all__ = ["TritonBackend"]
+__all__ = ["TRITON_AVAILABLE", "TritonBackend"]
