@@ -88,7 +88,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    turns = [args.message] if args.message else None
+    turns = list(args.message) if args.message else None
     try:
         while True:
             if turns is not None:

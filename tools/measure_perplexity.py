@@ -1,0 +1,81 @@
+"""Measure the bundled default model's perplexity on its held-out stdlib files.
+
+Loads the model folder with ``transformers`` (local files only), scores every held-out
+token in non-overlapping windows, and compares against an add-one smoothed unigram
+baseline estimated from the training files' tokens. The model card numbers come from here.
+
+Usage: ``python tools/measure_perplexity.py [--model-dir PATH]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_default_model as trainer  # noqa: E402  (shares the corpus split and packing)
+
+
+@torch.no_grad()
+def model_nll(model: torch.nn.Module, windows: list[torch.Tensor], batch_size: int) -> float:
+    """Summed next-token negative log-likelihood over all windows."""
+    total = 0.0
+    for start in range(0, len(windows), batch_size):
+        chunk = windows[start : start + batch_size]
+        groups = [torch.stack([w for w in chunk if len(w) == length]) for length in sorted({len(w) for w in chunk})]
+        for batch in groups:
+            logits = model(input_ids=batch[:, :-1]).logits.float()
+            total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
+    return total
+
+
+def measure(model_dir: Path, seq_len: int = 256, batch_size: int = 8) -> dict[str, float]:
+    """Return model and unigram-baseline perplexities on the held-out files."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
+    vocab_size = model.config.vocab_size
+    eos_id = tokenizer.eos_token_id
+    train_texts, val_texts = trainer.load_split()
+
+    def stream(texts: dict[str, str]) -> torch.Tensor:
+        ids = tokenizer(list(texts.values()), add_special_tokens=False, verbose=False)["input_ids"]
+        return trainer.pack_stream(ids, eos_id)
+
+    val_stream = stream(val_texts)
+    targets = val_stream[1:]
+    windows = trainer.stream_windows(val_stream, seq_len, drop_last=False)
+    nll = model_nll(model, windows, batch_size)
+
+    counts = torch.bincount(stream(train_texts), minlength=vocab_size).double()
+    log_probs = torch.log((counts + 1) / (counts.sum() + vocab_size))
+    unigram_nll = -log_probs[targets].sum().item()
+    return {
+        "tokens": len(targets),
+        "seq_len": seq_len,
+        "model_ppl": math.exp(nll / len(targets)),
+        "unigram_ppl": math.exp(unigram_nll / len(targets)),
+    }
+
+
+def main() -> None:
+    """Print validation perplexity of the model and of the unigram baseline."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, default=trainer.DEFAULT_OUTPUT)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    result = measure(args.model_dir, args.seq_len)
+    print(f"held-out tokens:          {result['tokens']:,} ({args.seq_len}-token windows)")
+    print(f"model perplexity:         {result['model_ppl']:.3f}")
+    print(f"unigram perplexity:       {result['unigram_ppl']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
