@@ -15,6 +15,9 @@ from tokenmill.attention.base import AttentionBackend
 from tokenmill.cache.views import DecodeKVCache, KVView, PrefillKVCache
 
 
+DECODE_GROUP = 16  # decode requests padded together (sorted by length) in one attention call
+
+
 class TorchNativeBackend(AttentionBackend):
     name = "torch"
 
@@ -101,7 +104,36 @@ class TorchNativeBackend(AttentionBackend):
         max_len: int,
         req_to_token: torch.Tensor,
     ) -> torch.Tensor:
-        """One query token per request, batched: q ``[B, H, D]``."""
+        """One query token per request: q ``[B, H, D]``.
+
+        Requests are padded to a common length for one batched call; a large batch is first
+        sorted by length into groups of ``DECODE_GROUP`` so that short contexts are not padded
+        (and gathered) up to the longest one.
+        """
+        batch = q.shape[0]
+        if batch <= DECODE_GROUP:
+            return self._decode_padded(q, k_cache, v_cache, req_pool_indices, seq_lens, max_len, req_to_token)
+        lens = seq_lens.tolist()
+        order = sorted(range(batch), key=lens.__getitem__)
+        out = torch.empty_like(q)
+        for start in range(0, batch, DECODE_GROUP):
+            members = order[start : start + DECODE_GROUP]
+            idx = torch.tensor(members, device=q.device)
+            out[idx] = self._decode_padded(
+                q[idx], k_cache, v_cache, req_pool_indices[idx], seq_lens[idx], lens[members[-1]], req_to_token
+            )
+        return out
+
+    def _decode_padded(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_len: int,
+        req_to_token: torch.Tensor,
+    ) -> torch.Tensor:
         batch = q.shape[0]
         group = self.n_heads // self.n_kv_heads
         positions = torch.arange(max_len, device=q.device)
