@@ -204,3 +204,13 @@ def test_abort_mid_decode_releases_pages(checkpoint) -> None:
         assert stats["free_rows"] == engine.config.max_running_requests
     finally:
         llm.shutdown()
+
+
+def test_unbounded_max_tokens_stops_at_the_kv_limit(checkpoint) -> None:
+    llm = LLM(model=str(checkpoint[0]), num_kv_slots=64, enable_prefix_caching=False)
+    try:
+        out = llm.generate([list(range(5, 15))], SamplingParams(max_tokens=None, **GREEDY), use_tqdm=False)[0]
+        assert out.outputs[0].finish_reason == "length"
+        assert len(out.outputs[0].token_ids) == 63 - 10  # 63 usable slots (slot 0 is reserved)
+    finally:
+        llm.shutdown()

@@ -70,6 +70,7 @@ class RequestState:
     params: SamplingParams
     callback: OutputCallback
     metrics: RequestMetrics
+    token_limit: int  # prompt + max_tokens, as validated: no sequence grows past it
     seqs: list[Sequence] = field(default_factory=list)
     detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)  # empty without a tokenizer
     emitted_tokens: list[int] = field(default_factory=list)  # per sequence: tokens already sent
@@ -301,7 +302,7 @@ class Engine:
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in use")
-        state = RequestState(rid, text, ids, params, callback, RequestMetrics(arrival_time=now()))
+        state = RequestState(rid, text, ids, params, callback, RequestMetrics(arrival_time=now()), len(ids) + max_tokens)
         for i in range(params.n):
             seq = Sequence(prompt_token_ids=ids, params=params, index=i, group=state)
             if params.seed is not None:
@@ -419,9 +420,7 @@ class Engine:
             detok.add_token(token)
         if detok is not None and detok.stopped_by is not None:
             self._finish(seq, FinishReason.STOP.value, stop_reason=detok.stopped_by)
-        elif params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
-            self._finish(seq, FinishReason.LENGTH.value)
-        elif seq.n_tokens >= self.max_context_len:
+        elif seq.n_tokens >= state.token_limit:  # max_tokens, or the context/KV limit when it is None
             self._finish(seq, FinishReason.LENGTH.value)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None, cache: bool = True) -> None:
@@ -527,13 +526,22 @@ class AsyncEngine:
         def deliver(delta: RequestOutput) -> None:
             loop.call_soon_threadsafe(deltas.put_nowait, delta)
 
-        rid = await asyncio.to_thread(self.engine.add_request, prompt, params, deliver, request_id)
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         finished = False
+        gone = threading.Event()  # the consumer left; the submitting thread may not have finished
+
+        def submit() -> None:
+            self.engine.add_request(prompt, params, deliver, rid)
+            if gone.is_set():  # cancelled while we were submitting: abort after the add, in queue order
+                self.engine.abort(rid)
+
         try:
+            await asyncio.to_thread(submit)
             while not finished:
                 delta = await deltas.get()
                 finished = delta.finished
                 yield delta
         finally:
             if not finished:
+                gone.set()
                 self.engine.abort(rid)
