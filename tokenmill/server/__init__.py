@@ -1,0 +1,1 @@
+"""OpenAI- and Anthropic-compatible HTTP server over an Engine; the app factory is in :mod:`tokenmill.server.app`."""

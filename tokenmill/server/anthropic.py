@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.request import CompletionOutput
@@ -25,7 +25,7 @@ from tokenmill.server.generation import Generation, until_disconnected
 from tokenmill.server.params import sampling_params
 from tokenmill.server.protocol import AnthropicBlock, MessagesRequest
 from tokenmill.server.sse import SSEResponse, sse_event
-from tokenmill.server.state import ServerState, get_state
+from tokenmill.server.state import State
 
 router = APIRouter()
 
@@ -34,7 +34,7 @@ ALIASES = {"prompt": "messages", "stop": "stop_sequences"}
 
 
 @router.post("/v1/messages")
-async def messages(body: MessagesRequest, request: Request, state: ServerState = Depends(get_state)) -> Response:
+async def messages(body: MessagesRequest, request: Request, state: State) -> Response:
     arrival = time.monotonic()
     state.check_model(body.model)
     if body.tools:

@@ -27,7 +27,7 @@ from tokenmill.metrics import ServerMetrics
 from tokenmill.server import anthropic, openai
 from tokenmill.server.body_limit import BodySizeLimit
 from tokenmill.server.errors import APIError, install_error_handlers
-from tokenmill.server.state import ServerState, get_state
+from tokenmill.server.state import ServerState, State
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -68,12 +68,13 @@ def create_app(
     app.include_router(anthropic.router, dependencies=auth)
 
     @app.get("/health")
-    async def health(state: ServerState = Depends(get_state)) -> JSONResponse:
-        healthy = state.engine.is_healthy()
-        return JSONResponse({"status": "ok" if healthy else "engine is not running"}, status_code=200 if healthy else 503)
+    async def health(state: State) -> JSONResponse:
+        if state.engine.is_healthy():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine is not running"}, status_code=503)
 
     @app.get("/metrics", dependencies=auth)
-    async def metrics(state: ServerState = Depends(get_state)) -> Response:
+    async def metrics(state: State) -> Response:
         return Response(await asyncio.to_thread(state.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version", dependencies=auth)

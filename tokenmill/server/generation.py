@@ -51,12 +51,17 @@ class Generation:
             state.async_engine.generate(prompt, p, request_id if len(prompts) == 1 else f"{request_id}-{i}")
             for i, (prompt, p) in enumerate(zip(prompts, params))
         ]
-        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
-        errors = [r for r in firsts if isinstance(r, BaseException)]
-        if errors:
-            await asyncio.gather(*(s.aclose() for s in streams))
-            raise errors[0]
-        trackers = [RequestTracker(state.metrics, arrival, len(f.prompt_token_ids), p.n) for f, p in zip(firsts, params)]
+        try:
+            firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+            errors = [r for r in firsts if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+        except BaseException:  # refused, or cancelled (the client left): abort the requests that started
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+            raise
+        trackers = [
+            RequestTracker(state.metrics, arrival, len(first.prompt_token_ids), p.n) for first, p in zip(firsts, params)
+        ]
         return cls(streams, firsts, trackers)
 
     async def _pump(

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.request import CompletionOutput, Logprob, RequestOutput
@@ -30,7 +30,7 @@ from tokenmill.server.generation import Generation, until_disconnected
 from tokenmill.server.params import fit_to_context, openai_params
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
 from tokenmill.server.sse import SSEResponse, sse_event
-from tokenmill.server.state import ServerState, get_state
+from tokenmill.server.state import ServerState, State
 from tokenmill.server.tool_parser import ToolCall, ToolCallStream, parse_tool_calls
 
 router = APIRouter()
@@ -41,7 +41,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 @router.get("/v1/models")
-async def list_models(state: ServerState = Depends(get_state)) -> dict[str, Any]:
+async def list_models(state: State) -> dict[str, Any]:
     model = {
         "id": state.model_name, "object": "model", "created": state.started, "owned_by": "tokenmill",
         "max_model_len": state.engine.max_context_len,
@@ -51,9 +51,7 @@ async def list_models(state: ServerState = Depends(get_state)) -> dict[str, Any]
 
 # ------------------------------------------------------------------------------------------ chat
 @router.post("/v1/chat/completions")
-async def chat_completions(
-    body: ChatCompletionRequest, request: Request, state: ServerState = Depends(get_state)
-) -> Response:
+async def chat_completions(body: ChatCompletionRequest, request: Request, state: State) -> Response:
     arrival = time.monotonic()
     state.check_model(body.model)
     if body.response_format is not None and body.response_format.type != "text":
@@ -124,7 +122,7 @@ def _text_content(content: str | list[ContentPart] | None) -> str:
     for part in content:
         if part.type != "text" or part.text is None:
             raise APIError(400, f"content parts of type {part.type!r} are not supported, only text", param="messages")
-    return "\n".join(part.text for part in content if part.text is not None)
+    return "\n".join(part.text or "" for part in content)
 
 
 def _json_object_or_text(arguments: str) -> Any:
@@ -254,7 +252,7 @@ class _Chat:
 
 # ----------------------------------------------------------------------------------- completions
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)) -> Response:
+async def completions(body: CompletionRequest, request: Request, state: State) -> Response:
     arrival = time.monotonic()
     state.check_model(body.model)
     if body.echo:
@@ -283,7 +281,9 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
     return JSONResponse(await completion.response(outputs))
 
 
-async def _completion_prompts(state: ServerState, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+async def _completion_prompts(
+    state: ServerState, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[list[int]]:
     """Token ids of each prompt (strings are tokenized in a worker thread)."""
     if isinstance(prompt, str):
         return await state.encode([prompt])

@@ -1,8 +1,8 @@
 """Request fields -> SamplingParams, with the server-side caps of EngineConfig.
 
 Only fields the client set are passed; the rest keep SamplingParams' (vLLM's) defaults. Ranges
-are checked by the engine when the request is added; the caps here (``max_n``,
-``max_top_logprobs``, ``max_stop_strings``, ``max_tokens_cap``) are the server's own limits, and
+are checked by the engine when the request is added; the caps here (``max_top_logprobs``,
+``max_stop_strings``, ``max_tokens_cap``; the engine enforces ``max_n``) are the server's limits, and
 break them the way the engine reports bad input: a ValueError whose message starts with the
 parameter's name (see :func:`tokenmill.server.errors.engine_errors`).
 """
@@ -32,8 +32,6 @@ def sampling_params(
     given = {k: v for k, v in fields.items() if v is not None}
     if isinstance(given.get("stop"), str):
         given["stop"] = [given["stop"]]
-    if "n" in given and config.max_n and given["n"] > config.max_n:
-        raise ValueError(f"n must be <= {config.max_n}, got {given['n']}")
     if len(given.get("stop", ())) > config.max_stop_strings:
         raise ValueError(f"stop may hold at most {config.max_stop_strings} strings, got {len(given['stop'])}")
     if logprobs is not None and logprobs > config.max_top_logprobs:

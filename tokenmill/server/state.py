@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import jinja2
-from fastapi import Request
+from fastapi import Depends, Request
 
 from tokenmill.engine.engine import AsyncEngine, Engine
 from tokenmill.metrics import ServerMetrics
@@ -66,3 +66,7 @@ class ServerState:
 def get_state(request: Request) -> ServerState:
     """FastAPI dependency: the ServerState of the app serving ``request``."""
     return request.app.state.server
+
+
+State = Annotated[ServerState, Depends(get_state)]
+"""Type of a route parameter that receives the app's ServerState."""

@@ -1,0 +1,92 @@
+"""The Anthropic route through the official ``anthropic`` client, checked against the engine's own output."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL, Server, engine_generate
+from tokenmill import SamplingParams
+
+SYSTEM = "the cat"
+MESSAGES = [{"role": "user", "content": "hello world"}]
+# this client version has no sampling keywords; the Messages API (and this server) still takes them
+GREEDY = {"extra_body": {"temperature": 0}}
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def greedy(server: Server) -> tuple[list[int], str]:
+    """The chat prompt and its first 10 greedy tokens' text (the engine's own output)."""
+    prompt = server.engine.tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, *MESSAGES])
+    out = engine_generate(server.engine, prompt, SamplingParams(max_tokens=10, temperature=0)).outputs[0]
+    assert out.finish_reason == "length", "the tiny model ended early; pick another prompt"
+    return prompt, out.text
+
+
+def test_message_matches_the_engine(client: anthropic.Anthropic, greedy: tuple[list[int], str]) -> None:
+    prompt, text = greedy
+    message = client.messages.create(model=MODEL, system=SYSTEM, messages=MESSAGES, max_tokens=10, **GREEDY)
+    assert message.type == "message" and message.role == "assistant" and message.model == MODEL
+    assert [block.type for block in message.content] == ["text"]
+    assert message.content[0].text == text
+    assert message.stop_reason == "max_tokens" and message.stop_sequence is None
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (len(prompt), 10)
+    blocks = client.messages.create(model=MODEL, system=[{"type": "text", "text": SYSTEM}], max_tokens=10,
+                                    messages=[{"role": "user", "content": [{"type": "text", "text": "hello world"}]}],
+                                    extra_body={"temperature": 0, "top_p": 0.9, "top_k": 5})
+    assert blocks.content[0].text == text
+
+
+def test_stream_events_text_and_final_message(client: anthropic.Anthropic, greedy: tuple[list[int], str]) -> None:
+    prompt, text = greedy
+    with client.messages.stream(model=MODEL, system=SYSTEM, messages=MESSAGES, max_tokens=10, **GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["message_start", "content_block_start"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == text
+    assert final.content[0].text == text and final.stop_reason == "max_tokens"
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (len(prompt), 10)
+
+
+def test_raw_stream_has_the_full_event_sequence(server: Server) -> None:
+    body = {"model": MODEL, "max_tokens": 3, "stream": True, "messages": MESSAGES}
+    with httpx.stream("POST", f"{server.url}/v1/messages", json=body, timeout=30) as response:
+        names = [line.removeprefix("event: ") for line in response.iter_lines() if line.startswith("event: ")]
+    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert set(names[3:-3]) <= {"content_block_delta"}
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+
+
+def test_stop_sequence(client: anthropic.Anthropic, greedy: tuple[list[int], str]) -> None:
+    _, text = greedy
+    stop = text.split()[2]
+    message = client.messages.create(model=MODEL, system=SYSTEM, messages=MESSAGES, max_tokens=10,
+                                     stop_sequences=[stop, "never appears"], **GREEDY)
+    assert message.content[0].text == text[: text.index(stop)]
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+
+
+def test_tool_blocks_become_text_and_errors_use_anthropics_shape(client: anthropic.Anthropic) -> None:
+    history = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]},
+    ]
+    assert client.messages.create(model=MODEL, messages=history, max_tokens=2).usage.output_tokens >= 1
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.create(model="other", messages=MESSAGES, max_tokens=2)
+    assert missing.value.body["type"] == "error" and missing.value.body["error"]["type"] == "not_found_error"
+    assert "'other'" in missing.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client.messages.create(model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"temperature": -1})
+    assert bad.value.body["error"]["type"] == "invalid_request_error"
+    assert "temperature" in bad.value.body["error"]["message"]
