@@ -231,8 +231,9 @@ class Engine:
     def paused(self) -> bool:
         return self._paused
 
-    def stats(self) -> dict[str, Any]:
-        """A consistent snapshot of scheduler, cache and request counters."""
+    def stats(self, timeout: float | None = 60.0) -> dict[str, Any]:
+        """A consistent snapshot of scheduler, cache and request counters (taken between steps;
+        raises TimeoutError if no step boundary comes within ``timeout`` seconds)."""
 
         def snapshot() -> dict[str, Any]:
             cache = self.cache
@@ -255,7 +256,7 @@ class Engine:
                 "active_requests": len(self._requests),
             }
 
-        return self.call(snapshot)
+        return self.call(snapshot, timeout)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
