@@ -214,3 +214,19 @@ def test_unbounded_max_tokens_stops_at_the_kv_limit(checkpoint) -> None:
         assert len(out.outputs[0].token_ids) == 63 - 10  # 63 usable slots (slot 0 is reserved)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [(dict(top_k=2**63), "top_k"), (dict(seed=2**64), "seed"), (dict(repetition_penalty=1e-308), "repetition_penalty")],
+)
+def test_out_of_range_values_fail_only_their_request(llm: LLM, kwargs: dict, param: str) -> None:
+    with pytest.raises(ValueError, match=param):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=1.0, **kwargs), use_tqdm=False)
+
+
+def test_tiny_temperature_and_top_p_stay_well_defined(llm: LLM) -> None:
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)[0].outputs[0]
+    for kwargs in (dict(temperature=1e-308), dict(temperature=1.0, top_p=1e-308)):
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True, **kwargs), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == greedy.token_ids

@@ -36,6 +36,7 @@ from tokenmill.engine.request import (
     OutputCallback,
     RequestMetrics,
     RequestOutput,
+    INT63,
     SamplingParams,
     now,
 )
@@ -307,7 +308,7 @@ class Engine:
         for i in range(params.n):
             seq = Sequence(prompt_token_ids=ids, params=params, index=i, group=state)
             if params.seed is not None:
-                seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + 7919 * i)
+                seq.generator = torch.Generator(device=self.device).manual_seed((params.seed + 7919 * i) % INT63)
             if i > 0 and self.cache.radix is not None:
                 seq.wait_for = state.seqs[0]
             state.seqs.append(seq)

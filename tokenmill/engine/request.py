@@ -19,6 +19,10 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine failed this request; ``CompletionOutput.error`` says why
 
 
+GREEDY_TEMPERATURE = 1e-5
+INT63 = 2**63
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -31,7 +35,7 @@ def _is_number(value: Any) -> bool:
 class SamplingParams:
     """Per-request generation parameters (vLLM names and defaults).
 
-    ``temperature == 0`` is exact greedy argmax. ``top_k <= 0`` disables top-k. ``logprobs=k``
+    ``temperature == 0`` (or below 1e-5) is exact greedy argmax. ``top_k <= 0`` disables top-k. ``logprobs=k``
     returns the chosen token's logprob plus the ``k`` most likely (k=0: only the chosen one),
     computed from the model's log-softmax before any sampling transform.
     """
@@ -62,7 +66,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below ``GREEDY_TEMPERATURE`` are exact argmax (as in vLLM)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def stop_strings(self) -> list[str]:
@@ -91,14 +96,18 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if not -1 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or a positive count below 2**31, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < INT63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 1e-3 <= self.repetition_penalty <= 1e3:
+            raise ValueError(f"repetition_penalty must be in [0.001, 1000], got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

@@ -72,7 +72,7 @@ def _filter_logits(
     drop |= (top_k[:, None] > 0) & (positions[None, :] >= top_k[:, None])
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 for the top token
-    drop |= (top_p[:, None] < 1.0) & (mass_before >= top_p[:, None])
+    drop |= (top_p[:, None] < 1.0) & (mass_before >= top_p[:, None]) & (positions[None, :] > 0)
     kept = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, kept)
 
