@@ -111,9 +111,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.server.app import run_server
 
+    grace = {} if args.shutdown_grace_seconds is None else {"shutdown_grace_seconds": args.shutdown_grace_seconds}
     run_server(
         engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
-        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        api_key=args.api_key, max_body_bytes=args.max_body_bytes, allowed_weight_roots=args.allowed_weight_roots,
+        **grace,
     )
     return 0
 
@@ -145,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model name clients send (default: folder name)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or x-api-key)")
     serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    serve.add_argument("--allowed-weight-roots", nargs="+", default=[], metavar="DIR",
+                       help="folders POST /update_weights_from_disk may load checkpoints from (default: none)")
+    serve.add_argument("--shutdown-grace-seconds", type=float, default=None, metavar="S",
+                       help="on SIGTERM/SIGINT, seconds running requests get to finish before they are aborted "
+                            "(default: 10)")
     _add_engine_options(serve)
     serve.set_defaults(func=cmd_serve)
 

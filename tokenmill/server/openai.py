@@ -128,7 +128,7 @@ def _text_content(content: str | list[ContentPart] | None) -> str:
 def _json_object_or_text(arguments: str) -> Any:
     try:
         value = json.loads(arguments)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested too deeply to parse: keep the text
         return arguments
     return value if isinstance(value, dict) else arguments
 

@@ -44,10 +44,15 @@ class ServerState:
                            param="model", code="model_not_found")
 
     async def encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text; text that is not valid Unicode -> 400."""
+        check_unicode(texts, "prompt")
         return await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts])
 
     async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        """Token ids of ``messages`` through the chat template; a template that refuses them -> 400."""
+        """Token ids of ``messages`` through the chat template; invalid Unicode or a template that
+        refuses them -> 400."""
+        check_unicode(messages, "messages")
+        check_unicode(tools, "tools")
         try:
             return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, True, tools)
         except (ValueError, jinja2.TemplateError) as exc:
@@ -61,6 +66,28 @@ class ServerState:
             texts = await asyncio.to_thread(lambda: [decode([t], skip_special_tokens=False) for t in missing])
             self._token_strings.update(zip(missing, texts))
         return {t: self._token_strings[t] for t in ids}
+
+
+def check_unicode(value: Any, param: str) -> None:
+    """Raise APIError(400) if a string in ``value`` (nested lists and dicts too) has a lone surrogate.
+
+    JSON can carry lone surrogates (``"\\ud800"``); they are not Unicode text, and the tokenizer
+    cannot encode them. The walk is iterative: request bodies may nest deeply.
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise APIError(400, f"{param} contains a lone surrogate ({exc.object[exc.start]!r}), which is not "
+                                    "valid Unicode text", param=param) from exc
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
 
 
 def get_state(request: Request) -> ServerState:
