@@ -27,9 +27,7 @@ import contextlib
 import gc
 import json
 import random
-import socket
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -38,12 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 
 from tokenmill import Engine
 from tokenmill.engine.engine import RequestState
 from tokenmill.engine.sequence import Sequence
-from tokenmill.server.app import create_app
+from tokenmill.server.background import serve_in_background
 from tokenmill.server.generation import Generation
 
 WORDS = ["hello", "world", "the", "cat", "dog", "sat", "on", "mat", "one", "two", "three", "def", "return", "x"]
@@ -292,23 +289,8 @@ def rss_mb() -> float:
 @contextlib.contextmanager
 def serving(engine: Engine, **app_options: Any) -> Iterator[str]:
     """Serve ``engine`` on a free loopback port in a background thread; yields the base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, **app_options), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the server did not start")
-        time.sleep(0.02)
-    try:
+    with serve_in_background(engine, **app_options) as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def main(argv: list[str] | None = None) -> int:

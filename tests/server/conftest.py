@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -11,12 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import uvicorn
 
 from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import Engine, SamplingParams
 from tokenmill.engine.request import RequestOutput, accumulate
-from tokenmill.server.app import create_app
+from tokenmill.server.background import serve_in_background
 
 MODEL = "tiny-llama"
 
@@ -34,22 +32,10 @@ class Server:
 @contextlib.contextmanager
 def serve(engine: Engine, **app_options) -> Iterator[Server]:
     """Serve ``engine`` on a free loopback port until the block ends; the engine is shut down after."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, **app_options), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
     try:
-        yield Server(engine, port)
+        with serve_in_background(engine, **app_options) as port:
+            yield Server(engine, port)
     finally:
-        server.should_exit = True
-        thread.join(10)
         engine.shutdown()
 
 

@@ -42,7 +42,7 @@ from tokenmill.engine.request import (
 )
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
-from tokenmill.engine.scheduler import Scheduler, StepPlan
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence, SeqStatus
 from tokenmill.engine.weight_update import WeightsSource, apply_update, plan_update
 from tokenmill.model.config import ModelConfig
