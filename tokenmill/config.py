@@ -65,7 +65,8 @@ class EngineConfig:
 
     # Attention
     attention_backend: str = "auto"
-    """"auto" (triton on CUDA, torch elsewhere), "torch" or "triton"; explicit choices are strict."""
+    """"auto" (triton on CUDA; "cpu" for fp32 on CPU when its C++ kernels build; else torch), "torch",
+    "cpu" or "triton"; explicit choices are strict."""
     prefill_q_tile: int = 16
     """Query rows per tile of the ragged prefill kernel."""
     max_decode_splits: int = 16
@@ -90,9 +91,9 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two in [1, 256], got {self.page_size}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(
-                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
+                f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {self.attention_backend!r}"
             )
         if self.kv_cache_memory_fraction is not None and not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")

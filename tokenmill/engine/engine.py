@@ -120,19 +120,34 @@ class Engine:
         self._thread.start()
 
     def _make_backend(self) -> AttentionBackend:
-        """"auto": triton on CUDA when installed, else torch. An explicit choice is strict: the
-        Triton backend raises on anything it does not support instead of falling back."""
+        """"auto": triton on CUDA when installed; on CPU with fp32 the C++ decode kernels when they
+        build, else torch. An explicit choice is strict: it raises instead of falling back."""
         mc = self.model_config
         choice = self.config.attention_backend
         if choice == "auto":
-            from tokenmill.attention.triton import TRITON_AVAILABLE
-
-            choice = "triton" if self.device.type == "cuda" and TRITON_AVAILABLE else "torch"
+            choice = self._auto_backend()
         if choice == "triton":
             from tokenmill.attention.triton import TritonBackend
 
             return TritonBackend(mc.num_heads, mc.num_kv_heads, mc.head_dim, self.config)
+        if choice == "cpu":
+            from tokenmill.attention.cpu import CpuBackend
+
+            if self.device.type != "cpu" or self.dtype != torch.float32:
+                raise ValueError(f"attention_backend='cpu' needs fp32 on CPU, got {self.dtype} on {self.device}")
+            return CpuBackend(mc.num_heads, mc.num_kv_heads, mc.head_dim)
         return TorchNativeBackend(mc.num_heads, mc.num_kv_heads, mc.head_dim)
+
+    def _auto_backend(self) -> str:
+        if self.device.type == "cuda":
+            from tokenmill.attention.triton import TRITON_AVAILABLE
+
+            return "triton" if TRITON_AVAILABLE else "torch"
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            from tokenmill.attention.cpu import load_cpu_kernels
+
+            return "cpu" if load_cpu_kernels() is not None else "torch"
+        return "torch"
 
     # ------------------------------------------------------------------ public API
     def is_healthy(self) -> bool:

@@ -16,6 +16,7 @@ from torch import nn
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.cache.views import KVView
 from tokenmill.model.config import ModelConfig, RopeConfig
+from tokenmill.model.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -140,8 +141,8 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -160,9 +161,9 @@ class Attention(nn.Module):
         q_size = self.n_heads * self.head_dim
         kv_size = self.n_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

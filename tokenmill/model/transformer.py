@@ -17,6 +17,7 @@ from tokenmill.attention.base import AttentionBackend
 from tokenmill.cache.views import DecodeKVCache, KVView
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from tokenmill.model.linear import Linear, linear
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.backend: AttentionBackend | None = None
 
     @property
@@ -88,7 +89,7 @@ class CausalLM(nn.Module):
         if logits_indices is not None:
             h = h[logits_indices]
         h = self.model.norm(h)
-        return torch.nn.functional.linear(h, self.lm_head_weight)
+        return linear(h, self.lm_head_weight)
 
     @staticmethod
     def _dynamic_rope_lens(kv_view: KVView) -> torch.Tensor:

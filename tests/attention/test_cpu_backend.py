@@ -1,0 +1,117 @@
+"""The C++ decode kernel of CpuBackend against the torch-native backend, and through the engine.
+
+Ragged decode batches over scattered pages (page sizes 1 and 16), GQA groups 1-4, head_dim 64
+and 128 (compile-time paths) and 24/40 (run-time path), batches small enough to split work by
+KV head and large enough to split it by request; the one-token rows of a mixed prefill step.
+The kernels build on first use; without a C++ compiler the tests are skipped (and only then).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.attention.helpers import PagedLayout, make_storage
+from tests.tiny_models import save_tiny_checkpoint
+from tokenmill import LLM, SamplingParams
+from tokenmill.attention.cpu import CpuBackend, load_cpu_kernels
+from tokenmill.attention.torch_native import TorchNativeBackend
+from tokenmill.cache.view_builder import make_decode_view, make_prefill_view
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler to build the CPU kernels")
+
+LAYER = 1  # of 2: exercises the per-layer buffer offset
+
+# (n_heads, n_kv_heads, head_dim, page_size, batch)
+CASES = [
+    (4, 4, 64, 1, 1),
+    (12, 4, 64, 16, 9),
+    (8, 4, 128, 1, 3),
+    (8, 2, 24, 16, 9),
+    (4, 1, 40, 1, 5),
+]
+
+
+def test_kernels_build() -> None:
+    assert load_cpu_kernels() is not None, "a C++ compiler is present, so the kernels must build (see the log)"
+
+
+def backends(n_heads: int, n_kv: int, head_dim: int) -> tuple[CpuBackend, TorchNativeBackend]:
+    return CpuBackend(n_heads, n_kv, head_dim), TorchNativeBackend(n_heads, n_kv, head_dim)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "h{}-kv{}-d{}-p{}-b{}".format(*c))
+def test_decode_matches_torch(case: tuple) -> None:
+    n_heads, n_kv, head_dim, page, batch = case
+    torch.manual_seed(0)
+    layout = PagedLayout(page, n_pages=2 + 70 * batch // page + batch, rows=batch, context=96)
+    storage = make_storage(2, layout.allocator.n_pages * page, n_kv, head_dim, torch.float32)
+    rows = [layout.new_row() for _ in range(batch)]
+    layout.extend_interleaved(rows, torch.randint(0, 64, (batch,)).tolist())  # cached context
+    loc = torch.cat(layout.extend_interleaved(rows, [1] * batch))
+    seq_lens = [layout.lens[r] for r in rows]
+    view = make_decode_view(storage, layout.pool.table, rows, seq_lens, loc, torch.zeros(batch, n_heads, 1, head_dim),
+                            torch.zeros(batch, n_heads, 1), 64)
+    q = torch.randn(batch, n_heads, head_dim)
+    k, v = torch.randn(batch, n_kv, head_dim), torch.randn(batch, n_kv, head_dim)
+    cpu, ref = backends(n_heads, n_kv, head_dim)
+    expected = ref.forward(q, k, v, LAYER, view)
+    out = cpu.forward(q, k, v, LAYER, view)
+    assert out.shape == q.shape
+    assert (out - expected).abs().max().item() <= 1e-5
+
+
+def test_mixed_step_single_rows_match_torch() -> None:
+    """Decode-like rows inside a prefill view take the kernel; the prompt rows the torch path."""
+    torch.manual_seed(1)
+    layout = PagedLayout(16, n_pages=20, rows=4, context=96)
+    storage = make_storage(2, layout.allocator.n_pages * 16, 2, 64, torch.float32)
+    rows = [layout.new_row() for _ in range(4)]
+    prefix, extend = [30, 0, 17, 5], [1, 9, 1, 1]
+    layout.extend_interleaved(rows, prefix)
+    loc = torch.cat(layout.extend_interleaved(rows, extend))
+    view = make_prefill_view(storage, layout.pool.table, rows, prefix, extend, loc, 8)
+    q, k, v = torch.randn(12, 6, 64), torch.randn(12, 2, 64), torch.randn(12, 2, 64)
+    cpu, ref = backends(6, 2, 64)
+    assert (cpu.forward(q, k, v, LAYER, view) - ref.forward(q, k, v, LAYER, view)).abs().max().item() <= 1e-5
+
+
+def test_refuses_non_fp32() -> None:
+    layout = PagedLayout(1, n_pages=8, rows=1, context=8)
+    storage = make_storage(2, 8, 2, 64, torch.bfloat16)
+    row = layout.new_row()
+    loc = layout.extend(row, 1)
+    view = make_decode_view(storage, layout.pool.table, [row], [1], loc, torch.zeros(1, 2, 1, 64),
+                            torch.zeros(1, 2, 1), 64)
+    q, kv = torch.randn(1, 2, 64).bfloat16(), torch.randn(1, 2, 64).bfloat16()
+    with pytest.raises(ValueError, match="fp32"):
+        CpuBackend(2, 2, 64).forward(q, kv, kv, 0, view)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama-cpu")
+    save_tiny_checkpoint(path, "llama")
+    return path
+
+
+def test_engine_auto_picks_cpu_and_matches_torch(checkpoint: Path) -> None:
+    prompts = [list(range(3, 8)), [(7 * i) % 90 + 4 for i in range(19)], [(5 * i) % 80 + 6 for i in range(34)]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    options = dict(device="cpu", num_kv_slots=256, page_size=4, max_running_requests=4, max_num_batched_tokens=24)
+    results = {}
+    for backend in ("auto", "torch"):
+        llm = LLM(model=str(checkpoint), attention_backend=backend, **options)
+        try:
+            results[llm.engine.model.backend.name] = [
+                o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+            ]
+            if backend == "auto":
+                assert llm.engine.stats()["scheduler"]["mixed_steps"] > 0
+        finally:
+            llm.shutdown()
+    assert set(results) == {"cpu", "torch"}
+    assert results["cpu"] == results["torch"]
