@@ -48,6 +48,14 @@ def run_transformers(path: Path, work: Workload, batch_size: int) -> float:
     return work.n_output_tokens / (time.perf_counter() - start)
 
 
+def matmul_weights(model: torch.nn.Module) -> tuple[int, int]:
+    """Parameters (and bytes) a token's forward multiplies with: all but the input embedding table,
+    which is only indexed (unless tied, when it is also the LM head). ~100M for the default model."""
+    embed = model.model.embed_tokens.weight
+    params = [p for p in model.parameters() if p is not embed or model.lm_head is None]
+    return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
+
+
 def batch1_decode_ms(llm: LLM, n_tokens: int = 64) -> float:
     """Median-free simple measure: ms per token of one request decoding ``n_tokens`` tokens."""
     params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
@@ -76,8 +84,7 @@ def main() -> None:
     try:
         ours, _ = run_throughput(llm, work)
         b1_ms = batch1_decode_ms(llm) if args.roofline else None
-        n_params = sum(p.numel() for p in llm.engine.model.parameters())
-        model_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+        n_params, model_bytes = matmul_weights(llm.engine.model)
     finally:
         llm.shutdown()
     hf = {b: run_transformers(path, work, b) for b in args.hf_batch_sizes}

@@ -17,7 +17,8 @@ import torch
 from tests.attention.helpers import PagedLayout, make_storage
 from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
-from tokenmill.attention.cpu import CpuBackend, load_cpu_kernels
+from tokenmill.attention.cpu_backend import CpuBackend
+from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.cache.view_builder import make_decode_view, make_prefill_view
 

@@ -131,7 +131,7 @@ class Engine:
 
             return TritonBackend(mc.num_heads, mc.num_kv_heads, mc.head_dim, self.config)
         if choice == "cpu":
-            from tokenmill.attention.cpu import CpuBackend
+            from tokenmill.attention.cpu_backend import CpuBackend
 
             if self.device.type != "cpu" or self.dtype != torch.float32:
                 raise ValueError(f"attention_backend='cpu' needs fp32 on CPU, got {self.dtype} on {self.device}")
@@ -144,7 +144,7 @@ class Engine:
 
             return "triton" if TRITON_AVAILABLE else "torch"
         if self.device.type == "cpu" and self.dtype == torch.float32:
-            from tokenmill.attention.cpu import load_cpu_kernels
+            from tokenmill.cpu_kernels import load_cpu_kernels
 
             return "cpu" if load_cpu_kernels() is not None else "torch"
         return "torch"

@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.cache.views import KVView
 from tokenmill.model.config import ModelConfig, RopeConfig
+from tokenmill.model.fused import add_rms_norm, apply_rotary, rms_norm, rotary_split_qkv, silu_and_mul
 from tokenmill.model.linear import Linear
 
 
@@ -26,10 +26,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``; may update ``residual`` in place (see ``add_rms_norm``)."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -128,25 +129,16 @@ def _yarn_inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, D]`` in the rotate_half layout."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
-        self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class Attention(nn.Module):
@@ -179,14 +171,13 @@ class Attention(nn.Module):
         kv_view: KVView,
     ) -> torch.Tensor:
         n_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(n_tokens, self.n_heads, self.head_dim)
-        k = k.view(n_tokens, self.n_kv_heads, self.head_dim)
-        v = v.view(n_tokens, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(x)
+        if self.q_norm is None:
+            q, k, v = rotary_split_qkv(qkv, cos, sin, self.n_heads, self.n_kv_heads, self.head_dim)
+        else:  # qwen3: per-head RMSNorm of q and k before RoPE
+            q, k, v = qkv.split(self.split_sizes, dim=-1)
+            q = apply_rotary(self.q_norm(q.reshape(n_tokens, self.n_heads, self.head_dim)), cos, sin)
+            k = apply_rotary(self.k_norm(k.reshape(n_tokens, self.n_kv_heads, self.head_dim)), cos, sin)
+            v = v.reshape(n_tokens, self.n_kv_heads, self.head_dim)
         out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), self.layer_id, kv_view)
         return self.o_proj(out.reshape(n_tokens, self.n_heads * self.head_dim))

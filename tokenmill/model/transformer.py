@@ -38,10 +38,24 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend, kv_view: KVView
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend, kv_view)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+        kv_view: KVView,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried unsummed: the layer's input is ``h + residual`` (``h`` alone
+        for the first layer), its output ``(mlp_out, residual)``; each sum is fused into the next norm."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(h, residual)
+        x, residual = self.post_attention_layernorm.add_and_norm(
+            self.self_attn(x, cos, sin, backend, kv_view), residual
+        )
+        return self.mlp(x), residual
 
 
 class DecoderStack(nn.Module):
@@ -84,11 +98,12 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         rope_lens = self._dynamic_rope_lens(kv_view) if self.rotary.is_dynamic else None
         cos, sin = self.rotary(positions, rope_lens, h.dtype)
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, self.backend, kv_view)
+        residual = None
+        for layer in self.model.layers:  # at least one: ModelConfig requires a positive count
+            h, residual = layer(h, residual, cos, sin, self.backend, kv_view)
         if logits_indices is not None:
-            h = h[logits_indices]
-        h = self.model.norm(h)
+            h, residual = h[logits_indices], residual[logits_indices]
+        h, _ = self.model.norm.add_and_norm(h, residual)
         return linear(h, self.lm_head_weight)
 
     @staticmethod

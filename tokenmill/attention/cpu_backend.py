@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention.cpu.extension import load_cpu_kernels
+from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.attention.torch_native import TorchNativeBackend
 
 

@@ -1,0 +1,49 @@
+"""C++ kernels for fp32 on CPU, built once per machine and registered as ``torch.ops.tokenmill_cpu``.
+
+``decode_attention.cpp``: paged decode attention over the token-slot KV storage (CpuBackend).
+``elementwise.cpp``: rms_norm, add_rms_norm, silu_and_mul, rotary_split_qkv (``model/fused.py``).
+
+The sources are compiled by ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja)
+for the host CPU (``-march=native``) with OpenMP, so ``at::parallel_for`` uses torch's threads.
+torch caches the build under ``TORCH_EXTENSIONS_DIR`` (``~/.cache/torch_extensions``): only the
+first run on a machine pays the compile (~30 s on 2 cores). ``load_cpu_kernels`` returns None,
+and logs why, when the build is impossible or ``TOKENMILL_CPU_KERNELS=0`` is set; every caller
+then uses its torch implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "elementwise.cpp")]
+
+
+@functools.cache
+def load_cpu_kernels() -> Any | None:
+    """The ``torch.ops.tokenmill_cpu`` op namespace, or None when the kernels are off or unbuildable."""
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+        logger.info("CPU kernels disabled by TOKENMILL_CPU_KERNELS=0")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        logger.info("loading the C++ CPU kernels (compiled on first use on this machine)")
+        load(
+            name="tokenmill_cpu_kernels",
+            sources=[str(p) for p in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,  # the library registers its ops with torch (TORCH_LIBRARY)
+        )
+        return torch.ops.tokenmill_cpu
+    except Exception as exc:  # no compiler, no ninja, no headers: the torch paths still work
+        logger.warning("C++ CPU kernels unavailable (%s); using the torch implementations", exc)
+        return None

@@ -1,0 +1,168 @@
+// Fused row-wise kernels for fp32 CPU tensors, each replacing a chain of small torch ops (and
+// their intermediate tensors) in a decoder layer:
+//   rms_norm          out = weight * x / sqrt(mean(x^2) + eps)
+//   add_rms_norm      residual += x (in place); out = rms_norm(residual)
+//   silu_and_mul      [T, 2I] -> [T, I]: silu(gate) * up
+//   rotary_split_qkv  fused qkv rows [T, (H + 2 Hkv) D] -> contiguous q, k (rotate_half RoPE) and v
+// Rows are split over torch's intra-op threads. Loops are written for the compiler to vectorize
+// (exp is a polynomial, so silu vectorizes too).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+constexpr int64_t kRowGrain = 8;
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.is_contiguous(), name,
+              " must be a contiguous 2-d fp32 tensor");
+}
+
+// exp for x <= 88 (silu only needs exp(-x) clamped to that range); ~1e-7 relative error.
+inline float fast_exp(float x) {
+  x = std::max(-87.f, std::min(x, 88.f));
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest, vectorizable
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-06f;
+  float p = 1.98756915e-4f;
+  p = p * r + 1.39819994e-3f;
+  p = p * r + 8.33345205e-3f;
+  p = p * r + 4.16657962e-2f;
+  p = p * r + 1.66666657e-1f;
+  p = p * r + 5.00000000e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, sizeof(bits));
+  return p;
+}
+
+inline void normalize_row(const float* x, const float* weight, float* out, int64_t dim, float eps) {
+  float sum_sq = 0.f;
+#pragma omp simd reduction(+ : sum_sq)
+  for (int64_t i = 0; i < dim; ++i) sum_sq += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(dim) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < dim; ++i) out[i] = weight[i] * (x[i] * inv);
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1),
+              "weight must be fp32 [hidden]");
+  auto out = at::empty_like(x);
+  const int64_t dim = x.size(1);
+  const float* src = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) normalize_row(src + t * dim, w, dst + t * dim, dim, static_cast<float>(eps));
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "residual must have x's shape");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1),
+              "weight must be fp32 [hidden]");
+  auto out = at::empty_like(x);
+  const int64_t dim = x.size(1);
+  const float* src = x.data_ptr<float>();
+  float* res = residual.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* r = res + t * dim;
+      const float* s = src + t * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) r[i] += s[i];
+      normalize_row(r, w, dst + t * dim, dim, static_cast<float>(eps));
+    }
+  });
+  return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
+  const int64_t half = gate_up.size(1) / 2;
+  auto out = at::empty({gate_up.size(0), half}, gate_up.options());
+  const float* src = gate_up.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, gate_up.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* gate = src + t * 2 * half;
+      const float* up = gate + half;
+      float* o = dst + t * half;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) o[i] = gate[i] / (1.f + fast_exp(-gate[i])) * up[i];
+    }
+  });
+  return out;
+}
+
+// qkv [T, (H + 2 Hkv) * D] (fused projection rows); cos/sin [T, D] in the rotate_half layout.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split_qkv(const at::Tensor& qkv, const at::Tensor& cos,
+                                                               const at::Tensor& sin, int64_t n_heads,
+                                                               int64_t n_kv_heads, int64_t head_dim) {
+  check_rows(qkv, "qkv");
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  const int64_t tokens = qkv.size(0), width = (n_heads + 2 * n_kv_heads) * head_dim;
+  TORCH_CHECK(head_dim % 2 == 0 && qkv.size(1) == width, "qkv must be [T, (H + 2 Hkv) * D] with even D");
+  TORCH_CHECK(cos.size(0) == tokens && cos.size(1) == head_dim && sin.sizes() == cos.sizes(), "cos/sin: [T, D]");
+  auto q = at::empty({tokens, n_heads, head_dim}, qkv.options());
+  auto k = at::empty({tokens, n_kv_heads, head_dim}, qkv.options());
+  auto v = at::empty({tokens, n_kv_heads, head_dim}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cos_ptr = cos.data_ptr<float>();
+  const float* sin_ptr = sin.data_ptr<float>();
+  float* q_ptr = q.data_ptr<float>();
+  float* k_ptr = k.data_ptr<float>();
+  float* v_ptr = v.data_ptr<float>();
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = src + t * width;
+      const float* c = cos_ptr + t * head_dim;
+      const float* s = sin_ptr + t * head_dim;
+      for (int64_t h = 0; h < n_heads + n_kv_heads; ++h) {
+        const float* x = row + h * head_dim;
+        float* o = h < n_heads ? q_ptr + (t * n_heads + h) * head_dim
+                               : k_ptr + (t * n_kv_heads + h - n_heads) * head_dim;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          o[i] = x[i] * c[i] - x[i + half] * s[i];
+          o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+        }
+      }
+      std::memcpy(v_ptr + t * n_kv_heads * head_dim, row + (n_heads + n_kv_heads) * head_dim,
+                  n_kv_heads * head_dim * sizeof(float));
+    }
+  });
+  return {q, k, v};
+}
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary_split_qkv(Tensor qkv, Tensor cos, Tensor sin, int n_heads, int n_kv_heads, int head_dim) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.impl("rotary_split_qkv", c10::DispatchKey::CPU, &rotary_split_qkv);
+}

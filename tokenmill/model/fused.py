@@ -1,0 +1,73 @@
+"""Fused decoder-layer ops: the C++ kernels (``tokenmill.cpu_kernels``) for fp32 CPU tensors, the
+torch code below (the reference they are tested against) for everything else.
+
+On CPU a decode step of a small model is dominated by per-op overhead, and a prefill chunk by
+the memory traffic of intermediates; each function here replaces a chain of torch ops.
+Measured on 2 AVX2 cores (hidden 768, 12/4 heads, intermediate 2048), fused vs torch:
+rotary+split 16x at 1 token / 7x at 2048; rms_norm 3-6x; silu_and_mul 2-4x.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.cpu_kernels import load_cpu_kernels
+
+
+def _kernels(x: torch.Tensor) -> Any | None:
+    return load_cpu_kernels() if x.is_cpu and x.dtype == torch.float32 else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, computed in fp32."""
+    ops = _kernels(x)
+    if ops is not None and x.dim() == 2:
+        return ops.rms_norm(x.contiguous(), weight, eps)
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual + x`` and its rms_norm. The kernel updates ``residual`` in place and returns it;
+    callers must own ``residual`` and use only the returned tensors afterwards."""
+    ops = _kernels(x)
+    if ops is not None and x.dim() == 2 and residual.is_contiguous():
+        return ops.add_rms_norm(x.contiguous(), residual, weight, eps), residual
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dim."""
+    ops = _kernels(gate_up)
+    if ops is not None and gate_up.dim() == 2:
+        return ops.silu_and_mul(gate_up.contiguous())
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, D]`` in the rotate_half layout; ``cos``/``sin`` ``[T, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rotary_split_qkv(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split fused q/k/v projection rows ``[T, (H + 2 Hkv) D]`` into contiguous ``q [T, H, D]``,
+    ``k``/``v`` ``[T, Hkv, D]``, with RoPE applied to q and k."""
+    ops = _kernels(qkv)
+    if ops is not None and cos.dtype == torch.float32:
+        return ops.rotary_split_qkv(qkv.contiguous(), cos.contiguous(), sin.contiguous(), n_heads, n_kv_heads, head_dim)
+    n_tokens = qkv.shape[0]
+    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    q = apply_rotary(q.view(n_tokens, n_heads, head_dim), cos, sin)
+    k = apply_rotary(k.view(n_tokens, n_kv_heads, head_dim), cos, sin)
+    return q.contiguous(), k.contiguous(), v.reshape(n_tokens, n_kv_heads, head_dim).contiguous()
