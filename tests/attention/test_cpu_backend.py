@@ -1,8 +1,10 @@
-"""The C++ decode kernel of CpuBackend against the torch-native backend, and through the engine.
+"""CpuBackend (C++ decode kernel, fused-softmax prefill) against the torch-native backend, and
+through the engine.
 
 Ragged decode batches over scattered pages (page sizes 1 and 16), GQA groups 1-4, head_dim 64
 and 128 (compile-time paths) and 24/40 (run-time path), batches small enough to split work by
-KV head and large enough to split it by request; the one-token rows of a mixed prefill step.
+KV head and large enough to split it by request; the one-token rows of a mixed prefill step;
+prompt rows over cached prefixes in one or several query blocks.
 The kernels build on first use; without a C++ compiler the tests are skipped (and only then).
 """
 
@@ -17,6 +19,7 @@ import torch
 from tests.attention.helpers import PagedLayout, make_storage
 from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
+from tokenmill.attention import cpu_backend
 from tokenmill.attention.cpu_backend import CpuBackend
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.attention.torch_native import TorchNativeBackend
@@ -77,6 +80,26 @@ def test_mixed_step_single_rows_match_torch() -> None:
     view = make_prefill_view(storage, layout.pool.table, rows, prefix, extend, loc, 8)
     q, k, v = torch.randn(12, 6, 64), torch.randn(12, 2, 64), torch.randn(12, 2, 64)
     cpu, ref = backends(6, 2, 64)
+    assert (cpu.forward(q, k, v, LAYER, view) - ref.forward(q, k, v, LAYER, view)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("block_floats", [cpu_backend.SCORE_BUFFER_FLOATS, 3 * 64 * 20])
+def test_prefill_matches_torch(monkeypatch: pytest.MonkeyPatch, block_floats: int) -> None:
+    """Prompt rows (long enough for the kernel path) over cached prefixes; a small score buffer
+    forces several query blocks per request."""
+    monkeypatch.setattr(cpu_backend, "SCORE_BUFFER_FLOATS", block_floats)
+    torch.manual_seed(2)
+    layout = PagedLayout(1, n_pages=400, rows=3, context=160)
+    storage = make_storage(2, 400, 2, 64, torch.float32)
+    rows = [layout.new_row() for _ in range(3)]
+    prefix, extend = [0, 40, 3], [45, 33, 70]
+    layout.extend_interleaved(rows, prefix)
+    loc = torch.cat(layout.extend_interleaved(rows, extend))
+    view = make_prefill_view(storage, layout.pool.table, rows, prefix, extend, loc, 8)
+    n = sum(extend)
+    q, k, v = torch.randn(n, 6, 64), torch.randn(n, 2, 64), torch.randn(n, 2, 64)
+    cpu, ref = backends(6, 2, 64)
+    assert all(e >= cpu_backend.MIN_KERNEL_QUERY_ROWS for e in extend)
     assert (cpu.forward(q, k, v, LAYER, view) - ref.forward(q, k, v, LAYER, view)).abs().max().item() <= 1e-5
 
 

@@ -4,6 +4,7 @@
 //   add_rms_norm      residual += x (in place); out = rms_norm(residual)
 //   silu_and_mul      [T, 2I] -> [T, I]: silu(gate) * up
 //   rotary_split_qkv  fused qkv rows [T, (H + 2 Hkv) D] -> contiguous q, k (rotate_half RoPE) and v
+//   causal_softmax_   in place over attention scores: scale, causal mask, softmax
 // Rows are split over torch's intra-op threads. Loops are written for the compiler to vectorize
 // (exp is a polynomial, so silu vectorizes too).
 #include <ATen/ATen.h>
@@ -14,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <tuple>
 
 namespace {
@@ -25,7 +27,8 @@ void check_rows(const at::Tensor& t, const char* name) {
               " must be a contiguous 2-d fp32 tensor");
 }
 
-// exp for x <= 88 (silu only needs exp(-x) clamped to that range); ~1e-7 relative error.
+// exp(x) with x clamped to [-87, 88] (enough for silu and for softmax, where x <= 0);
+// ~1e-7 relative error: Cephes' expf polynomial after the usual ln2 range reduction.
 inline float fast_exp(float x) {
   x = std::max(-87.f, std::min(x, 88.f));
   const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest, vectorizable
@@ -155,14 +158,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split_qkv(const at::Tensor
   return {q, k, v};
 }
 
+// scores [B, n, S]: row i of every batch entry is the query at position first_pos + i, which sees
+// keys 0..first_pos + i; those get softmax(scale * s), the rest exactly 0.
+void causal_softmax_(at::Tensor scores, int64_t first_pos, double scale) {
+  TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.dim() == 3 && scores.is_contiguous(),
+              "scores must be a contiguous [B, n, S] fp32 tensor");
+  const int64_t n = scores.size(1), keys = scores.size(2);
+  TORCH_CHECK(first_pos >= 0 && first_pos + n <= keys, "query positions must lie within the keys");
+  float* base = scores.data_ptr<float>();
+  const float factor = static_cast<float>(scale);
+  at::parallel_for(0, scores.size(0) * n, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      float* s = base + row * keys;
+      const int64_t visible = first_pos + row % n + 1;
+      float max_score = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < visible; ++j) max_score = std::max(max_score, s[j]);
+      const float shift = max_score * factor;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < visible; ++j) {
+        s[j] = fast_exp(s[j] * factor - shift);
+        sum += s[j];
+      }
+      const float inv = 1.f / sum;
+#pragma omp simd
+      for (int64_t j = 0; j < visible; ++j) s[j] *= inv;
+      std::memset(s + visible, 0, (keys - visible) * sizeof(float));
+    }
+  });
+}
+
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_split_qkv(Tensor qkv, Tensor cos, Tensor sin, int n_heads, int n_kv_heads, int head_dim) "
         "-> (Tensor, Tensor, Tensor)");
+  m.def("causal_softmax_(Tensor(a!) scores, int first_pos, float scale) -> ()");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("rotary_split_qkv", c10::DispatchKey::CPU, &rotary_split_qkv);
+  m.impl("causal_softmax_", c10::DispatchKey::CPU, &causal_softmax_);
 }
