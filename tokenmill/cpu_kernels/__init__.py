@@ -1,7 +1,9 @@
 """C++ kernels for fp32 on CPU, built once per machine and registered as ``torch.ops.tokenmill_cpu``.
 
 ``decode_attention.cpp``: paged decode attention over the token-slot KV storage (CpuBackend).
-``elementwise.cpp``: rms_norm, add_rms_norm, silu_and_mul, rotary_split_qkv (``model/fused.py``).
+``elementwise.cpp``: rms_norm, add_rms_norm, silu_and_mul, rotary_split_qkv (``model/fused.py``),
+causal_softmax_ (CpuBackend prefill).
+``skinny_linear.cpp``: ``x @ W^T`` for few rows of x (``model/linear.py``, decode batches).
 
 The sources are compiled by ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja)
 for the host CPU (``-march=native``) with OpenMP, so ``at::parallel_for`` uses torch's threads.
@@ -23,7 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "elementwise.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "elementwise.cpp", "skinny_linear.cpp")]
 
 
 @functools.cache

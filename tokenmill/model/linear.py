@@ -1,13 +1,25 @@
-"""Dense projections routed to the fastest kernel for the tensor's device.
+"""Dense projections routed to the fastest kernel for the tensor's device and shape.
 
-On CPU, PyTorch's default ``F.linear`` calls MKL's sgemm, which is poor for the short,
-wide products of decoding (few rows against a large weight): measured on a 2-core AVX2
-machine over the ~100M benchmark model's weights, oneDNN's matmul (``mkldnn._linear_pointwise``,
-the kernel ``torch.compile`` uses for CPU linears) is 1.6-1.9x faster for 1-64 rows and still
-~1.06x faster for 2048-row prefill chunks. Elsewhere (GPU, non-fp32 dtypes, which oneDNN
-refuses on CPUs without native bf16) ``F.linear`` is used.
+On CPU, PyTorch's default ``F.linear`` calls MKL's sgemm, which is poor for the short, wide
+products of decoding (few rows against a large weight). Measured on a 2-core AVX2 machine over
+the ~100M benchmark model's weights (all 12 layers + LM head, 400 MB, per forward):
 
-The weight is read as stored, never re-packed, so in-place weight updates need no extra step.
+=========  ========  =======  ==================
+rows of x  F.linear  oneDNN   ``skinny_linear``
+=========  ========  =======  ==================
+1          40-50 ms  31 ms    19-22 ms
+2          78-107    63       24
+8          97-168    75       39
+16         102-164   83       62
+32         167-200   93-104   104
+2048       3920      3693     -
+=========  ========  =======  ==================
+
+so fp32 CPU products with at most ``SKINNY_MAX_ROWS`` rows use the C++ ``skinny_linear``
+(when the kernels are built), larger ones oneDNN's matmul (``mkldnn._linear_pointwise``, the
+kernel ``torch.compile`` uses for CPU linears). Elsewhere (GPU; bf16/fp16, which oneDNN refuses
+on CPUs without native bf16) ``F.linear`` is used. Weights are read as stored, never re-packed,
+so in-place weight updates need no extra step.
 """
 
 from __future__ import annotations
@@ -16,12 +28,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.cpu_kernels import load_cpu_kernels
+
+SKINNY_MAX_ROWS = 16
 _ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[..., in]`` and ``weight`` ``[out, in]`` (same as ``F.linear``)."""
-    if _ONEDNN_AVAILABLE and x.is_cpu and x.dtype == torch.float32 and weight.dtype == torch.float32:
+    if not (x.is_cpu and x.dtype == torch.float32 and weight.dtype == torch.float32):
+        return F.linear(x, weight, bias)
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows <= SKINNY_MAX_ROWS and weight.is_contiguous():
+        kernels = load_cpu_kernels()
+        if kernels is not None:
+            out = kernels.skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
+            return out.view(*x.shape[:-1], weight.shape[0])
+    if _ONEDNN_AVAILABLE:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
