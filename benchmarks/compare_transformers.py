@@ -4,8 +4,10 @@ transformers runs static batches (left padding, greedy, no EOS) of each size in
 --hf-batch-sizes; a batch generates until its longest output, and only each request's own
 output tokens count. tokenmill runs the whole workload through ``LLM.generate``.
 Prints output tokens/s of each and the ratio to transformers' best batch size; with
---roofline also the machine's measured matmul GFLOP/s and copy GB/s, the compute roof of the
-workload, each engine's fraction of it, and the batch-1 decode time against its bandwidth floor.
+--roofline also the machine's matmul GFLOP/s and copy GB/s (probed before and after each engine
+run, since shared machines drift), the compute roof of the workload at each engine's probed rate
+(2 FLOPs per matmul weight per prompt or output token), each engine's fraction of it, and the
+batch-1 decode time against its bandwidth floor (matmul weight bytes / copy GB/s).
 
     python benchmarks/compare_transformers.py                  # the default workload (slow)
     python benchmarks/compare_transformers.py --num-prompts 16 --hf-batch-sizes 16
@@ -79,15 +81,25 @@ def main() -> None:
     path = args.model or make_random_llama(Path(tempfile.gettempdir()) / "tokenmill-bench-llama")
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     work = make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), vocab)
+    # The machine's speed drifts (shared hosts): with --roofline it is probed before and after every
+    # engine run, and each engine's roof uses the mean of the probes around its own run.
+    probe = (lambda: (matmul_gflops(), copy_gbps())) if args.roofline else (lambda: (0.0, 0.0))
+    probes = [probe()]
     llm = LLM(model=str(path), skip_tokenizer_init=True, max_num_batched_tokens=args.max_num_batched_tokens,
               max_running_requests=args.max_running_requests)
     try:
         ours, _ = run_throughput(llm, work)
+        probes.append(probe())
         b1_ms = batch1_decode_ms(llm) if args.roofline else None
+        probes.append(probe())
         n_params, model_bytes = matmul_weights(llm.engine.model)
     finally:
         llm.shutdown()
-    hf = {b: run_transformers(path, work, b) for b in args.hf_batch_sizes}
+    hf, hf_probes = {}, {}
+    for batch in args.hf_batch_sizes:
+        hf[batch] = run_transformers(path, work, batch)
+        probes.append(probe())
+        hf_probes[batch] = (probes[-2], probes[-1])
     best = max(hf, key=hf.get)
     result = {
         "workload": work.meta | {"prompt_tokens": work.n_prompt_tokens, "output_tokens": work.n_output_tokens},
@@ -99,15 +111,22 @@ def main() -> None:
         "threads": torch.get_num_threads(),
     }
     if args.roofline:
-        gflops, gbps = matmul_gflops(), copy_gbps()
         flops = 2 * n_params * (work.n_prompt_tokens + work.n_output_tokens)
-        roof_tok_s = work.n_output_tokens / (flops / (gflops * 1e9))
-        floor_ms = model_bytes / (gbps * 1e9) * 1000
+
+        def roof_tok_s(around: tuple[tuple[float, float], ...]) -> float:
+            gflops = sum(g for g, _ in around) / len(around)
+            return work.n_output_tokens / (flops / (gflops * 1e9))
+
+        ours_roof, hf_roof = roof_tok_s(tuple(probes[:2])), roof_tok_s(hf_probes[best])
+        b1_gbps = (probes[1][1] + probes[2][1]) / 2
+        floor_ms = model_bytes / (b1_gbps * 1e9) * 1000
         result["roofline"] = {
-            "matmul_gflops": round(gflops, 1), "copy_gbps": round(gbps, 1),
-            "compute_roof_output_tok_s": round(roof_tok_s, 1),
-            "tokenmill_fraction_of_roof": round(ours.output_tok_per_s / roof_tok_s, 3),
-            "transformers_fraction_of_roof": round(hf[best] / roof_tok_s, 3),
+            "probes_matmul_gflops_copy_gbps": [[round(g, 1), round(c, 1)] for g, c in probes],
+            "matmul_params": n_params,
+            "tokenmill_compute_roof_output_tok_s": round(ours_roof, 1),
+            "tokenmill_fraction_of_roof": round(ours.output_tok_per_s / ours_roof, 3),
+            "transformers_compute_roof_output_tok_s": round(hf_roof, 1),
+            "transformers_fraction_of_roof": round(hf[best] / hf_roof, 3),
             "batch1_decode_ms": round(b1_ms, 2), "batch1_bandwidth_floor_ms": round(floor_ms, 2),
             "batch1_ratio_to_floor": round(b1_ms / floor_ms, 2),
         }

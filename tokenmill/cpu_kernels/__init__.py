@@ -18,6 +18,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +27,47 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+EXTENSION_NAME = "tokenmill_cpu_kernels"
 SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "elementwise.cpp", "skinny_linear.cpp")]
 
 
-@functools.cache
+_load_lock = threading.Lock()
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH; the pip package's script folder may not be on it."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def load_cpu_kernels() -> Any | None:
-    """The ``torch.ops.tokenmill_cpu`` op namespace, or None when the kernels are off or unbuildable."""
+    """The ``torch.ops.tokenmill_cpu`` op namespace, or None when the kernels are off or unbuildable.
+    Thread-safe; the first call builds or loads, later calls return the cached result."""
+    with _load_lock:
+        return _load()
+
+
+@functools.cache
+def _load() -> Any | None:
     if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
         logger.info("CPU kernels disabled by TOKENMILL_CPU_KERNELS=0")
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        logger.info("loading the C++ CPU kernels (compiled on first use on this machine)")
+        _put_ninja_on_path()
+
+        built = Path(_get_build_directory(EXTENSION_NAME, verbose=False)) / f"{EXTENSION_NAME}.so"
+        if built.exists():
+            logger.info("loading the C++ CPU kernels from %s", built.parent)
+        else:  # the user sees a pause: say why (WARNING reaches stderr without logging setup)
+            logger.warning("building tokenmill's C++ CPU kernels: first use on this machine, ~30-60 s")
         load(
-            name="tokenmill_cpu_kernels",
+            name=EXTENSION_NAME,
             sources=[str(p) for p in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
             extra_ldflags=["-fopenmp"],

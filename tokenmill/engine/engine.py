@@ -120,8 +120,8 @@ class Engine:
         self._thread.start()
 
     def _make_backend(self) -> AttentionBackend:
-        """"auto": triton on CUDA when installed; on CPU with fp32 the C++ decode kernels when they
-        build, else torch. An explicit choice is strict: it raises instead of falling back."""
+        """"auto": triton on CUDA when installed; for fp32 on CPU "cpu" (C++ kernels) when they
+        build; else torch. An explicit choice is strict: it raises instead of falling back."""
         mc = self.model_config
         choice = self.config.attention_backend
         if choice == "auto":
