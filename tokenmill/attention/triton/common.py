@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64
@@ -20,3 +21,31 @@ def dot_block(n: int) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs use exact fp32 dots (matching the torch reference); 16-bit ones the tensor cores."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def attend_kv_chunk(
+    q, m_i, l_i, acc, slots, visible, mask_n, offs_d, mask_d,
+    k_cache_ptr, v_cache_ptr, kvh, stride_kcs, stride_kch, stride_vcs, stride_vch, qk_scale,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step of rows ``q`` ``[M, D]`` over the KV slots ``slots`` ``[N]`` of
+    KV head ``kvh``; ``visible`` (broadcastable to ``[M, N]``) masks scores. Scores are scaled by
+    ``qk_scale`` (which includes log2(e)), so the running max ``m_i`` is in log2 units.
+    Returns the updated ``(m_i, l_i, acc)``."""
+    k = tl.load(  # [BLOCK_D, BLOCK_N]: K^T straight from the cache
+        k_cache_ptr + slots[None, :] * stride_kcs + kvh * stride_kch + offs_d[:, None],
+        mask=mask_d[:, None] & mask_n[None, :], other=0.0,
+    )
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_cache_ptr + slots[:, None] * stride_vcs + kvh * stride_vch + offs_d[None, :],
+        mask=mask_n[:, None] & mask_d[None, :], other=0.0,
+    )
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.triton.common import BLOCK_N, LOG2E, dot_block, dot_precision
+from tokenmill.attention.triton.common import BLOCK_N, LOG2E, attend_kv_chunk, dot_block, dot_precision
 from tokenmill.cache.views import PrefillKVCache
 
 
@@ -62,22 +62,12 @@ def _prefill_kernel(
         pos = n0 + offs_n
         mask_n = pos < kv_end
         slots = tl.load(table + pos, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(  # [BLOCK_D, BLOCK_N]: K^T straight from the cache
-            k_cache_ptr + slots[None, :] * stride_kcs + kvh * stride_kch + offs_d[:, None],
-            mask=mask_d[:, None] & mask_n[None, :], other=0.0,
+        # causal; the running max is finite: every row sees position 0 in the first chunk
+        visible = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = attend_kv_chunk(
+            q, m_i, l_i, acc, slots, visible, mask_n, offs_d, mask_d,
+            k_cache_ptr, v_cache_ptr, kvh, stride_kcs, stride_kch, stride_vcs, stride_vch, qk_scale, DOT_PRECISION,
         )
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(mask_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row sees position 0 in the first chunk
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + slots[:, None] * stride_vcs + kvh * stride_vch + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :], other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
 
     out = acc / l_i[:, None]
     tl.store(
