@@ -15,7 +15,6 @@ then uses its torch implementation.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import shutil
@@ -32,6 +31,7 @@ SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "
 
 
 _load_lock = threading.Lock()
+_state: dict[str, Any] = {"loaded": False, "ops": None}
 
 
 def _put_ninja_on_path() -> None:
@@ -46,12 +46,15 @@ def _put_ninja_on_path() -> None:
 
 def load_cpu_kernels() -> Any | None:
     """The ``torch.ops.tokenmill_cpu`` op namespace, or None when the kernels are off or unbuildable.
-    Thread-safe; the first call builds or loads, later calls return the cached result."""
-    with _load_lock:
-        return _load()
+    Thread-safe; the first call builds or loads, later calls return the result without locking
+    (they sit on the forward's hot path: every linear and fused op asks)."""
+    if not _state["loaded"]:
+        with _load_lock:
+            if not _state["loaded"]:
+                _state["ops"], _state["loaded"] = _load(), True
+    return _state["ops"]
 
 
-@functools.cache
 def _load() -> Any | None:
     if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
         logger.info("CPU kernels disabled by TOKENMILL_CPU_KERNELS=0")
