@@ -4,6 +4,7 @@
 ``elementwise.cpp``: rms_norm, add_rms_norm, silu_and_mul, rotary_split_qkv (``model/fused.py``),
 causal_softmax_ (CpuBackend prefill).
 ``skinny_linear.cpp``: ``x @ W^T`` for few rows of x (``model/linear.py``, decode batches).
+``simd.h``: the vector helpers they share.
 
 The sources are compiled by ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja)
 for the host CPU (``-march=native``) with OpenMP, so ``at::parallel_for`` uses torch's threads.
@@ -15,6 +16,7 @@ then uses its torch implementation.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -27,7 +29,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "tokenmill_cpu_kernels"
-SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "elementwise.cpp", "skinny_linear.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("decode_attention.cpp", "elementwise.cpp", "skinny_linear.cpp")
+]
+HEADERS = [Path(__file__).with_name("simd.h")]
 
 
 _load_lock = threading.Lock()
@@ -69,10 +75,13 @@ def _load() -> Any | None:
             logger.info("loading the C++ CPU kernels from %s", built.parent)
         else:  # the user sees a pause: say why (WARNING reaches stderr without logging setup)
             logger.warning("building tokenmill's C++ CPU kernels: first use on this machine, ~30-60 s")
+        # torch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
+        headers_hash = hashlib.sha256(b"".join(p.read_bytes() for p in HEADERS)).hexdigest()[:16]
         load(
             name=EXTENSION_NAME,
             sources=[str(p) for p in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+                          f"-DTOKENMILL_HEADERS_HASH={headers_hash}"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,  # the library registers its ops with torch (TORCH_LIBRARY)
         )

@@ -4,9 +4,10 @@
 //
 // A work item is one request and a range of its KV heads (all of them when the batch is large
 // enough to keep every thread busy), so a key/value slot row is streamed once, front to back,
-// and serves every query head of its GQA group. Scores are exact (two passes: scores and max,
-// then exp and sum), the value pass accumulates in a per-thread buffer. GCC/Clang vector
-// extensions give 8-wide loads/FMAs on any x86/ARM target; a scalar tail covers head_dim % 8.
+// and serves every query head of its GQA group. Slot rows are prefetched a few slots ahead: the
+// request-to-token indirection hides the access pattern from the hardware prefetchers, and
+// decode-time slots of concurrent requests interleave. Scores are exact (a score pass, then a
+// vectorized max/exp/sum per query row, then the value pass into the output rows).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -17,23 +18,16 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-typedef float vec8 __attribute__((vector_size(32)));
+using tokenmill_simd::horizontal_sum;
+using tokenmill_simd::load8;
+using tokenmill_simd::store8;
+using tokenmill_simd::vec8;
 
-inline vec8 load8(const float* p) {
-  vec8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline float horizontal_sum(vec8 v) {
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += v[i];
-  return s;
-}
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the slot row in use to prefetch
 
 // kHeadDim > 0 fixes head_dim at compile time (unrolled loops); 0 reads it at run time.
 template <int64_t kHeadDim>
@@ -60,6 +54,20 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = vec_end; i < dim; ++i) y[i] += alpha * x[i];
 }
 
+// In place: s[0:n] = exp(s - max(s)); returns the sum.
+inline float exp_shifted(float* s, int64_t n) {
+  float max_score = s[0];
+#pragma omp simd reduction(max : max_score)
+  for (int64_t l = 0; l < n; ++l) max_score = std::max(max_score, s[l]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t l = 0; l < n; ++l) {
+    s[l] = tokenmill_simd::fast_exp(s[l] - max_score);
+    sum += s[l];
+  }
+  return sum;
+}
+
 struct Problem {
   const float* q;  // [batch, n_heads, head_dim]
   const float* k_cache;  // [n_slots, n_kv_heads, head_dim]
@@ -75,42 +83,39 @@ struct Problem {
 
 // Attention of request b's query heads of KV heads [kv_begin, kv_end) over its whole context.
 template <int64_t kHeadDim>
-void attend(const Problem& p, int64_t b, int64_t kv_begin, int64_t kv_end, std::vector<float>& scores,
-            std::vector<float>& row_max, std::vector<float>& row_sum) {
+void attend(const Problem& p, int64_t b, int64_t kv_begin, int64_t kv_end, std::vector<float>& scores) {
   const int64_t dim = kHeadDim > 0 ? kHeadDim : p.head_dim;
   const int64_t len = p.lens[b];
   const int32_t* slots = p.table + p.rows[b] * p.table_stride;
-  const int64_t slot_stride = p.n_kv_heads * dim;
+  const int64_t slot_stride = p.n_kv_heads * dim, offset = kv_begin * dim;
+  const int64_t row_bytes = (kv_end - kv_begin) * dim * static_cast<int64_t>(sizeof(float));
   const int64_t first_head = kv_begin * p.group, n_rows = (kv_end - kv_begin) * p.group;
   const float* queries = p.q + (b * p.n_heads + first_head) * dim;
   float* out = p.out + (b * p.n_heads + first_head) * dim;
-  scores.resize(len * n_rows);
-  row_max.assign(n_rows, -std::numeric_limits<float>::infinity());
-  row_sum.assign(n_rows, 0.f);
-  for (int64_t l = 0; l < len; ++l) {  // scores[l * n_rows + r] for query row r
-    const float* keys = p.k_cache + slots[l] * slot_stride + kv_begin * dim;
-    float* s = scores.data() + l * n_rows;
-    for (int64_t r = 0; r < n_rows; ++r) {
-      s[r] = dot<kHeadDim>(queries + r * dim, keys + (r / p.group) * dim, dim) * p.scale;
-      row_max[r] = std::max(row_max[r], s[r]);
-    }
-  }
+  const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
+  scores.resize(n_rows * len);  // scores[r * len + l] for query row r and key l
+  float* s = scores.data();
   for (int64_t l = 0; l < len; ++l) {
-    float* s = scores.data() + l * n_rows;
+    if (l + ahead < len) {
+      tokenmill_simd::prefetch_range(p.k_cache + slots[l + ahead] * slot_stride + offset, row_bytes);
+    }
+    const float* keys = p.k_cache + slots[l] * slot_stride + offset;
     for (int64_t r = 0; r < n_rows; ++r) {
-      s[r] = std::exp(s[r] - row_max[r]);
-      row_sum[r] += s[r];
+      s[r * len + l] = dot<kHeadDim>(queries + r * dim, keys + (r / p.group) * dim, dim) * p.scale;
     }
   }
+  std::vector<float> inv_sum(n_rows);
+  for (int64_t r = 0; r < n_rows; ++r) inv_sum[r] = 1.f / exp_shifted(s + r * len, len);
   std::memset(out, 0, n_rows * dim * sizeof(float));
   for (int64_t l = 0; l < len; ++l) {
-    const float* values = p.v_cache + slots[l] * slot_stride + kv_begin * dim;
-    const float* s = scores.data() + l * n_rows;
-    for (int64_t r = 0; r < n_rows; ++r) axpy<kHeadDim>(s[r], values + (r / p.group) * dim, out + r * dim, dim);
+    if (l + ahead < len) {
+      tokenmill_simd::prefetch_range(p.v_cache + slots[l + ahead] * slot_stride + offset, row_bytes);
+    }
+    const float* values = p.v_cache + slots[l] * slot_stride + offset;
+    for (int64_t r = 0; r < n_rows; ++r) axpy<kHeadDim>(s[r * len + l], values + (r / p.group) * dim, out + r * dim, dim);
   }
   for (int64_t r = 0; r < n_rows; ++r) {
-    const float inv = 1.f / row_sum[r];
-    for (int64_t d = 0; d < dim; ++d) out[r * dim + d] *= inv;
+    for (int64_t d = 0; d < dim; ++d) out[r * dim + d] *= inv_sum[r];
   }
 }
 
@@ -120,10 +125,10 @@ void run(const Problem& p, int64_t batch) {
   const int64_t heads_per_item = batch >= 2 * at::get_num_threads() ? p.n_kv_heads : 1;
   const int64_t items_per_request = p.n_kv_heads / heads_per_item;
   at::parallel_for(0, batch * items_per_request, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, row_max, row_sum;
+    std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / items_per_request, kv_begin = (item % items_per_request) * heads_per_item;
-      attend<kHeadDim>(p, b, kv_begin, kv_begin + heads_per_item, scores, row_max, row_sum);
+      attend<kHeadDim>(p, b, kv_begin, kv_begin + heads_per_item, scores);
     }
   });
 }

@@ -18,6 +18,8 @@
 #include <limits>
 #include <tuple>
 
+#include "simd.h"
+
 namespace {
 
 constexpr int64_t kRowGrain = 8;
@@ -27,25 +29,7 @@ void check_rows(const at::Tensor& t, const char* name) {
               " must be a contiguous 2-d fp32 tensor");
 }
 
-// exp(x) with x clamped to [-87, 88] (enough for silu and for softmax, where x <= 0);
-// ~1e-7 relative error: Cephes' expf polynomial after the usual ln2 range reduction.
-inline float fast_exp(float x) {
-  x = std::max(-87.f, std::min(x, 88.f));
-  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest, vectorizable
-  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-06f;
-  float p = 1.98756915e-4f;
-  p = p * r + 1.39819994e-3f;
-  p = p * r + 8.33345205e-3f;
-  p = p * r + 4.16657962e-2f;
-  p = p * r + 1.66666657e-1f;
-  p = p * r + 5.00000000e-1f;
-  p = p * r * r + r + 1.f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof(bits));
-  bits += static_cast<int32_t>(n) << 23;
-  std::memcpy(&p, &bits, sizeof(bits));
-  return p;
-}
+using tokenmill_simd::fast_exp;
 
 inline void normalize_row(const float* x, const float* weight, float* out, int64_t dim, float eps) {
   float sum_sq = 0.f;

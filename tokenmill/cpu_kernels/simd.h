@@ -1,0 +1,59 @@
+// Helpers shared by the CPU kernels: 8-wide fp32 vectors (GCC/Clang vector extensions, so any
+// x86/ARM target compiles them), a vectorizable exp, and a software prefetch of a byte range.
+// torch's rebuild check hashes only the listed .cpp sources, so cpu_kernels/__init__.py adds this
+// header's content hash to the compile flags: an edit here rebuilds the extension too.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace tokenmill_simd {
+
+typedef float vec8 __attribute__((vector_size(32)));
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float horizontal_sum(vec8 v) {
+  typedef float vec4 __attribute__((vector_size(16)));
+  vec4 lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  const vec4 s = lo + hi;
+  return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+// exp(x) with x clamped to [-87, 88] (enough for silu and for softmax, where x <= 0);
+// ~1e-7 relative error: Cephes' expf polynomial after the usual ln2 range reduction.
+inline float fast_exp(float x) {
+  x = std::max(-87.f, std::min(x, 88.f));
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest, vectorizable
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-06f;
+  float p = 1.98756915e-4f;
+  p = p * r + 1.39819994e-3f;
+  p = p * r + 8.33345205e-3f;
+  p = p * r + 4.16657962e-2f;
+  p = p * r + 1.66666657e-1f;
+  p = p * r + 5.00000000e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, sizeof(bits));
+  return p;
+}
+
+// Ask the cache for [p, p + n_bytes) ahead of use (reads through an index table defeat the
+// hardware prefetchers).
+inline void prefetch_range(const void* p, int64_t n_bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < n_bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+}  // namespace tokenmill_simd
