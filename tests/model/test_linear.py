@@ -1,39 +1,65 @@
-"""tokenmill's linear (skinny C++ kernel / oneDNN on fp32 CPU, F.linear elsewhere) equals F.linear."""
+"""tokenmill's linear (C++ skinny/panel kernels or oneDNN on fp32 CPU, F.linear elsewhere) equals F.linear."""
 
 from __future__ import annotations
 
 import shutil
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tokenmill.model import linear as linear_module
-from tokenmill.model.linear import SKINNY_MAX_ROWS, Linear, linear
+from tokenmill.model.linear import PANEL_MAX_ROWS, SKINNY_MAX_ROWS, Linear, linear
+
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler to build the CPU kernels")
 
 
-@pytest.mark.parametrize("rows", [0, 1, 3, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 64])
+@pytest.mark.parametrize("rows", [0, 1, 3, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 64, PANEL_MAX_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("in_features", [96, 101])  # 101: not a multiple of the 8-wide vectors
 def test_matches_f_linear(rows: int, bias: bool, in_features: int) -> None:
     torch.manual_seed(rows)
-    weight, b = torch.randn(303, in_features), torch.randn(303) if bias else None  # 303: not a multiple of 4
+    weight, b = torch.randn(303, in_features), torch.randn(303) if bias else None  # 303: not a multiple of 4 or 16
     x = torch.randn(rows, in_features)
     assert torch.allclose(linear(x, weight, b), F.linear(x, weight, b), atol=1e-4, rtol=1e-5)
     x3 = torch.randn(2, max(rows // 2, 1), 2 * in_features)[..., ::2]  # 3-d and not contiguous
     assert torch.allclose(linear(x3, weight, b), F.linear(x3, weight, b), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler to build the CPU kernels")
-def test_skinny_kernel_is_used_for_few_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def _kernels() -> Any:
     kernels = linear_module.load_cpu_kernels()
     assert kernels is not None, "a C++ compiler is present, so the kernels must build (see the log)"
-    calls = []
-    monkeypatch.setattr(linear_module, "load_cpu_kernels", lambda: calls.append(1) or kernels)
+    return kernels
+
+
+@needs_compiler
+@pytest.mark.parametrize("in_features", [7, 64, 1543])  # 1543 > two packed k blocks of 768, odd
+@pytest.mark.parametrize("out_features", [5, 16, 33])  # a partial panel, one panel, two and a partial
+def test_panel_kernel_every_tile_height(in_features: int, out_features: int) -> None:
+    torch.manual_seed(in_features + out_features)
+    weight, b = torch.randn(out_features, in_features), torch.randn(out_features)
+    for rows in range(1, 14):  # 1-6-row register tiles, alone and after full 6-row tiles
+        x = torch.randn(rows, in_features)
+        out = _kernels().panel_linear(x, weight, b)
+        assert torch.allclose(out, F.linear(x, weight, b), atol=1e-4, rtol=1e-5), rows
+
+
+@needs_compiler
+def test_kernel_choice_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernels = _kernels()
+    used: list[str] = []
+
+    class Recorder:
+        def __getattr__(self, name: str) -> Any:
+            used.append(name)
+            return getattr(kernels, name)
+
+    monkeypatch.setattr(linear_module, "load_cpu_kernels", Recorder)
     weight = torch.randn(40, 16)
-    linear(torch.randn(SKINNY_MAX_ROWS, 16), weight)
-    linear(torch.randn(SKINNY_MAX_ROWS + 1, 16), weight)
-    assert len(calls) == 1
+    for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1):
+        linear(torch.randn(rows, 16), weight)
+    assert used == ["skinny_linear", "skinny_linear", "panel_linear", "panel_linear"]  # then oneDNN
 
 
 def test_other_dtypes_and_module() -> None:

@@ -4,6 +4,7 @@
 ``elementwise.cpp``: rms_norm, add_rms_norm, silu_and_mul, rotary_split_qkv (``model/fused.py``),
 causal_softmax_ (CpuBackend prefill).
 ``skinny_linear.cpp``: ``x @ W^T`` for few rows of x (``model/linear.py``, decode batches).
+``panel_linear.cpp``: ``x @ W^T`` for decode-batch-sized x (``model/linear.py``).
 ``simd.h``: the vector helpers they share.
 
 The sources are compiled by ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja)
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 EXTENSION_NAME = "tokenmill_cpu_kernels"
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("decode_attention.cpp", "elementwise.cpp", "skinny_linear.cpp")
+    for name in ("decode_attention.cpp", "elementwise.cpp", "panel_linear.cpp", "skinny_linear.cpp")
 ]
 HEADERS = [Path(__file__).with_name("simd.h")]
 

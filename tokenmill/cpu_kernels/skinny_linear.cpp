@@ -3,28 +3,18 @@
 // Threads split the output columns (weight rows) in blocks of 4; each block keeps 4 weight
 // rows in L1 while every row of x is multiplied against them with 4 independent 8-wide
 // accumulators. On 2 AVX2 cores this reads weights at ~17-21 GB/s for 1-2 rows, where
-// oneDNN/MKL reach 8-13 GB/s; from ~32 rows on, the GEMM libraries are as fast or faster.
+// oneDNN/MKL reach 8-13 GB/s; from ~12 rows on, the register-tiled panel_linear is faster.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cstring>
+#include "simd.h"
 
 namespace {
 
-typedef float vec8 __attribute__((vector_size(32)));
-
-inline vec8 load8(const float* p) {
-  vec8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline float horizontal_sum(vec8 v) {
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += v[i];
-  return s;
-}
+using tokenmill_simd::horizontal_sum;
+using tokenmill_simd::load8;
+using tokenmill_simd::vec8;
 
 constexpr int64_t kRowsPerBlock = 4;
 

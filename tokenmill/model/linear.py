@@ -2,24 +2,30 @@
 
 On CPU, PyTorch's default ``F.linear`` calls MKL's sgemm, which is poor for the short, wide
 products of decoding (few rows against a large weight). Measured on a 2-core AVX2 machine over
-the ~100M benchmark model's weights (all 12 layers + LM head, 400 MB, per forward):
+the ~100M benchmark model's weights (all 12 layers + LM head, 400 MB, per forward; medians of 5,
+interleaved in one process):
 
-=========  ========  =======  ==================
-rows of x  F.linear  oneDNN   ``skinny_linear``
-=========  ========  =======  ==================
-1          40-50 ms  31 ms    19-22 ms
-2          78-107    63       24
-8          97-168    75       39
-16         102-164   83       62
-32         167-200   93-104   104
-2048       3920      3693     -
-=========  ========  =======  ==================
+=========  ========  =======  ==================  =================
+rows of x  F.linear  oneDNN   ``skinny_linear``   ``panel_linear``
+=========  ========  =======  ==================  =================
+1          40-50 ms  31 ms    24 ms               40 ms
+4          -         60       31                  47
+8          97-168    57       42                  50
+12         -         70       59                  54
+16         102-164   80       64                  62
+32         167-200   106      117                 84
+64         -         143      189                 135
+128        -         248      375                 241
+256        -         442      716                 429
+2048       3920      3693     -                   -
+=========  ========  =======  ==================  =================
 
-so fp32 CPU products with at most ``SKINNY_MAX_ROWS`` rows use the C++ ``skinny_linear``
-(when the kernels are built), larger ones oneDNN's matmul (``mkldnn._linear_pointwise``, the
+so fp32 CPU products with at most ``SKINNY_MAX_ROWS`` rows use the C++ ``skinny_linear`` (a pure
+weight stream), up to ``PANEL_MAX_ROWS`` the C++ ``panel_linear`` (register-tiled, weight packed
+on the fly in L1-sized panels), larger ones oneDNN's matmul (``mkldnn._linear_pointwise``, the
 kernel ``torch.compile`` uses for CPU linears). Elsewhere (GPU; bf16/fp16, which oneDNN refuses
-on CPUs without native bf16) ``F.linear`` is used. Weights are read as stored, never re-packed,
-so in-place weight updates need no extra step.
+on CPUs without native bf16) ``F.linear`` is used. Weights are read as stored, never re-packed
+ahead of time, so in-place weight updates need no extra step.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from torch import nn
 
 from tokenmill.cpu_kernels import load_cpu_kernels
 
-SKINNY_MAX_ROWS = 16
+SKINNY_MAX_ROWS = 8
+PANEL_MAX_ROWS = 128
 _ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
@@ -39,10 +46,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not (x.is_cpu and x.dtype == torch.float32 and weight.dtype == torch.float32):
         return F.linear(x, weight, bias)
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows <= SKINNY_MAX_ROWS and weight.is_contiguous():
+    if rows <= PANEL_MAX_ROWS and weight.is_contiguous():
         kernels = load_cpu_kernels()
         if kernels is not None:
-            out = kernels.skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
+            kernel = kernels.skinny_linear if rows <= SKINNY_MAX_ROWS else kernels.panel_linear
+            out = kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
             return out.view(*x.shape[:-1], weight.shape[0])
     if _ONEDNN_AVAILABLE:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
