@@ -5,7 +5,8 @@
 causal_softmax_ (CpuBackend prefill).
 ``skinny_linear.cpp``: ``x @ W^T`` for few rows of x (``model/linear.py``, decode batches).
 ``panel_linear.cpp``: ``x @ W^T`` for decode-batch-sized x (``model/linear.py``).
-``simd.h``: the vector helpers they share.
+``decode_stack.cpp``: the decoder layers of a decode step in one call (``model/decode_stack.py``).
+``simd.h``: the vector helpers they share; ``kernels.h``: the kernels' C++ entry points.
 
 The sources are compiled by ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja)
 for the host CPU (``-march=native``) with OpenMP, so ``at::parallel_for`` uses torch's threads.
@@ -32,9 +33,9 @@ logger = logging.getLogger(__name__)
 EXTENSION_NAME = "tokenmill_cpu_kernels"
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("decode_attention.cpp", "elementwise.cpp", "panel_linear.cpp", "skinny_linear.cpp")
+    for name in ("decode_attention.cpp", "decode_stack.cpp", "elementwise.cpp", "panel_linear.cpp", "skinny_linear.cpp")
 ]
-HEADERS = [Path(__file__).with_name("simd.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "simd.h")]
 
 
 _load_lock = threading.Lock()

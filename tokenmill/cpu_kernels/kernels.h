@@ -1,0 +1,19 @@
+// The kernels' C++ entry points, for decode_stack.cpp to call them directly (not through the
+// dispatcher). Each is defined in its own .cpp and registered as a torch.ops.tokenmill_cpu op.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split_qkv(const at::Tensor& qkv, const at::Tensor& cos,
+                                                               const at::Tensor& sin, int64_t n_heads,
+                                                               int64_t n_kv_heads, int64_t head_dim);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                                  const at::Tensor& seq_lens, double scale);
