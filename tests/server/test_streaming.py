@@ -30,13 +30,14 @@ def test_non_streaming_client_that_leaves_is_aborted_and_its_kv_freed(server: Se
     before = wait_until_idle(server.engine)
     started = time.monotonic()
     try:
-        httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=0.3)
-        raise AssertionError("a 400-token completion should outlast the client's 0.3 s")
+        httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=0.1)
+        raise AssertionError("a 400-token completion should outlast the client's 0.1 s")
     except httpx.ReadTimeout:
         pass
     after = wait_until_idle(server.engine)
     steps = after["scheduler"]["steps"] - before["scheduler"]["steps"]
-    assert steps < 200, f"{steps} steps in {time.monotonic() - started:.1f}s: the request ran on"
+    # finishing takes 400 steps (~1.5 ms each here); the abort comes within ~0.1 s of the client leaving
+    assert steps < 300, f"{steps} steps in {time.monotonic() - started:.1f}s: the request ran on"
 
 
 async def _stream_chat(client: httpx.AsyncClient, url: str, word: str) -> tuple[str, dict]:
