@@ -13,9 +13,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #include "simd.h"
@@ -83,7 +81,8 @@ struct Problem {
 
 // Attention of request b's query heads of KV heads [kv_begin, kv_end) over its whole context.
 template <int64_t kHeadDim>
-void attend(const Problem& p, int64_t b, int64_t kv_begin, int64_t kv_end, std::vector<float>& scores) {
+void attend(const Problem& p, int64_t b, int64_t kv_begin, int64_t kv_end, std::vector<float>& scores,
+            std::vector<float>& inv_sum) {
   const int64_t dim = kHeadDim > 0 ? kHeadDim : p.head_dim;
   const int64_t len = p.lens[b];
   const int32_t* slots = p.table + p.rows[b] * p.table_stride;
@@ -104,7 +103,7 @@ void attend(const Problem& p, int64_t b, int64_t kv_begin, int64_t kv_end, std::
       s[r * len + l] = dot<kHeadDim>(queries + r * dim, keys + (r / p.group) * dim, dim) * p.scale;
     }
   }
-  std::vector<float> inv_sum(n_rows);
+  inv_sum.resize(n_rows);
   for (int64_t r = 0; r < n_rows; ++r) inv_sum[r] = 1.f / exp_shifted(s + r * len, len);
   std::memset(out, 0, n_rows * dim * sizeof(float));
   for (int64_t l = 0; l < len; ++l) {
@@ -125,10 +124,10 @@ void run(const Problem& p, int64_t batch) {
   const int64_t heads_per_item = batch >= 2 * at::get_num_threads() ? p.n_kv_heads : 1;
   const int64_t items_per_request = p.n_kv_heads / heads_per_item;
   at::parallel_for(0, batch * items_per_request, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, inv_sum;  // per-thread scratch
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / items_per_request, kv_begin = (item % items_per_request) * heads_per_item;
-      attend<kHeadDim>(p, b, kv_begin, kv_begin + heads_per_item, scores);
+      attend<kHeadDim>(p, b, kv_begin, kv_begin + heads_per_item, scores, inv_sum);
     }
   });
 }

@@ -1,8 +1,8 @@
 // The decoder layers of a pure decode step in one call, for fp32 CPU Llama-family models without
 // projection biases or q/k norms: the same kernels as model/layers.py runs for such a step, in the
 // same order (so the results are identical), minus the ~10 Python-level op calls per layer and
-// their dispatch, which cost a batch-1 step on a 2-core machine about as much as a fifth of its
-// weight reads. Keys and values of the step are written to the cache like the attention backend does.
+// their dispatch: ~4 ms of a ~33 ms batch-1 forward of the ~100M benchmark model on 2 cores.
+// Keys and values of the step are written to the cache as the attention backend does.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

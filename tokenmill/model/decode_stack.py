@@ -4,7 +4,7 @@ Eligible: a decode view on the "cpu" attention backend, fp32 CPU activations, at
 ``PANEL_MAX_ROWS`` requests, and a model whose layers have no projection biases and no q/k
 norms (Llama, Mistral; not Qwen2's qkv bias or Qwen3's q/k norms). The kernels and their order
 are those of the Python layers, so the result is the same; what goes away is ~10 Python-level op
-calls per layer, which a batch-1 step on 2 cores otherwise spends ~5 ms of ~35 on.
+calls per layer: ~4 ms of a ~33 ms batch-1 forward of the ~100M benchmark model on 2 cores.
 """
 
 from __future__ import annotations
