@@ -7,7 +7,8 @@ Prints output tokens/s of each and the ratio to transformers' best batch size; w
 --roofline also the machine's matmul GFLOP/s and copy GB/s (probed before and after each engine
 run, since shared machines drift), the compute roof of the workload at each engine's probed rate
 (2 FLOPs per matmul weight per prompt or output token), each engine's fraction of it, and the
-batch-1 decode time against its bandwidth floor (matmul weight bytes / copy GB/s).
+batch-1 decode time against its bandwidth floor (matmul weight bytes / copy GB/s) and against
+the weights' streaming read time at the read rate probed right after it.
 
     python benchmarks/compare_transformers.py                  # the default workload (slow)
     python benchmarks/compare_transformers.py --num-prompts 16 --hf-batch-sizes 16
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.bench.roofline import copy_gbps, matmul_gflops
+from tokenmill.bench.roofline import copy_gbps, matmul_gflops, read_gbps
 from tokenmill.bench.throughput import run_throughput
 from tokenmill.bench.workload import Workload, make_random_llama, make_workload
 
@@ -91,6 +92,7 @@ def main() -> None:
         ours, _ = run_throughput(llm, work)
         probes.append(probe())
         b1_ms = batch1_decode_ms(llm) if args.roofline else None
+        b1_read_gbps = read_gbps() if args.roofline else None
         probes.append(probe())
         n_params, model_bytes = matmul_weights(llm.engine.model)
     finally:
@@ -129,6 +131,8 @@ def main() -> None:
             "transformers_fraction_of_roof": round(hf[best] / hf_roof, 3),
             "batch1_decode_ms": round(b1_ms, 2), "batch1_bandwidth_floor_ms": round(floor_ms, 2),
             "batch1_ratio_to_floor": round(b1_ms / floor_ms, 2),
+            "batch1_read_gbps": round(b1_read_gbps, 1),
+            "batch1_ratio_to_read_floor": round(b1_ms / (model_bytes / (b1_read_gbps * 1e9) * 1000), 2),
         }
     if args.json:
         print(json.dumps(result))

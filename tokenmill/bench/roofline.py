@@ -1,4 +1,4 @@
-"""The machine's measured limits: fp32 matmul GFLOP/s and memory copy GB/s (median of repeats)."""
+"""The machine's measured limits: fp32 matmul GFLOP/s, memory copy and read GB/s (median of repeats)."""
 
 from __future__ import annotations
 
@@ -28,3 +28,11 @@ def copy_gbps(n_bytes: int = 256 * 1024**2) -> float:
     src.fill_(1.0)
     dst = torch.empty_like(src)
     return 2 * n_bytes / _median_seconds(lambda: dst.copy_(src)) / 1e9  # read + write
+
+
+def read_gbps(n_bytes: int = 256 * 1024**2) -> float:
+    """Streaming read rate (a sum over a buffer far larger than the caches): what a bandwidth-bound
+    weight product can reach, where the copy rate also counts the writes."""
+    src = torch.empty(n_bytes // 4)
+    src.fill_(1.0)
+    return n_bytes / _median_seconds(lambda: src.sum()) / 1e9
