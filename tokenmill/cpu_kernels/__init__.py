@@ -6,12 +6,13 @@ causal_softmax_ (CpuBackend prefill).
 ``skinny_linear.cpp``: ``x @ W^T`` for few rows of x (``model/linear.py``, decode batches).
 ``panel_linear.cpp``: ``x @ W^T`` for decode-batch-sized x (``model/linear.py``).
 ``decode_stack.cpp``: the decoder layers of a decode step in one call (``model/decode_stack.py``).
-``simd.h``: the vector helpers they share; ``kernels.h``: the kernels' C++ entry points.
+``simd.h``: the vector helpers they share; ``kernels.h``: the kernels' C++ entry points;
+``linear_io.h``: the linear kernels' checks and bias.
 
 The sources are compiled by ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja)
 for the host CPU (``-march=native``) with OpenMP, so ``at::parallel_for`` uses torch's threads.
 torch caches the build under ``TORCH_EXTENSIONS_DIR`` (``~/.cache/torch_extensions``): only the
-first run on a machine pays the compile (~30 s on 2 cores). ``load_cpu_kernels`` returns None,
+first run on a machine pays the compile (~45 s on 2 cores). ``load_cpu_kernels`` returns None,
 and logs why, when the build is impossible or ``TOKENMILL_CPU_KERNELS=0`` is set; every caller
 then uses its torch implementation.
 """
@@ -35,7 +36,7 @@ SOURCES = [
     Path(__file__).with_name(name)
     for name in ("decode_attention.cpp", "decode_stack.cpp", "elementwise.cpp", "panel_linear.cpp", "skinny_linear.cpp")
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "simd.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "linear_io.h", "simd.h")]
 
 
 _load_lock = threading.Lock()

@@ -12,6 +12,8 @@
 
 #include <algorithm>
 
+#include "linear_io.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -110,12 +112,8 @@ void prefetch_rows(const float* w, int64_t ld, int64_t first, int64_t last, int6
 }  // namespace
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "fp32 only");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 && weight.is_contiguous(),
-              "x [M, K] and weight [N, K] must be contiguous");
-  TORCH_CHECK(x.size(1) == weight.size(1), "x and weight disagree on K");
+  at::Tensor out = linear_output(x, weight);
   const int64_t m_rows = x.size(0), k_dim = x.size(1), n_out = weight.size(0);
-  auto out = at::empty({m_rows, n_out}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -143,10 +141,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& weight, const c10
       }
     }
   });
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n_out, "bias must be fp32 [N]");
-    out.add_(*bias);
-  }
+  add_bias(out, bias);
   return out;
 }
 

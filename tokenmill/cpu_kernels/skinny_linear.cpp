@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "linear_io.h"
 #include "simd.h"
 
 namespace {
@@ -62,12 +63,8 @@ void one_row(const float* x, const float* w, float* out, int64_t m_rows, int64_t
 }  // namespace
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "fp32 only");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 && weight.is_contiguous(),
-              "x [M, K] and weight [N, K] must be contiguous");
-  TORCH_CHECK(x.size(1) == weight.size(1), "x and weight disagree on K");
+  at::Tensor out = linear_output(x, weight);
   const int64_t m_rows = x.size(0), k_dim = x.size(1), n_out = weight.size(0);
-  auto out = at::empty({m_rows, n_out}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -76,10 +73,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c1
     for (int64_t b = begin; b < end; ++b) four_rows(xp, wp, op, m_rows, k_dim, n_out, b * kRowsPerBlock);
   });
   for (int64_t n = full_blocks * kRowsPerBlock; n < n_out; ++n) one_row(xp, wp, op, m_rows, k_dim, n_out, n);
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n_out, "bias must be fp32 [N]");
-    out.add_(*bias);
-  }
+  add_bias(out, bias);
   return out;
 }
 
