@@ -42,8 +42,9 @@ def decode_stack(
     if ops is None:
         return None
     return ops.decode_stack(
-        h, cos.contiguous(), sin.contiguous(), _layer_weights(model), kv_view.k_buffer, kv_view.v_buffer, kv_view.out_cache_loc,
-        kv_view.req_to_token, kv_view.req_pool_indices.contiguous(), kv_view.seq_lens.contiguous(),
+        h, cos.contiguous(), sin.contiguous(), _layer_weights(model),
+        kv_view.k_buffer, kv_view.v_buffer, kv_view.out_cache_loc, kv_view.req_to_token,
+        kv_view.req_pool_indices.contiguous(), kv_view.seq_lens.contiguous(),
         config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps, model.backend.scale,
         SKINNY_MAX_ROWS,
     )
