@@ -12,7 +12,7 @@ causal_softmax_ (CpuBackend prefill).
 The sources are compiled by ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja)
 for the host CPU (``-march=native``) with OpenMP, so ``at::parallel_for`` uses torch's threads.
 torch caches the build under ``TORCH_EXTENSIONS_DIR`` (``~/.cache/torch_extensions``): only the
-first run on a machine pays the compile (~45 s on 2 cores). ``load_cpu_kernels`` returns None,
+first run on a machine pays the compile (~1 minute on 2 cores). ``load_cpu_kernels`` returns None,
 and logs why, when the build is impossible or ``TOKENMILL_CPU_KERNELS=0`` is set; every caller
 then uses its torch implementation.
 """
@@ -77,7 +77,7 @@ def _load() -> Any | None:
         if built.exists():
             logger.info("loading the C++ CPU kernels from %s", built.parent)
         else:  # the user sees a pause: say why (WARNING reaches stderr without logging setup)
-            logger.warning("building tokenmill's C++ CPU kernels: first use on this machine, ~30-60 s")
+            logger.warning("building tokenmill's C++ CPU kernels: first use on this machine, ~1 minute")
         # torch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
         headers_hash = hashlib.sha256(b"".join(p.read_bytes() for p in HEADERS)).hexdigest()[:16]
         load(
