@@ -42,10 +42,9 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(at::Tensor h, const at::Tensor& 
     } else {
       x = add_rms_norm(h, residual, w[0], eps);
     }
-    auto [q, k, v] = rotary_split_qkv(linear(x, w[1], no_bias), cos, sin, n_heads, n_kv_heads, head_dim);
     at::Tensor k_cache = k_buffer.select(0, layer), v_cache = v_buffer.select(0, layer);
-    k_cache.index_copy_(0, out_cache_loc, k);
-    v_cache.index_copy_(0, out_cache_loc, v);
+    const at::Tensor q =
+        rotary_store_kv(linear(x, w[1], no_bias), cos, sin, k_cache, v_cache, out_cache_loc, n_heads, n_kv_heads, head_dim);
     const at::Tensor attn = paged_decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale);
     x = add_rms_norm(linear(attn.view({batch, n_heads * head_dim}), w[2], no_bias), residual, w[3], eps);
     h = linear(silu_and_mul(linear(x, w[4], no_bias)), w[5], no_bias);

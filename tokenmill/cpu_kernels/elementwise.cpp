@@ -4,6 +4,7 @@
 //   add_rms_norm      residual += x (in place); out = rms_norm(residual)
 //   silu_and_mul      [T, 2I] -> [T, I]: silu(gate) * up
 //   rotary_split_qkv  fused qkv rows [T, (H + 2 Hkv) D] -> contiguous q, k (rotate_half RoPE) and v
+//   rotary_store_kv   the same, with k and v written to their KV-cache slots (decode_stack.cpp)
 //   causal_softmax_   in place over attention scores: scale, causal mask, softmax
 // Rows are split over torch's intra-op threads. Loops are written for the compiler to vectorize
 // (exp is a polynomial, so silu vectorizes too).
@@ -38,6 +39,33 @@ inline void normalize_row(const float* x, const float* weight, float* out, int64
   const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(dim) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < dim; ++i) out[i] = weight[i] * (x[i] * inv);
+}
+
+// One token of fused qkv [(H + 2 Hkv) D]: rotate_half RoPE of its H query heads into q_out [H, D]
+// and of its Hkv key heads into k_out [Hkv, D]; its values copied to v_out [Hkv, D].
+void rotate_token(const float* row, const float* c, const float* s, float* q_out, float* k_out, float* v_out,
+                  int64_t n_heads, int64_t n_kv_heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < n_heads + n_kv_heads; ++h) {
+    const float* x = row + h * head_dim;
+    float* o = h < n_heads ? q_out + h * head_dim : k_out + (h - n_heads) * head_dim;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      o[i] = x[i] * c[i] - x[i + half] * s[i];
+      o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+    }
+  }
+  std::memcpy(v_out, row + (n_heads + n_kv_heads) * head_dim, n_kv_heads * head_dim * sizeof(float));
+}
+
+void check_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t n_heads,
+               int64_t n_kv_heads, int64_t head_dim) {
+  check_rows(qkv, "qkv");
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  TORCH_CHECK(head_dim % 2 == 0 && qkv.size(1) == (n_heads + 2 * n_kv_heads) * head_dim,
+              "qkv must be [T, (H + 2 Hkv) * D] with even D");
+  TORCH_CHECK(cos.size(0) == qkv.size(0) && cos.size(1) == head_dim && sin.sizes() == cos.sizes(), "cos/sin: [T, D]");
 }
 
 }  // namespace
@@ -104,12 +132,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split_qkv(const at::Tensor& qkv, const at::Tensor& cos,
                                                                const at::Tensor& sin, int64_t n_heads,
                                                                int64_t n_kv_heads, int64_t head_dim) {
-  check_rows(qkv, "qkv");
-  check_rows(cos, "cos");
-  check_rows(sin, "sin");
-  const int64_t tokens = qkv.size(0), width = (n_heads + 2 * n_kv_heads) * head_dim;
-  TORCH_CHECK(head_dim % 2 == 0 && qkv.size(1) == width, "qkv must be [T, (H + 2 Hkv) * D] with even D");
-  TORCH_CHECK(cos.size(0) == tokens && cos.size(1) == head_dim && sin.sizes() == cos.sizes(), "cos/sin: [T, D]");
+  check_qkv(qkv, cos, sin, n_heads, n_kv_heads, head_dim);
+  const int64_t tokens = qkv.size(0), width = qkv.size(1), q_width = n_heads * head_dim;
+  const int64_t kv_width = n_kv_heads * head_dim;
   auto q = at::empty({tokens, n_heads, head_dim}, qkv.options());
   auto k = at::empty({tokens, n_kv_heads, head_dim}, qkv.options());
   auto v = at::empty({tokens, n_kv_heads, head_dim}, qkv.options());
@@ -119,27 +144,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split_qkv(const at::Tensor
   float* q_ptr = q.data_ptr<float>();
   float* k_ptr = k.data_ptr<float>();
   float* v_ptr = v.data_ptr<float>();
-  const int64_t half = head_dim / 2;
   at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* row = src + t * width;
-      const float* c = cos_ptr + t * head_dim;
-      const float* s = sin_ptr + t * head_dim;
-      for (int64_t h = 0; h < n_heads + n_kv_heads; ++h) {
-        const float* x = row + h * head_dim;
-        float* o = h < n_heads ? q_ptr + (t * n_heads + h) * head_dim
-                               : k_ptr + (t * n_kv_heads + h - n_heads) * head_dim;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          o[i] = x[i] * c[i] - x[i + half] * s[i];
-          o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
-        }
-      }
-      std::memcpy(v_ptr + t * n_kv_heads * head_dim, row + (n_heads + n_kv_heads) * head_dim,
-                  n_kv_heads * head_dim * sizeof(float));
+      rotate_token(src + t * width, cos_ptr + t * head_dim, sin_ptr + t * head_dim, q_ptr + t * q_width,
+                   k_ptr + t * kv_width, v_ptr + t * kv_width, n_heads, n_kv_heads, head_dim);
     }
   });
   return {q, k, v};
+}
+
+// As rotary_split_qkv, but token t's keys and values go straight to the cache slot
+// out_cache_loc[t] of k_cache/v_cache [S, Hkv, D] (what the attention backend's store does);
+// returns q [T, H, D].
+at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                           at::Tensor& v_cache, const at::Tensor& out_cache_loc, int64_t n_heads,
+                           int64_t n_kv_heads, int64_t head_dim) {
+  check_qkv(qkv, cos, sin, n_heads, n_kv_heads, head_dim);
+  const int64_t tokens = qkv.size(0), width = qkv.size(1), q_width = n_heads * head_dim;
+  const int64_t kv_width = n_kv_heads * head_dim, n_slots = k_cache.size(0);
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.numel() == n_slots * kv_width,
+              "k_cache/v_cache must be contiguous fp32 [S, Hkv, D]");
+  TORCH_CHECK(out_cache_loc.scalar_type() == at::kLong && out_cache_loc.is_contiguous() &&
+                  out_cache_loc.numel() == tokens, "out_cache_loc: contiguous int64, one slot per token");
+  const int64_t* slots = out_cache_loc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < n_slots, "cache slot out of range");
+  auto q = at::empty({tokens, n_heads, head_dim}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cos_ptr = cos.data_ptr<float>();
+  const float* sin_ptr = sin.data_ptr<float>();
+  float* q_ptr = q.data_ptr<float>();
+  float* k_ptr = k_cache.data_ptr<float>();
+  float* v_ptr = v_cache.data_ptr<float>();
+  at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      rotate_token(src + t * width, cos_ptr + t * head_dim, sin_ptr + t * head_dim, q_ptr + t * q_width,
+                   k_ptr + slots[t] * kv_width, v_ptr + slots[t] * kv_width, n_heads, n_kv_heads, head_dim);
+    }
+  });
+  return q;
 }
 
 // scores [B, n, S]: row i of every batch entry is the query at position first_pos + i, which sees

@@ -1,5 +1,6 @@
 // The kernels' C++ entry points, for decode_stack.cpp to call them directly (not through the
-// dispatcher). Each is defined in its own .cpp and registered as a torch.ops.tokenmill_cpu op.
+// dispatcher). Each is defined in its own .cpp; all but rotary_store_kv (decode_stack.cpp's alone)
+// are also registered as torch.ops.tokenmill_cpu ops.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,6 +15,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split_qkv(const at::Tensor& qkv, const at::Tensor& cos,
                                                                const at::Tensor& sin, int64_t n_heads,
                                                                int64_t n_kv_heads, int64_t head_dim);
+at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                           at::Tensor& v_cache, const at::Tensor& out_cache_loc, int64_t n_heads,
+                           int64_t n_kv_heads, int64_t head_dim);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                                   const at::Tensor& seq_lens, double scale);
