@@ -19,7 +19,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     kv_view: KVView
-    logits_indices: torch.Tensor  # [n_sampled] rows of the flat batch that need logits
+    logits_indices: torch.Tensor | None  # [n_sampled] rows of the flat batch that need logits; None: all
 
 
 class ModelRunner:
@@ -39,7 +39,7 @@ class ModelRunner:
             view = self.cache.bind_decode(plan.decode, plan.decode_slots)
             input_ids = torch.tensor([s.tokens(s.n_kv - 1, s.n_kv)[0] for s in plan.decode], device=device)
             positions = view.seq_lens - 1
-            return ForwardBatch(input_ids, positions, view, torch.arange(len(plan.decode), device=device))
+            return ForwardBatch(input_ids, positions, view, None)  # every row samples
 
         seqs = plan.decode + [s for s, _ in plan.prefill]
         extend_lens = [1] * len(plan.decode) + [n for _, n in plan.prefill]
