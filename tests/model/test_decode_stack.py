@@ -89,5 +89,5 @@ def test_declines_what_it_does_not_cover(tmp_path: Path, overrides: dict) -> Non
     view = make_decode_view(harness.storage, harness.pool.table, [0], [1], loc, harness.partial_out,
                             harness.partial_lse, 8)
     h = torch.randn(1, model.config.hidden_size)
-    cos, sin = model.rotary(torch.zeros(1, dtype=torch.long), None, torch.float32)
+    cos, sin = model.rotary(torch.zeros(1, dtype=torch.long), None, torch.float32, 1)
     assert decode_stack(model, h, cos, sin, view) is None

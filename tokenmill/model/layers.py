@@ -37,7 +37,11 @@ class RotaryEmbedding(nn.Module):
     """cos/sin for the given positions, for every supported ``rope_type``.
 
     "dynamic" (NTK) recomputes the base per token from the length of its request in the current
-    forward, as transformers does per forward call; the other types use a fixed ``inv_freq``.
+    forward, as transformers does per forward call; the other types use a fixed ``inv_freq``, so
+    their cos/sin rows are computed once into a table (grown to the next power of two when a
+    forward needs more positions) and gathered per forward: one index per tensor instead of ~10
+    small ops, which matter in a CPU decode step. A CUDA-graph capture's warm-up forward sizes the
+    table for the captured upper bound first, so a capture never grows (reallocates) it.
     """
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> None:
@@ -49,16 +53,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         self.register_buffer("exponents", exponents, persistent=False)
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [n, head_dim]
 
     @property
     def is_dynamic(self) -> bool:
         return self.rope.rope_type == "dynamic"
 
     def forward(
-        self, positions: torch.Tensor, seq_lens: torch.Tensor | None, dtype: torch.dtype
+        self, positions: torch.Tensor, seq_lens: torch.Tensor | None, dtype: torch.dtype, n_positions: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape ``[T, head_dim]``; ``seq_lens`` (per token) only for "dynamic"."""
-        pos = positions.float()[:, None]
+        """cos, sin of shape ``[T, head_dim]`` for ``positions`` (all ``< n_positions``);
+        ``seq_lens`` (per token) only for "dynamic"."""
         if self.is_dynamic:
             assert seq_lens is not None, "dynamic RoPE needs the per-token request length"
             mpe = self.max_position_embeddings
@@ -67,9 +72,18 @@ class RotaryEmbedding(nn.Module):
             exponent = self.head_dim / (self.head_dim - 2)
             base = self.rope.theta * ((factor * length / mpe) - (factor - 1)) ** exponent
             inv_freq = 1.0 / (base[:, None] ** self.exponents[None, :])
-            freqs = pos * inv_freq
-        else:
-            freqs = pos * self.inv_freq[None, :]
+            return self._cos_sin(positions.float()[:, None] * inv_freq, dtype)
+        table = self._table
+        stale = table is None or (table[0].dtype, table[0].device) != (dtype, positions.device)
+        if stale or table[0].shape[0] < n_positions:
+            size = 1 << max(n_positions - 1, 1).bit_length()
+            freqs = torch.arange(size, device=positions.device).float()[:, None] * self.inv_freq[None, :]
+            table = self._table = self._cos_sin(freqs, dtype)
+        return table[0][positions], table[1][positions]
+
+    def _cos_sin(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (times the attention factor) of ``freqs`` ``[T, head_dim / 2]``, in the
+        rotate_half layout ``[T, head_dim]``."""
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
 

@@ -98,7 +98,7 @@ class CausalLM(nn.Module):
             raise RuntimeError("CausalLM.backend must be set before forward")
         h = self.model.embed_tokens(input_ids)
         rope_lens = self._dynamic_rope_lens(kv_view) if self.rotary.is_dynamic else None
-        cos, sin = self.rotary(positions, rope_lens, h.dtype)
+        cos, sin = self.rotary(positions, rope_lens, h.dtype, kv_view.max_seq_len)
         stacked = decode_stack(self, h, cos, sin, kv_view)  # the C++ layer loop, where eligible
         if stacked is not None:
             h, residual = stacked
