@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -176,9 +177,10 @@ def test_recycled_row_never_replays_the_previous_sequence() -> None:
     assert (mgr.req_pool.table[row, 8:] == 0).all()
 
 
-def test_steady_state_is_exactly_a_rebuild() -> None:
+@pytest.mark.parametrize("split_min_tokens", [1, 3, 256])  # splits change every step / at 4, 7 / never
+def test_steady_state_is_exactly_a_rebuild(split_min_tokens: int) -> None:
     seqs = [new_seq([1, 2, 3]), new_seq([2, 2, 2, 2, 2])]
-    steady, rebuilt = make_manager(2, 32), make_manager(2, 32)
+    steady, rebuilt = (make_manager(2, 32, decode_split_min_tokens=split_min_tokens) for _ in range(2))
     for mgr in (steady, rebuilt):
         for s in seqs:
             s.output_token_ids.clear()

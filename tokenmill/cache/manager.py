@@ -229,9 +229,9 @@ class CacheManager:
             view.seq_lens.add_(1)
             view.kv_indptr.add_(torch.arange(batch + 1, device=view.kv_indptr.device))
             view.out_cache_loc.copy_(out_cache_loc)
-            view.num_splits.copy_(
-                decode_num_splits(view.seq_lens, self.config.decode_split_min_tokens, self.config.max_decode_splits)
-            )
+            split = self.config.decode_split_min_tokens
+            if any(n % split == 1 % split for n in seq_lens):  # a request entered a new split's worth of KV
+                view.num_splits.copy_(decode_num_splits(view.seq_lens, split, self.config.max_decode_splits))
             view.max_seq_len += 1
             self.stats.steady_state_steps += 1
         else:
