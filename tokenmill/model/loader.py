@@ -1,7 +1,8 @@
 """Load a Hugging Face safetensors checkpoint into a :class:`CausalLM`.
 
 Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``) checkpoints.
-The model is built on the meta device and materialized empty, then each tensor is read from disk
+The model is built on the meta device and materialized empty (on CPU: its parameters in one
+huge-page mapping, ``huge_pages.py``), then each tensor is read from disk
 and copied straight into its (possibly fused) parameter, so at most one checkpoint tensor is held
 beside the model. Only safetensors are read: no pickle, no remote code.
 """
@@ -16,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.huge_pages import materialize_on_huge_pages
 from tokenmill.model.layers import RotaryEmbedding
 from tokenmill.model.transformer import CausalLM, WeightTarget
 
@@ -108,7 +110,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
     weight_files(path)  # fail on a missing checkpoint before allocating the model
     with torch.device("meta"):
         model = CausalLM(config)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    model = materialize_on_huge_pages(model) if torch.device(device).type == "cpu" else model.to_empty(device=device)
     model.rotary = RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings).to(device)
     load_weights(model, ((name, tensor, str(file)) for name, tensor, file in iter_checkpoint(path)))
     return model.eval()

@@ -1,0 +1,44 @@
+"""CPU parameters in one anonymous mapping backed by transparent huge pages (2 MB).
+
+A batch-1 decode step reads every weight once, so on CPU it runs at the speed the memory system
+streams them; with 4 KB pages each 4 KB of weights also costs a TLB miss (a two-level page walk
+under a hypervisor). On the 2-core benchmark VM the ~100M model decoded at batch 1 in 30.1 vs
+31.2 ms/token (~4%, interleaved A/B in one process, medians of 10) with its parameters on huge
+pages; the same single buffer on 4 KB pages was no faster than separate allocations.
+
+Needs Linux with transparent huge pages in "madvise" or "always" mode; elsewhere
+``materialize_on_huge_pages`` is a plain ``to_empty``. Parameters become views into the mapping
+(module order, each starting on a 64-byte cache line); in-place weight updates keep them there,
+and anything that swaps a parameter's storage (``Module.to`` another device or dtype) just leaves
+the mapping, which lives as long as some parameter still views it.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+from torch import nn
+
+ALIGN_BYTES = 64
+
+
+def materialize_on_huge_pages(model: nn.Module) -> nn.Module:
+    """``model.to_empty(device="cpu")`` with every parameter (uninitialized) in one huge-page
+    mapping where the OS supports it. Buffers are allocated as ``to_empty`` does."""
+    model.to_empty(device="cpu")
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    params = list(model.parameters())  # shared (tied) parameters appear once
+    offsets, total = [], 0
+    for param in params:
+        offsets.append(total)
+        total += -(-param.numel() * param.element_size() // ALIGN_BYTES) * ALIGN_BYTES
+    if advise is None or total == 0:
+        return model
+    mapping = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE)  # anonymous; pages committed on first write
+    mapping.madvise(advise)
+    arena = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+    for param, offset in zip(params, offsets):
+        nbytes = param.numel() * param.element_size()
+        param.data = arena[offset : offset + nbytes].view(param.dtype).view(param.shape)
+    return model
