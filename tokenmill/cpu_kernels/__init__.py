@@ -5,7 +5,7 @@
 causal_softmax_ (CpuBackend prefill).
 ``skinny_linear.cpp``: ``x @ W^T`` for few rows of x (``model/linear.py``, decode batches).
 ``panel_linear.cpp``: ``x @ W^T`` for decode-batch-sized x (``model/linear.py``).
-``decode_stack.cpp``: the decoder layers of a decode step in one call (``model/decode_stack.py``).
+``decode_forward.cpp``: the whole forward of a decode step in one call (``model/decode_forward.py``).
 ``simd.h``: the vector helpers they share; ``kernels.h``: the kernels' C++ entry points;
 ``linear_io.h``: the linear kernels' checks and bias.
 
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 EXTENSION_NAME = "tokenmill_cpu_kernels"
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("decode_attention.cpp", "decode_stack.cpp", "elementwise.cpp", "panel_linear.cpp", "skinny_linear.cpp")
+    for name in ("decode_attention.cpp", "decode_forward.cpp", "elementwise.cpp", "panel_linear.cpp", "skinny_linear.cpp")
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "linear_io.h", "simd.h")]
 

@@ -4,7 +4,7 @@
 //   add_rms_norm      residual += x (in place); out = rms_norm(residual)
 //   silu_and_mul      [T, 2I] -> [T, I]: silu(gate) * up
 //   rotary_split_qkv  fused qkv rows [T, (H + 2 Hkv) D] -> contiguous q, k (rotate_half RoPE) and v
-//   rotary_store_kv   the same, with k and v written to their KV-cache slots (decode_stack.cpp)
+//   rotary_store_kv   the same, with k and v written to their KV-cache slots (decode_forward.cpp)
 //   causal_softmax_   in place over attention scores: scale, causal mask, softmax
 // Rows are split over torch's intra-op threads. Loops are written for the compiler to vectorize
 // (exp is a polynomial, so silu vectorizes too).

@@ -1,5 +1,5 @@
-// The kernels' C++ entry points, for decode_stack.cpp to call them directly (not through the
-// dispatcher). Each is defined in its own .cpp; all but rotary_store_kv (decode_stack.cpp's alone)
+// The kernels' C++ entry points, for decode_forward.cpp to call them directly (not through the
+// dispatcher). Each is defined in its own .cpp; all but rotary_store_kv (decode_forward.cpp's alone)
 // are also registered as torch.ops.tokenmill_cpu ops.
 #pragma once
 

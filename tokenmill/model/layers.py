@@ -73,13 +73,19 @@ class RotaryEmbedding(nn.Module):
             base = self.rope.theta * ((factor * length / mpe) - (factor - 1)) ** exponent
             inv_freq = 1.0 / (base[:, None] ** self.exponents[None, :])
             return self._cos_sin(positions.float()[:, None] * inv_freq, dtype)
+        cos_table, sin_table = self.table(n_positions, dtype, positions.device)
+        return cos_table[positions], sin_table[positions]
+
+    def table(self, n_positions: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[n, head_dim]`` (``n >= n_positions``) of positions ``0 .. n-1``; fixed-frequency
+        rope types only."""
+        assert not self.is_dynamic, "dynamic RoPE has no position table"
         table = self._table
-        stale = table is None or (table[0].dtype, table[0].device) != (dtype, positions.device)
-        if stale or table[0].shape[0] < n_positions:
+        if table is None or (table[0].dtype, table[0].device) != (dtype, device) or table[0].shape[0] < n_positions:
             size = 1 << max(n_positions - 1, 1).bit_length()
-            freqs = torch.arange(size, device=positions.device).float()[:, None] * self.inv_freq[None, :]
+            freqs = torch.arange(size, device=device).float()[:, None] * self.inv_freq[None, :]
             table = self._table = self._cos_sin(freqs, dtype)
-        return table[0][positions], table[1][positions]
+        return table
 
     def _cos_sin(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (times the attention factor) of ``freqs`` ``[T, head_dim / 2]``, in the

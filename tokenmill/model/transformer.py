@@ -16,7 +16,7 @@ from torch import nn
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.cache.views import DecodeKVCache, KVView
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.decode_stack import decode_stack
+from tokenmill.model.decode_forward import decode_forward
 from tokenmill.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 from tokenmill.model.linear import Linear, linear
 
@@ -96,16 +96,16 @@ class CausalLM(nn.Module):
         """Logits ``[len(logits_indices), vocab]`` (all rows when ``logits_indices`` is None)."""
         if self.backend is None:
             raise RuntimeError("CausalLM.backend must be set before forward")
+        if logits_indices is None:
+            logits = decode_forward(self, input_ids, positions, kv_view)  # one C++ call, where eligible
+            if logits is not None:
+                return logits
         h = self.model.embed_tokens(input_ids)
         rope_lens = self._dynamic_rope_lens(kv_view) if self.rotary.is_dynamic else None
         cos, sin = self.rotary(positions, rope_lens, h.dtype, kv_view.max_seq_len)
-        stacked = decode_stack(self, h, cos, sin, kv_view)  # the C++ layer loop, where eligible
-        if stacked is not None:
-            h, residual = stacked
-        else:
-            residual = None
-            for layer in self.model.layers:  # at least one: ModelConfig requires a positive count
-                h, residual = layer(h, residual, cos, sin, self.backend, kv_view)
+        residual = None
+        for layer in self.model.layers:  # at least one: ModelConfig requires a positive count
+            h, residual = layer(h, residual, cos, sin, self.backend, kv_view)
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]
         h, _ = self.model.norm.add_and_norm(h, residual)

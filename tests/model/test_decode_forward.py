@@ -1,5 +1,5 @@
-"""The C++ decode stack (one call for all decoder layers of a decode step) against the Python
-layers it replaces: identical logits and cache contents step after step, on the skinny (few
+"""The C++ decode forward (one call for the whole forward of a decode step) against the Python
+forward it replaces: identical logits and cache contents step after step, on the skinny (few
 requests) and panel (more requests) linear paths; and it declines what it does not cover."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.cache.storage import ReqToTokenPool
 from tokenmill.cache.view_builder import make_decode_view
 from tokenmill.model import transformer
-from tokenmill.model.decode_stack import decode_stack
+from tokenmill.model.decode_forward import decode_forward
 from tokenmill.model.linear import SKINNY_MAX_ROWS
 from tokenmill.model.loader import load_model
 from tokenmill.model.transformer import CausalLM
@@ -58,7 +58,7 @@ def greedy_decode(model: CausalLM, n_requests: int, steps: int) -> tuple[list[to
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("decode-stack-llama")
+    path = tmp_path_factory.mktemp("decode-forward-llama")
     save_tiny_model(path, "llama", num_key_value_heads=2, tie_word_embeddings=False)
     return path
 
@@ -66,19 +66,28 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("n_requests", [1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 3])
 def test_matches_python_layers(llama: Path, monkeypatch: pytest.MonkeyPatch, n_requests: int) -> None:
     model = load_model(llama, torch.float32, "cpu")
-    calls = []
-    monkeypatch.setattr(transformer, "decode_stack", lambda *args: calls.append(1) or decode_stack(*args))
+    ran = []
+
+    def counted(*args: object) -> torch.Tensor | None:
+        logits = decode_forward(*args)
+        ran.append(logits is not None)
+        return logits
+
+    monkeypatch.setattr(transformer, "decode_forward", counted)
     fused, fused_cache = greedy_decode(model, n_requests, steps=5)
-    assert len(calls) == 6 and len(fused) == 5  # the prefill declined, every decode step ran it
-    monkeypatch.setattr(transformer, "decode_stack", lambda *args: None)
+    assert ran == [False] + [True] * 5  # the prefill declined, every decode step ran it
+    monkeypatch.setattr(transformer, "decode_forward", lambda *args: None)
     python, python_cache = greedy_decode(model, n_requests, steps=5)
     for step, (a, b) in enumerate(zip(fused, python)):
         assert torch.equal(a, b), f"decode step {step}: max diff {(a - b).abs().max().item()}"
     assert torch.equal(fused_cache, python_cache)
 
 
-@pytest.mark.parametrize("overrides", [dict(attention_bias=True), dict(mlp_bias=True), {}],
-                         ids=["qkv-bias", "mlp-bias", "torch-backend"])
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(attention_bias=True), dict(mlp_bias=True), dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), {}],
+    ids=["qkv-bias", "mlp-bias", "dynamic-rope", "torch-backend"],
+)
 def test_declines_what_it_does_not_cover(tmp_path: Path, overrides: dict) -> None:
     save_tiny_model(tmp_path, "llama", **overrides)
     model = load_model(tmp_path, torch.float32, "cpu")
@@ -88,6 +97,4 @@ def test_declines_what_it_does_not_cover(tmp_path: Path, overrides: dict) -> Non
     loc = harness._slots(0, 0, 1)
     view = make_decode_view(harness.storage, harness.pool.table, [0], [1], loc, harness.partial_out,
                             harness.partial_lse, 8)
-    h = torch.randn(1, model.config.hidden_size)
-    cos, sin = model.rotary(torch.zeros(1, dtype=torch.long), None, torch.float32, 1)
-    assert decode_stack(model, h, cos, sin, view) is None
+    assert decode_forward(model, torch.tensor([3]), torch.zeros(1, dtype=torch.long), view) is None
