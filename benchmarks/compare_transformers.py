@@ -6,9 +6,11 @@ output tokens count. tokenmill runs the whole workload through ``LLM.generate``.
 Prints output tokens/s of each and the ratio to transformers' best batch size; with
 --roofline also the machine's matmul GFLOP/s and copy GB/s (probed before and after each engine
 run, since shared machines drift), the compute roof of the workload at each engine's probed rate
-(2 FLOPs per matmul weight per prompt or output token), each engine's fraction of it, and the
-batch-1 decode time against its bandwidth floor (matmul weight bytes / copy GB/s) and against
-the weights' streaming read time at the read rate probed right after it.
+(2 FLOPs per matmul weight per prompt or output token), each engine's fraction of it, and
+tokenmill's batch-1 decode time against its bandwidth floor (matmul weight bytes / copy GB/s)
+and against the weights' streaming read time: --batch1-rounds rounds, each a 64-token decode
+between copy probes with a read probe after it, each round's ratios taken against its own
+probes (the host's bandwidth drifts by 20-30% within minutes), medians reported.
 
     python benchmarks/compare_transformers.py                  # the default workload (slow)
     python benchmarks/compare_transformers.py --num-prompts 16 --hf-batch-sizes 16
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -60,10 +63,35 @@ def matmul_weights(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def batch1_decode_ms(llm: LLM, n_tokens: int = 64) -> float:
-    """Median-free simple measure: ms per token of one request decoding ``n_tokens`` tokens."""
+    """ms per token of one request decoding ``n_tokens`` tokens (after its first)."""
     params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     out = llm.generate([[5] * 16], params, use_tqdm=False)[0]
     return (out.metrics.finished_time - out.metrics.first_token_time) * 1000 / (n_tokens - 1)
+
+
+def batch1_against_floors(llm: LLM, model_bytes: int, rounds: int) -> dict[str, float]:
+    """Batch-1 decode against the copy-bandwidth floor and the streaming-read time, each round
+    against the probes taken around it; medians over the rounds (after a warm-up decode)."""
+    ms, copy, read, to_floor, to_read = [], [], [], [], []
+    batch1_decode_ms(llm, n_tokens=8)  # warm-up
+    for _ in range(rounds):
+        before = copy_gbps()
+        ms.append(batch1_decode_ms(llm))
+        copy.append((before + copy_gbps()) / 2)
+        read.append(read_gbps())
+        to_floor.append(ms[-1] / (model_bytes / (copy[-1] * 1e9) * 1000))
+        to_read.append(ms[-1] / (model_bytes / (read[-1] * 1e9) * 1000))
+    median = statistics.median
+    return {
+        "batch1_rounds": rounds,
+        "batch1_decode_ms": round(median(ms), 2),
+        "batch1_copy_gbps": round(median(copy), 1),
+        "batch1_bandwidth_floor_ms": round(model_bytes / (median(copy) * 1e9) * 1000, 2),
+        "batch1_ratio_to_floor": round(median(to_floor), 3),
+        "batch1_ratios_to_floor": [round(r, 2) for r in to_floor],
+        "batch1_read_gbps": round(median(read), 1),
+        "batch1_ratio_to_read_floor": round(median(to_read), 3),
+    }
 
 
 def main() -> None:
@@ -76,6 +104,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-running-requests", type=int, default=64)
     parser.add_argument("--roofline", action="store_true")
+    parser.add_argument("--batch1-rounds", type=int, default=5, help="batch-1 rounds with --roofline")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args()
 
@@ -91,10 +120,9 @@ def main() -> None:
     try:
         ours, _ = run_throughput(llm, work)
         probes.append(probe())
-        b1_ms = batch1_decode_ms(llm) if args.roofline else None
-        b1_read_gbps = read_gbps() if args.roofline else None
-        probes.append(probe())
         n_params, model_bytes = matmul_weights(llm.engine.model)
+        batch1 = batch1_against_floors(llm, model_bytes, args.batch1_rounds) if args.roofline else {}
+        probes.append(probe())  # transformers' first batch starts from here
     finally:
         llm.shutdown()
     hf, hf_probes = {}, {}
@@ -120,8 +148,6 @@ def main() -> None:
             return work.n_output_tokens / (flops / (gflops * 1e9))
 
         ours_roof, hf_roof = roof_tok_s(tuple(probes[:2])), roof_tok_s(hf_probes[best])
-        b1_gbps = (probes[1][1] + probes[2][1]) / 2
-        floor_ms = model_bytes / (b1_gbps * 1e9) * 1000
         result["roofline"] = {
             "probes_matmul_gflops_copy_gbps": [[round(g, 1), round(c, 1)] for g, c in probes],
             "matmul_params": n_params,
@@ -129,11 +155,7 @@ def main() -> None:
             "tokenmill_fraction_of_roof": round(ours.output_tok_per_s / ours_roof, 3),
             "transformers_compute_roof_output_tok_s": round(hf_roof, 1),
             "transformers_fraction_of_roof": round(hf[best] / hf_roof, 3),
-            "batch1_decode_ms": round(b1_ms, 2), "batch1_bandwidth_floor_ms": round(floor_ms, 2),
-            "batch1_ratio_to_floor": round(b1_ms / floor_ms, 2),
-            "batch1_read_gbps": round(b1_read_gbps, 1),
-            "batch1_ratio_to_read_floor": round(b1_ms / (model_bytes / (b1_read_gbps * 1e9) * 1000), 2),
-        }
+        } | batch1
     if args.json:
         print(json.dumps(result))
         return
