@@ -54,7 +54,8 @@ at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positio
   const auto linear = batch <= skinny_max_rows ? &skinny_linear : &panel_linear;
   const c10::optional<at::Tensor> no_bias;
   at::Tensor h = gather_rows(embed, input_ids, "token embedding");
-  const at::Tensor cos = gather_rows(cos_table, positions, "cos table"), sin = gather_rows(sin_table, positions, "sin table");
+  const at::Tensor cos = gather_rows(cos_table, positions, "cos table");
+  const at::Tensor sin = gather_rows(sin_table, positions, "sin table");
   at::Tensor residual;
   for (int64_t layer = 0; layer < n_layers; ++layer) {
     const at::Tensor* w = weights.data() + layer * kWeightsPerLayer;
@@ -66,9 +67,10 @@ at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positio
       x = add_rms_norm(h, residual, w[0], eps);
     }
     at::Tensor k_cache = k_buffer.select(0, layer), v_cache = v_buffer.select(0, layer);
-    const at::Tensor q =
-        rotary_store_kv(linear(x, w[1], no_bias), cos, sin, k_cache, v_cache, out_cache_loc, n_heads, n_kv_heads, head_dim);
-    const at::Tensor attn = paged_decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale);
+    const at::Tensor q = rotary_store_kv(linear(x, w[1], no_bias), cos, sin, k_cache, v_cache, out_cache_loc,
+                                         n_heads, n_kv_heads, head_dim);
+    const at::Tensor attn =
+        paged_decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale);
     x = add_rms_norm(linear(attn.view({batch, n_heads * head_dim}), w[2], no_bias), residual, w[3], eps);
     h = linear(silu_and_mul(linear(x, w[4], no_bias)), w[5], no_bias);
   }

@@ -68,6 +68,27 @@ void check_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   TORCH_CHECK(cos.size(0) == qkv.size(0) && cos.size(1) == head_dim && sin.sizes() == cos.sizes(), "cos/sin: [T, D]");
 }
 
+// Every token t of qkv rotated into q [T, H, D] (returned), its keys and values into row
+// kv_row(t) of k_dst / v_dst ([rows, Hkv, D] buffers).
+template <typename KvRow>
+at::Tensor rotate_tokens(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, float* k_dst,
+                         float* v_dst, KvRow kv_row, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim) {
+  const int64_t tokens = qkv.size(0), width = qkv.size(1), q_width = n_heads * head_dim;
+  const int64_t kv_width = n_kv_heads * head_dim;
+  auto q = at::empty({tokens, n_heads, head_dim}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cos_ptr = cos.data_ptr<float>();
+  const float* sin_ptr = sin.data_ptr<float>();
+  float* q_ptr = q.data_ptr<float>();
+  at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      rotate_token(src + t * width, cos_ptr + t * head_dim, sin_ptr + t * head_dim, q_ptr + t * q_width,
+                   k_dst + kv_row(t) * kv_width, v_dst + kv_row(t) * kv_width, n_heads, n_kv_heads, head_dim);
+    }
+  });
+  return q;
+}
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -133,23 +154,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split_qkv(const at::Tensor
                                                                const at::Tensor& sin, int64_t n_heads,
                                                                int64_t n_kv_heads, int64_t head_dim) {
   check_qkv(qkv, cos, sin, n_heads, n_kv_heads, head_dim);
-  const int64_t tokens = qkv.size(0), width = qkv.size(1), q_width = n_heads * head_dim;
-  const int64_t kv_width = n_kv_heads * head_dim;
-  auto q = at::empty({tokens, n_heads, head_dim}, qkv.options());
-  auto k = at::empty({tokens, n_kv_heads, head_dim}, qkv.options());
-  auto v = at::empty({tokens, n_kv_heads, head_dim}, qkv.options());
-  const float* src = qkv.data_ptr<float>();
-  const float* cos_ptr = cos.data_ptr<float>();
-  const float* sin_ptr = sin.data_ptr<float>();
-  float* q_ptr = q.data_ptr<float>();
-  float* k_ptr = k.data_ptr<float>();
-  float* v_ptr = v.data_ptr<float>();
-  at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      rotate_token(src + t * width, cos_ptr + t * head_dim, sin_ptr + t * head_dim, q_ptr + t * q_width,
-                   k_ptr + t * kv_width, v_ptr + t * kv_width, n_heads, n_kv_heads, head_dim);
-    }
-  });
+  auto k = at::empty({qkv.size(0), n_kv_heads, head_dim}, qkv.options());
+  auto v = at::empty_like(k);
+  auto q = rotate_tokens(qkv, cos, sin, k.data_ptr<float>(), v.data_ptr<float>(), [](int64_t t) { return t; },
+                         n_heads, n_kv_heads, head_dim);
   return {q, k, v};
 }
 
@@ -160,29 +168,16 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
                            at::Tensor& v_cache, const at::Tensor& out_cache_loc, int64_t n_heads,
                            int64_t n_kv_heads, int64_t head_dim) {
   check_qkv(qkv, cos, sin, n_heads, n_kv_heads, head_dim);
-  const int64_t tokens = qkv.size(0), width = qkv.size(1), q_width = n_heads * head_dim;
-  const int64_t kv_width = n_kv_heads * head_dim, n_slots = k_cache.size(0);
+  const int64_t n_slots = k_cache.size(0);
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.numel() == n_slots * kv_width,
+                  k_cache.sizes() == v_cache.sizes() && k_cache.numel() == n_slots * n_kv_heads * head_dim,
               "k_cache/v_cache must be contiguous fp32 [S, Hkv, D]");
   TORCH_CHECK(out_cache_loc.scalar_type() == at::kLong && out_cache_loc.is_contiguous() &&
-                  out_cache_loc.numel() == tokens, "out_cache_loc: contiguous int64, one slot per token");
+                  out_cache_loc.numel() == qkv.size(0), "out_cache_loc: contiguous int64, one slot per token");
   const int64_t* slots = out_cache_loc.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < n_slots, "cache slot out of range");
-  auto q = at::empty({tokens, n_heads, head_dim}, qkv.options());
-  const float* src = qkv.data_ptr<float>();
-  const float* cos_ptr = cos.data_ptr<float>();
-  const float* sin_ptr = sin.data_ptr<float>();
-  float* q_ptr = q.data_ptr<float>();
-  float* k_ptr = k_cache.data_ptr<float>();
-  float* v_ptr = v_cache.data_ptr<float>();
-  at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      rotate_token(src + t * width, cos_ptr + t * head_dim, sin_ptr + t * head_dim, q_ptr + t * q_width,
-                   k_ptr + slots[t] * kv_width, v_ptr + slots[t] * kv_width, n_heads, n_kv_heads, head_dim);
-    }
-  });
-  return q;
+  for (int64_t t = 0; t < qkv.size(0); ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < n_slots, "cache slot out of range");
+  return rotate_tokens(qkv, cos, sin, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                       [slots](int64_t t) { return slots[t]; }, n_heads, n_kv_heads, head_dim);
 }
 
 // scores [B, n, S]: row i of every batch entry is the query at position first_pos + i, which sees
