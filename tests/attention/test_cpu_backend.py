@@ -3,7 +3,8 @@ through the engine.
 
 Ragged decode batches over scattered pages (page sizes 1 and 16), GQA groups 1-4, head_dim 64
 and 128 (compile-time paths) and 24/40 (run-time path), batches small enough to split work by
-KV head and large enough to split it by request; the one-token rows of a mixed prefill step;
+KV head and large enough to split it by request; contexts split into several chunks, each
+request's output identical alone and in a batch; the one-token rows of a mixed prefill step;
 prompt rows over cached prefixes in one or several query blocks.
 The kernels build on first use; without a C++ compiler the tests are skipped (and only then).
 """
@@ -66,6 +67,35 @@ def test_decode_matches_torch(case: tuple) -> None:
     out = cpu.forward(q, k, v, LAYER, view)
     assert out.shape == q.shape
     assert (out - expected).abs().max().item() <= 1e-5
+
+
+# Context lengths spanning several 256-key chunks, with short requests beside them.
+@pytest.mark.parametrize("context", [[700], [300, 5, 600], [257, 256, 1, 513, 40, 900]], ids=str)
+def test_decode_long_contexts_match_torch_and_do_not_depend_on_the_batch(context: list[int]) -> None:
+    """Requests longer than a chunk are split and merged; each request's output is bit for bit the
+    one it gets alone (the split never depends on the rest of the batch)."""
+    torch.manual_seed(2)
+    n_heads, n_kv, head_dim, page, batch = 12, 4, 64, 16, len(context)
+    layout = PagedLayout(page, n_pages=2 + sum(context) // page + 2 * batch, rows=batch, context=1024)
+    storage = make_storage(2, layout.allocator.n_pages * page, n_kv, head_dim, torch.float32)
+    rows = [layout.new_row() for _ in range(batch)]
+    layout.extend_interleaved(rows, context)
+    loc = torch.cat(layout.extend_interleaved(rows, [1] * batch))
+    q = torch.randn(batch, n_heads, head_dim)
+    k, v = torch.randn(batch, n_kv, head_dim), torch.randn(batch, n_kv, head_dim)
+    cpu, ref = backends(n_heads, n_kv, head_dim)
+
+    def view(index: list[int]):
+        return make_decode_view(storage, layout.pool.table, [rows[i] for i in index],
+                                [layout.lens[rows[i]] for i in index], loc[index],
+                                torch.zeros(len(index), n_heads, 1, head_dim), torch.zeros(len(index), n_heads, 1), 64)
+
+    everyone = list(range(batch))
+    out = cpu.forward(q, k, v, LAYER, view(everyone))
+    assert (out - ref.forward(q, k, v, LAYER, view(everyone))).abs().max().item() <= 1e-5
+    for i in everyone:
+        alone = cpu.forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], LAYER, view([i]))
+        assert torch.equal(alone[0], out[i]), f"request {i} (context {context[i]}) changed with the batch"
 
 
 def test_mixed_step_single_rows_match_torch() -> None:

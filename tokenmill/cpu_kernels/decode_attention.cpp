@@ -2,9 +2,12 @@
 // read in place from the token-slot KV storage through the request-to-token table (no gather
 // copies, no padding to the longest request).
 //
-// A work item is one request and a range of its KV heads (all of them when the batch is large
-// enough to keep every thread busy), so a key/value slot row is streamed once, front to back,
-// and serves every query head of its GQA group. Slot rows are prefetched a few slots ahead: the
+// A request's context is split into chunks of at most kChunkTokens keys, merged afterwards with
+// their softmax statistics (a fixed size, so a request's output never depends on the rest of the
+// batch). A work item is one chunk and a range of its KV heads (all of them when there are enough
+// chunks to keep every thread busy), so a key/value slot row is streamed once, front to back,
+// and serves every query head of its GQA group; one long request still spreads over the threads
+// while reading whole slot rows. Slot rows are prefetched a few slots ahead: the
 // request-to-token indirection hides the access pattern from the hardware prefetchers, and
 // decode-time slots of concurrent requests interleave. Scores are exact (a score pass, then a
 // vectorized max/exp/sum per query row, then the value pass into the output rows).
@@ -13,6 +16,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -26,6 +30,7 @@ using tokenmill_simd::store8;
 using tokenmill_simd::vec8;
 
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the slot row in use to prefetch
+constexpr int64_t kChunkTokens = 128;  // keys per work item at most (see run)
 
 // kHeadDim > 0 fixes head_dim at compile time (unrolled loops); 0 reads it at run time.
 template <int64_t kHeadDim>
@@ -52,17 +57,18 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = vec_end; i < dim; ++i) y[i] += alpha * x[i];
 }
 
-// In place: s[0:n] = exp(s - max(s)); returns the sum.
-inline float exp_shifted(float* s, int64_t n) {
-  float max_score = s[0];
-#pragma omp simd reduction(max : max_score)
-  for (int64_t l = 0; l < n; ++l) max_score = std::max(max_score, s[l]);
+// In place: s[0:n] = exp(s - max(s)); returns the sum, and the maximum in max_score.
+inline float exp_shifted(float* s, int64_t n, float& max_score) {
+  float max_s = s[0];
+#pragma omp simd reduction(max : max_s)
+  for (int64_t l = 0; l < n; ++l) max_s = std::max(max_s, s[l]);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t l = 0; l < n; ++l) {
-    s[l] = tokenmill_simd::fast_exp(s[l] - max_score);
+    s[l] = tokenmill_simd::fast_exp(s[l] - max_s);
     sum += s[l];
   }
+  max_score = max_s;
   return sum;
 }
 
@@ -79,21 +85,37 @@ struct Problem {
   float scale;
 };
 
-// Attention of request b's query heads of KV heads [kv_begin, kv_end) over its whole context.
+// A request's keys in [begin, end): one chunk of its context.
+struct Chunk {
+  int64_t request, begin, end;
+};
+
+// Unnormalized outputs, row maxima and exp sums by chunk; only the chunks of requests with more
+// than one are written. ~H / (256 Hkv) of the KV bytes those chunks cover.
+struct Partials {
+  std::vector<float> out;  // [chunk][n_heads][head_dim]
+  std::vector<float> max, sum;  // [chunk][n_heads]
+};
+
+// Attention of one chunk's query heads of KV heads [kv_begin, kv_end). A request in one chunk
+// gets its normalized output; otherwise the chunk's unnormalized output, score maximum and exp sum
+// per query row go to `partials` (row c of them for chunk c) for merge_chunks.
 template <int64_t kHeadDim>
-void attend(const Problem& p, int64_t b, int64_t kv_begin, int64_t kv_end, std::vector<float>& scores,
-            std::vector<float>& inv_sum) {
+void attend(const Problem& p, const Chunk& chunk, int64_t c, bool whole, Partials& partials, int64_t kv_begin,
+            int64_t kv_end, std::vector<float>& scores) {
   const int64_t dim = kHeadDim > 0 ? kHeadDim : p.head_dim;
-  const int64_t len = p.lens[b];
-  const int32_t* slots = p.table + p.rows[b] * p.table_stride;
+  const int64_t b = chunk.request, len = chunk.end - chunk.begin;
+  const int32_t* slots = p.table + p.rows[b] * p.table_stride + chunk.begin;
   const int64_t slot_stride = p.n_kv_heads * dim, offset = kv_begin * dim;
   const int64_t row_bytes = (kv_end - kv_begin) * dim * static_cast<int64_t>(sizeof(float));
   const int64_t first_head = kv_begin * p.group, n_rows = (kv_end - kv_begin) * p.group;
   const float* queries = p.q + (b * p.n_heads + first_head) * dim;
-  float* out = p.out + (b * p.n_heads + first_head) * dim;
+  float* out = whole ? p.out + (b * p.n_heads + first_head) * dim
+                     : partials.out.data() + (c * p.n_heads + first_head) * dim;
   const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
-  scores.resize(n_rows * len);  // scores[r * len + l] for query row r and key l
+  scores.resize(n_rows * len + n_rows);  // scores[r * len + l] for query row r and key l; then 1 / sums
   float* s = scores.data();
+  float* inv_sum = s + n_rows * len;
   for (int64_t l = 0; l < len; ++l) {
     if (l + ahead < len) {
       tokenmill_simd::prefetch_range(p.k_cache + slots[l + ahead] * slot_stride + offset, row_bytes);
@@ -103,8 +125,15 @@ void attend(const Problem& p, int64_t b, int64_t kv_begin, int64_t kv_end, std::
       s[r * len + l] = dot<kHeadDim>(queries + r * dim, keys + (r / p.group) * dim, dim) * p.scale;
     }
   }
-  inv_sum.resize(n_rows);
-  for (int64_t r = 0; r < n_rows; ++r) inv_sum[r] = 1.f / exp_shifted(s + r * len, len);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    float max_score;
+    const float sum = exp_shifted(s + r * len, len, max_score);
+    inv_sum[r] = whole ? 1.f / sum : 1.f;
+    if (!whole) {
+      partials.max[c * p.n_heads + first_head + r] = max_score;
+      partials.sum[c * p.n_heads + first_head + r] = sum;
+    }
+  }
   std::memset(out, 0, n_rows * dim * sizeof(float));
   for (int64_t l = 0; l < len; ++l) {
     if (l + ahead < len) {
@@ -113,23 +142,76 @@ void attend(const Problem& p, int64_t b, int64_t kv_begin, int64_t kv_end, std::
     const float* values = p.v_cache + slots[l] * slot_stride + offset;
     for (int64_t r = 0; r < n_rows; ++r) axpy<kHeadDim>(s[r * len + l], values + (r / p.group) * dim, out + r * dim, dim);
   }
-  for (int64_t r = 0; r < n_rows; ++r) {
-    for (int64_t d = 0; d < dim; ++d) out[r * dim + d] *= inv_sum[r];
+  if (whole) {
+    for (int64_t r = 0; r < n_rows; ++r) {
+      for (int64_t d = 0; d < dim; ++d) out[r * dim + d] *= inv_sum[r];
+    }
+  }
+}
+
+// Request b's output from its chunks [first, first + n): each chunk's rows rescaled to the
+// overall score maximum, summed in chunk order, divided by the rescaled exp sums.
+void merge_chunks(const Problem& p, int64_t b, int64_t first, int64_t n, const Partials& partials) {
+  const int64_t dim = p.head_dim;
+  for (int64_t h = 0; h < p.n_heads; ++h) {
+    float max_score = partials.max[first * p.n_heads + h];
+    for (int64_t c = first + 1; c < first + n; ++c) max_score = std::max(max_score, partials.max[c * p.n_heads + h]);
+    float total = 0.f;
+    for (int64_t c = first; c < first + n; ++c) {
+      total += std::exp(partials.max[c * p.n_heads + h] - max_score) * partials.sum[c * p.n_heads + h];
+    }
+    float* out = p.out + (b * p.n_heads + h) * dim;
+    std::memset(out, 0, dim * sizeof(float));
+    for (int64_t c = first; c < first + n; ++c) {
+      const float weight = std::exp(partials.max[c * p.n_heads + h] - max_score) / total;
+      const float* part = partials.out.data() + (c * p.n_heads + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) out[d] += weight * part[d];
+    }
   }
 }
 
 template <int64_t kHeadDim>
 void run(const Problem& p, int64_t batch) {
-  // Whole requests per work item when there are enough of them; else one KV head per item.
-  const int64_t heads_per_item = batch >= 2 * at::get_num_threads() ? p.n_kv_heads : 1;
-  const int64_t items_per_request = p.n_kv_heads / heads_per_item;
-  at::parallel_for(0, batch * items_per_request, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, inv_sum;  // per-thread scratch
+  // Requests' contexts in chunks of kChunkTokens keys (fixed, so that a request's result never
+  // depends on the rest of the batch); a work item is one chunk and all its KV heads when there
+  // are enough chunks to keep every thread busy, else one KV head of a chunk.
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> first_chunk(batch + 1);
+  for (int64_t b = 0; b < batch; ++b) {
+    first_chunk[b] = static_cast<int64_t>(chunks.size());
+    for (int64_t begin = 0; begin < p.lens[b]; begin += kChunkTokens) {
+      chunks.push_back({b, begin, std::min(p.lens[b], begin + kChunkTokens)});
+    }
+  }
+  const int64_t n_chunks = first_chunk[batch] = static_cast<int64_t>(chunks.size());
+  // Kept between calls (at the largest size seen): a fresh allocation's page faults cost ~10% at
+  // 64 requests x 400 tokens.
+  thread_local Partials calling_thread_partials;
+  Partials& partials = calling_thread_partials;  // the workers must use the caller's, not their own
+  if (n_chunks > batch) {
+    partials.out.resize(n_chunks * p.n_heads * p.head_dim);
+    partials.max.resize(n_chunks * p.n_heads);
+    partials.sum.resize(n_chunks * p.n_heads);
+  }
+  const int64_t heads_per_item = n_chunks >= 2 * at::get_num_threads() ? p.n_kv_heads : 1;
+  const int64_t items_per_chunk = p.n_kv_heads / heads_per_item;
+  at::parallel_for(0, n_chunks * items_per_chunk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // per-thread scratch
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / items_per_request, kv_begin = (item % items_per_request) * heads_per_item;
-      attend<kHeadDim>(p, b, kv_begin, kv_begin + heads_per_item, scores, inv_sum);
+      const int64_t c = item / items_per_chunk, kv_begin = (item % items_per_chunk) * heads_per_item;
+      const Chunk& chunk = chunks[c];
+      const bool whole = first_chunk[chunk.request + 1] - first_chunk[chunk.request] == 1;
+      attend<kHeadDim>(p, chunk, c, whole, partials, kv_begin, kv_begin + heads_per_item, scores);
     }
   });
+  if (n_chunks > batch) {
+    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n = first_chunk[b + 1] - first_chunk[b];
+        if (n > 1) merge_chunks(p, b, first_chunk[b], n, partials);
+      }
+    });
+  }
 }
 
 }  // namespace
