@@ -69,7 +69,7 @@ def test_decode_matches_torch(case: tuple) -> None:
     assert (out - expected).abs().max().item() <= 1e-5
 
 
-# Context lengths spanning several 256-key chunks, with short requests beside them.
+# Context lengths spanning several of the kernel's 128-key chunks, with short requests beside them.
 @pytest.mark.parametrize("context", [[700], [300, 5, 600], [257, 256, 1, 513, 40, 900]], ids=str)
 def test_decode_long_contexts_match_torch_and_do_not_depend_on_the_batch(context: list[int]) -> None:
     """Requests longer than a chunk are split and merged; each request's output is bit for bit the

@@ -91,6 +91,7 @@ def test_matches_python_layers(llama: Path, monkeypatch: pytest.MonkeyPatch, n_r
 def test_declines_what_it_does_not_cover(tmp_path: Path, overrides: dict) -> None:
     save_tiny_model(tmp_path, "llama", **overrides)
     model = load_model(tmp_path, torch.float32, "cpu")
+    assert model.rotary.is_dynamic == ("rope_scaling" in overrides)
     harness = cpu_harness(model)
     if not overrides:
         model.backend = TorchNativeBackend(model.config.num_heads, model.config.num_kv_heads, model.config.head_dim)
