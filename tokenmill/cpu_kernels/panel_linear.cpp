@@ -112,37 +112,33 @@ void prefetch_rows(const float* w, int64_t ld, int64_t first, int64_t last, int6
 }  // namespace
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  at::Tensor out = linear_output(x, weight);
-  const int64_t m_rows = x.size(0), k_dim = x.size(1), n_out = weight.size(0);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t n_panels = (n_out + kPanel - 1) / kPanel, tiles = (m_rows + kTileRows - 1) / kTileRows;
+  LinearIO io = linear_io(x, weight);
+  const int64_t n_panels = (io.n_out + kPanel - 1) / kPanel, tiles = (io.m_rows + kTileRows - 1) / kTileRows;
   at::parallel_for(0, n_panels, 4, [&](int64_t begin, int64_t end) {
     alignas(64) float panel[kPanel * kDepth];
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kPanel, n_valid = std::min(kPanel, n_out - n0);
-      for (int64_t k0 = 0; k0 < k_dim; k0 += kDepth) {
-        const int64_t depth = std::min(kDepth, k_dim - k0);
-        pack_panel(wp + n0 * k_dim + k0, k_dim, n_valid, depth, panel);
+      const int64_t n0 = p * kPanel, n_valid = std::min(kPanel, io.n_out - n0);
+      for (int64_t k0 = 0; k0 < io.k_dim; k0 += kDepth) {
+        const int64_t depth = std::min(kDepth, io.k_dim - k0);
+        pack_panel(io.w + n0 * io.k_dim + k0, io.k_dim, n_valid, depth, panel);
         // The block packed next (this panel's next k range, else the next panel's first), fetched
         // a slice per row tile so its memory reads overlap this block's arithmetic.
-        const bool more_k = k0 + kDepth < k_dim;
+        const bool more_k = k0 + kDepth < io.k_dim;
         const int64_t next_n0 = more_k ? n0 : n0 + kPanel, next_k0 = more_k ? k0 + kDepth : 0;
-        const int64_t next_rows = std::max<int64_t>(0, std::min(kPanel, n_out - next_n0));
-        const int64_t next_depth = std::min(kDepth, k_dim - next_k0);
+        const int64_t next_rows = std::max<int64_t>(0, std::min(kPanel, io.n_out - next_n0));
+        const int64_t next_depth = std::min(kDepth, io.k_dim - next_k0);
         for (int64_t t = 0; t < tiles; ++t) {
-          prefetch_rows(wp + next_n0 * k_dim + next_k0, k_dim, t * next_rows / tiles, (t + 1) * next_rows / tiles,
-                        next_depth);
+          prefetch_rows(io.w + next_n0 * io.k_dim + next_k0, io.k_dim, t * next_rows / tiles,
+                        (t + 1) * next_rows / tiles, next_depth);
           const int64_t m0 = t * kTileRows;
-          any_tile(std::min(kTileRows, m_rows - m0), xp + m0 * k_dim + k0, k_dim, panel, depth,
-                   op + m0 * n_out + n0, n_out, k0 > 0, n_valid);
+          any_tile(std::min(kTileRows, io.m_rows - m0), io.x + m0 * io.k_dim + k0, io.k_dim, panel, depth,
+                   io.y + m0 * io.n_out + n0, io.n_out, k0 > 0, n_valid);
         }
       }
     }
   });
-  add_bias(out, bias);
-  return out;
+  add_bias(io.out, bias);
+  return io.out;
 }
 
 #else  // no AVX2/FMA: the library GEMM

@@ -63,18 +63,16 @@ void one_row(const float* x, const float* w, float* out, int64_t m_rows, int64_t
 }  // namespace
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  at::Tensor out = linear_output(x, weight);
-  const int64_t m_rows = x.size(0), k_dim = x.size(1), n_out = weight.size(0);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t full_blocks = n_out / kRowsPerBlock;
+  LinearIO io = linear_io(x, weight);
+  const int64_t full_blocks = io.n_out / kRowsPerBlock;
   at::parallel_for(0, full_blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) four_rows(xp, wp, op, m_rows, k_dim, n_out, b * kRowsPerBlock);
+    for (int64_t b = begin; b < end; ++b) four_rows(io.x, io.w, io.y, io.m_rows, io.k_dim, io.n_out, b * kRowsPerBlock);
   });
-  for (int64_t n = full_blocks * kRowsPerBlock; n < n_out; ++n) one_row(xp, wp, op, m_rows, k_dim, n_out, n);
-  add_bias(out, bias);
-  return out;
+  for (int64_t n = full_blocks * kRowsPerBlock; n < io.n_out; ++n) {
+    one_row(io.x, io.w, io.y, io.m_rows, io.k_dim, io.n_out, n);
+  }
+  add_bias(io.out, bias);
+  return io.out;
 }
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
