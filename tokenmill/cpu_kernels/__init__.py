@@ -34,7 +34,9 @@ logger = logging.getLogger(__name__)
 EXTENSION_NAME = "tokenmill_cpu_kernels"
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("decode_attention.cpp", "decode_forward.cpp", "elementwise.cpp", "panel_linear.cpp", "skinny_linear.cpp")
+    for name in (
+        "decode_attention.cpp", "decode_forward.cpp", "elementwise.cpp", "panel_linear.cpp", "skinny_linear.cpp"
+    )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "linear_io.h", "simd.h")]
 

@@ -140,7 +140,9 @@ void attend(const Problem& p, const Chunk& chunk, int64_t c, bool whole, Partial
       tokenmill_simd::prefetch_range(p.v_cache + slots[l + ahead] * slot_stride + offset, row_bytes);
     }
     const float* values = p.v_cache + slots[l] * slot_stride + offset;
-    for (int64_t r = 0; r < n_rows; ++r) axpy<kHeadDim>(s[r * len + l], values + (r / p.group) * dim, out + r * dim, dim);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      axpy<kHeadDim>(s[r * len + l], values + (r / p.group) * dim, out + r * dim, dim);
+    }
   }
   if (whole) {
     for (int64_t r = 0; r < n_rows; ++r) {
