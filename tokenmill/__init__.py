@@ -2,7 +2,7 @@
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import AsyncEngine, Engine
-from tokenmill.engine.request import CompletionOutput, RequestOutput, SamplingParams
+from tokenmill.request import CompletionOutput, RequestOutput, SamplingParams
 from tokenmill.llm import LLM
 
 __all__ = ["LLM", "AsyncEngine", "CompletionOutput", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]

@@ -14,7 +14,7 @@ import typing
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.request import SamplingParams
+from tokenmill.request import SamplingParams
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:

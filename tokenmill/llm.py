@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine
-from tokenmill.engine.request import RequestOutput, SamplingParams, accumulate
+from tokenmill.request import RequestOutput, SamplingParams, accumulate
 
 Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]

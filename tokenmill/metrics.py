@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tokenmill.engine.engine import Engine, EngineDeadError
-from tokenmill.engine.request import RequestOutput
+from tokenmill.request import RequestOutput
 
 Stats = dict[str, Any]
 

@@ -24,7 +24,7 @@ from tokenmill.attention import cpu_backend
 from tokenmill.attention.cpu_backend import CpuBackend
 from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.cache.view_builder import make_decode_view, make_prefill_view
-from tokenmill.cpu_kernels import load_cpu_kernels
+from tokenmill.kernels.cpu import load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler to build the CPU kernels")
 

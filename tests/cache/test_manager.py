@@ -18,7 +18,7 @@ from tokenmill.cache.manager import CacheManager
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool
 from tokenmill.config import EngineConfig
 from tokenmill.engine.sequence import Sequence
-from tokenmill.engine.request import SamplingParams
+from tokenmill.request import SamplingParams
 from tokenmill.model.loader import load_model
 
 

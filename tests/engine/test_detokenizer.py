@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 
 from tests.tiny_tokenizer import save_tiny_tokenizer
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.engine.request import SamplingParams
+from tokenmill.request import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
 MULTIBYTE = "héllo wörld 日本語 😀 and ünïcode ✓ done"

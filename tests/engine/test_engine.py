@@ -13,7 +13,7 @@ import torch
 
 from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import LLM, AsyncEngine, SamplingParams
-from tokenmill.engine.request import RequestOutput
+from tokenmill.request import RequestOutput
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

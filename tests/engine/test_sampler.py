@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tokenmill.engine.request import SamplingParams
+from tokenmill.request import SamplingParams
 from tokenmill.engine.sampler import Sampler, apply_penalties
 from tokenmill.engine.sequence import Sequence
 

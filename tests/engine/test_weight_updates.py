@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from tests.tiny_models import save_tiny_checkpoint, save_tiny_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.request import RequestOutput, accumulate
+from tokenmill.request import RequestOutput, accumulate
 from tokenmill.model.loader import WeightError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

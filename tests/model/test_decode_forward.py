@@ -18,7 +18,7 @@ from tokenmill.cache.storage import ReqToTokenPool
 from tokenmill.cache.view_builder import make_decode_view
 from tokenmill.model import transformer
 from tokenmill.model.decode_forward import decode_forward
-from tokenmill.model.linear import SKINNY_MAX_ROWS
+from tokenmill.kernels.linear import SKINNY_MAX_ROWS
 from tokenmill.model.loader import load_model
 from tokenmill.model.transformer import CausalLM
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import Engine, SamplingParams
-from tokenmill.engine.request import RequestOutput, accumulate
+from tokenmill.request import RequestOutput, accumulate
 from tokenmill.server.background import serve_in_background
 
 MODEL = "tiny-llama"

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from tokenmill.attention.torch_native import TorchNativeBackend
-from tokenmill.cpu_kernels import load_cpu_kernels
-from tokenmill.model.linear import linear
+from tokenmill.kernels.cpu import load_cpu_kernels
+from tokenmill.kernels.linear import linear
 
 SCORE_BUFFER_FLOATS = 4 * 1024 * 1024
 """Cap on one prefill score block (16 MB): long contexts are processed in more query blocks."""
@@ -24,7 +24,7 @@ MIN_KERNEL_QUERY_ROWS = 32
 
 
 class CpuBackend(TorchNativeBackend):
-    """fp32 on CPU; needs a C++ compiler and ninja the first time (see ``tokenmill.cpu_kernels``)."""
+    """fp32 on CPU; needs a C++ compiler and ninja the first time (see ``tokenmill.kernels.cpu``)."""
 
     name = "cpu"
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.workload import Workload, make_random_llama, make_workload
-from tokenmill.engine.request import RequestOutput, SamplingParams
+from tokenmill.request import RequestOutput, SamplingParams
 from tokenmill.llm import LLM
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.engine.request import SamplingParams
+from tokenmill.request import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
 # Prompt tokens decoded as left context for the first output tokens, so that tokenizers whose

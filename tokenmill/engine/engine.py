@@ -30,7 +30,7 @@ from tokenmill.cache.storage import KVStorage, ReqToTokenPool
 from tokenmill.config import EngineConfig
 from tokenmill.engine.cuda_graphs import make_cuda_graph_runner
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.engine.request import (
+from tokenmill.request import (
     CompletionOutput,
     FinishReason,
     OutputCallback,
@@ -144,7 +144,7 @@ class Engine:
 
             return "triton" if TRITON_AVAILABLE else "torch"
         if self.device.type == "cpu" and self.dtype == torch.float32:
-            from tokenmill.cpu_kernels import load_cpu_kernels
+            from tokenmill.kernels.cpu import load_cpu_kernels
 
             return "cpu" if load_cpu_kernels() is not None else "torch"
         return "torch"

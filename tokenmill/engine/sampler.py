@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.request import Logprob
+from tokenmill.request import Logprob
 from tokenmill.engine.sequence import Sequence
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.engine.request import Logprob, SamplingParams
+from tokenmill.request import Logprob, SamplingParams
 
 _seq_ids = itertools.count()
 

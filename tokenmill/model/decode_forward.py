@@ -1,4 +1,4 @@
-"""The forward of a pure decode step as one C++ call (``cpu_kernels/decode_forward.cpp``).
+"""The forward of a pure decode step as one C++ call (``kernels/cpu/decode_forward.cpp``).
 
 Eligible: a decode view on the "cpu" attention backend, fp32 CPU weights, at most
 ``PANEL_MAX_ROWS`` requests, and a model whose layers have no projection biases and no q/k
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.cache.views import DecodeKVCache, KVView
-from tokenmill.cpu_kernels import load_cpu_kernels
-from tokenmill.model.linear import PANEL_MAX_ROWS, SKINNY_MAX_ROWS
+from tokenmill.kernels.cpu import load_cpu_kernels
+from tokenmill.kernels.linear import PANEL_MAX_ROWS, SKINNY_MAX_ROWS
 
 if TYPE_CHECKING:
     from tokenmill.model.transformer import CausalLM

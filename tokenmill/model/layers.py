@@ -15,8 +15,8 @@ from torch import nn
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.cache.views import KVView
 from tokenmill.model.config import ModelConfig, RopeConfig
-from tokenmill.model.fused import add_rms_norm, apply_rotary, rms_norm, rotary_split_qkv, silu_and_mul
-from tokenmill.model.linear import Linear
+from tokenmill.kernels.fused import add_rms_norm, apply_rotary, rms_norm, rotary_split_qkv, silu_and_mul
+from tokenmill.kernels.linear import Linear
 
 
 class RMSNorm(nn.Module):

@@ -18,7 +18,7 @@ from tokenmill.cache.views import DecodeKVCache, KVView
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.decode_forward import decode_forward
 from tokenmill.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
-from tokenmill.model.linear import Linear, linear
+from tokenmill.kernels.linear import Linear, linear
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from tokenmill.engine.engine import EngineDeadError, EngineOverloadedError
-from tokenmill.engine.request import SamplingParams
+from tokenmill.request import SamplingParams
 
 logger = logging.getLogger("tokenmill.server")
 

@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from tokenmill.engine.request import RequestOutput, SamplingParams, accumulate
+from tokenmill.request import RequestOutput, SamplingParams, accumulate
 from tokenmill.metrics import RequestTracker
 from tokenmill.server.errors import APIError
 from tokenmill.server.state import ServerState

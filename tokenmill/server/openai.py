@@ -24,7 +24,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.engine.request import CompletionOutput, Logprob, RequestOutput
+from tokenmill.request import CompletionOutput, Logprob, RequestOutput
 from tokenmill.server.errors import APIError, engine_errors
 from tokenmill.server.generation import Generation, until_disconnected
 from tokenmill.server.params import fit_to_context, openai_params

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.request import SamplingParams
+from tokenmill.request import SamplingParams
 from tokenmill.server.protocol import OpenAISampling
 
 _OPENAI_FIELDS = (

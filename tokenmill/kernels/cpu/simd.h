@@ -1,6 +1,6 @@
 // Helpers shared by the CPU kernels: 8-wide fp32 vectors (GCC/Clang vector extensions, so any
 // x86/ARM target compiles them), a vectorizable exp, and a software prefetch of a byte range.
-// torch's rebuild check hashes only the listed .cpp sources, so cpu_kernels/__init__.py adds this
+// torch's rebuild check hashes only the listed .cpp sources, so kernels/cpu/__init__.py adds this
 // header's content hash to the compile flags: an edit here rebuilds the extension too.
 #pragma once
 

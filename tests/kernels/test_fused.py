@@ -1,4 +1,4 @@
-"""The fused C++ ops of ``model/fused.py`` against their torch implementations (the reference).
+"""The fused C++ ops of ``kernels/fused.py`` against their torch implementations (the reference).
 
 Skipped only where no C++ compiler exists (the kernels are then never used)."""
 
@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from tokenmill.cpu_kernels import load_cpu_kernels
-from tokenmill.model import fused
+from tokenmill.kernels.cpu import load_cpu_kernels
+from tokenmill.kernels import fused
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler to build the CPU kernels")
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.cpu_kernels import load_cpu_kernels
+from tokenmill.kernels.cpu import load_cpu_kernels
 
 SKINNY_MAX_ROWS = 8
 PANEL_MAX_ROWS = 128

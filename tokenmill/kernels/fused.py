@@ -1,4 +1,4 @@
-"""Fused decoder-layer ops: the C++ kernels (``tokenmill.cpu_kernels``) for fp32 CPU tensors, the
+"""Fused decoder-layer ops: the C++ kernels (``tokenmill.kernels.cpu``) for fp32 CPU tensors, the
 torch code below (the reference they are tested against) for everything else.
 
 On CPU a decode step of a small model is dominated by per-op overhead, and a prefill chunk by
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tokenmill.cpu_kernels import load_cpu_kernels
+from tokenmill.kernels.cpu import load_cpu_kernels
 
 
 def _kernels(x: torch.Tensor) -> Any | None:

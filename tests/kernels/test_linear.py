@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model import linear as linear_module
-from tokenmill.model.linear import PANEL_MAX_ROWS, SKINNY_MAX_ROWS, Linear, linear
+from tokenmill.kernels import linear as linear_module
+from tokenmill.kernels.linear import PANEL_MAX_ROWS, SKINNY_MAX_ROWS, Linear, linear
 
 needs_compiler = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler to build the CPU kernels")
 

@@ -1,10 +1,10 @@
 """C++ kernels for fp32 on CPU, built once per machine and registered as ``torch.ops.tokenmill_cpu``.
 
 ``decode_attention.cpp``: paged decode attention over the token-slot KV storage (CpuBackend).
-``elementwise.cpp``: rms_norm, add_rms_norm, silu_and_mul, rotary_split_qkv (``model/fused.py``),
+``elementwise.cpp``: rms_norm, add_rms_norm, silu_and_mul, rotary_split_qkv (``kernels/fused.py``),
 causal_softmax_ (CpuBackend prefill).
-``skinny_linear.cpp``: ``x @ W^T`` for few rows of x (``model/linear.py``, decode batches).
-``panel_linear.cpp``: ``x @ W^T`` for decode-batch-sized x (``model/linear.py``).
+``skinny_linear.cpp``: ``x @ W^T`` for few rows of x (``kernels/linear.py``, decode batches).
+``panel_linear.cpp``: ``x @ W^T`` for decode-batch-sized x (``kernels/linear.py``).
 ``decode_forward.cpp``: the whole forward of a decode step in one call (``model/decode_forward.py``).
 ``simd.h``: the vector helpers they share; ``kernels.h``: the kernels' C++ entry points;
 ``linear_io.h``: the linear kernels' checks and bias.
