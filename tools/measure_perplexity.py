@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from corpus import load_split, pack_stream, stream_windows
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_default_model as trainer  # noqa: E402  (shares the corpus split and packing)
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "tokenmill" / "assets" / "default-model"
 
 
 @torch.no_grad()
@@ -41,15 +40,15 @@ def measure(model_dir: Path, seq_len: int = 256, batch_size: int = 8) -> dict[st
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
     vocab_size = model.config.vocab_size
     eos_id = tokenizer.eos_token_id
-    train_texts, val_texts = trainer.load_split()
+    train_texts, val_texts = load_split()
 
     def stream(texts: dict[str, str]) -> torch.Tensor:
         ids = tokenizer(list(texts.values()), add_special_tokens=False, verbose=False)["input_ids"]
-        return trainer.pack_stream(ids, eos_id)
+        return pack_stream(ids, eos_id)
 
     val_stream = stream(val_texts)
     targets = val_stream[1:]
-    windows = trainer.stream_windows(val_stream, seq_len, drop_last=False)
+    windows = stream_windows(val_stream, seq_len, drop_last=False)
     nll = model_nll(model, windows, batch_size)
 
     counts = torch.bincount(stream(train_texts), minlength=vocab_size).double()
@@ -66,7 +65,7 @@ def measure(model_dir: Path, seq_len: int = 256, batch_size: int = 8) -> dict[st
 def main() -> None:
     """Print validation perplexity of the model and of the unigram baseline."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", type=Path, default=trainer.DEFAULT_OUTPUT)
+    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()

@@ -1,8 +1,8 @@
 """Train tokenmill's bundled default model from the Python standard library sources.
 
-The model is a small Llama-architecture causal LM written here in plain PyTorch with the
-exact numerics and weight names of Hugging Face's ``LlamaForCausalLM``, so the result in
-``tokenmill/assets/default-model/`` loads with ``transformers`` as well as with tokenmill.
+The model is a small ``transformers.LlamaForCausalLM`` trained from scratch with a plain PyTorch
+loop and saved with ``save_pretrained``, so the result in ``tokenmill/assets/default-model/``
+loads with ``transformers`` as well as with tokenmill.
 
 Usage: ``python tools/train_default_model.py`` (about 35 minutes on a busy two-core CPU).
 """
@@ -16,22 +16,21 @@ import json
 import math
 import random
 import sys
-import sysconfig
 import textwrap
 import time
-import tokenize
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from corpus import VALIDATION_MODULUS, load_split, pack_stream, stream_windows
+from measure_perplexity import DEFAULT_MODEL_DIR, measure
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from torch import Tensor, nn
+from torch import Tensor
 from tqdm import tqdm
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUTPUT = REPO_ROOT / "tokenmill" / "assets" / "default-model"
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 EOS_TOKEN = "<|endoftext|>"
 SYSTEM_TOKEN = "<|system|>"
@@ -50,97 +49,6 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
 )
 SYSTEM_PROMPT = "You are a helpful assistant for Python programming."
-
-EXCLUDED_DIRS = frozenset(
-    {
-        "__phello__",
-        "encodings",
-        "ensurepip",
-        "idlelib",
-        "lib2to3",
-        "pydoc_data",
-        "site-packages",
-        "test",
-        "tests",
-        "turtledemo",
-    }
-)
-VALIDATION_MODULUS = 20  # one file in twenty (~5%) is held out for validation
-
-
-# ---------------------------------------------------------------------------
-# Corpus
-# ---------------------------------------------------------------------------
-
-
-def stdlib_root() -> Path:
-    """Directory holding the running interpreter's pure-Python standard library."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def corpus_files(root: Path) -> list[str]:
-    """Sorted relative paths of the stdlib ``.py`` files used as the corpus."""
-    paths = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        parts = rel.parts[:-1]
-        if any(part in EXCLUDED_DIRS or part.startswith("config-") for part in parts):
-            continue
-        if rel.name.startswith("_sysconfigdata"):
-            continue
-        paths.append(rel.as_posix())
-    return sorted(paths)
-
-
-def is_validation_file(rel_path: str) -> bool:
-    """Deterministic held-out split keyed on the file's path relative to the stdlib root."""
-    digest = hashlib.sha256(rel_path.encode("utf-8")).digest()
-    return int.from_bytes(digest[:4], "big") % VALIDATION_MODULUS == 0
-
-
-def read_source(path: Path) -> str | None:
-    """Read a Python source file honouring its encoding cookie; ``None`` if unreadable."""
-    try:
-        with tokenize.open(path) as handle:
-            return handle.read()
-    except (SyntaxError, UnicodeDecodeError):
-        return None
-
-
-def load_split(root: Path | None = None) -> tuple[dict[str, str], dict[str, str]]:
-    """Return ``(train, validation)`` mappings of relative path to source text."""
-    root = root or stdlib_root()
-    train: dict[str, str] = {}
-    validation: dict[str, str] = {}
-    for rel in corpus_files(root):
-        text = read_source(root / rel)
-        if text and text.strip():
-            (validation if is_validation_file(rel) else train)[rel] = text
-    return train, validation
-
-
-def pack_stream(documents: list[list[int]], eos_id: int) -> Tensor:
-    """Concatenate token documents into one stream, each preceded by the EOS separator."""
-    stream: list[int] = []
-    for doc in documents:
-        stream.append(eos_id)
-        stream.extend(doc)
-    return torch.tensor(stream, dtype=torch.long)
-
-
-def stream_windows(stream: Tensor, seq_len: int, drop_last: bool) -> list[Tensor]:
-    """Split a stream into windows of ``seq_len + 1`` tokens overlapping by one token.
-
-    Every token after the first is a prediction target exactly once; with ``drop_last``
-    a final shorter window is discarded.
-    """
-    windows = []
-    for start in range(0, len(stream) - 1, seq_len):
-        window = stream[start : start + seq_len + 1]
-        if len(window) == seq_len + 1 or not drop_last:
-            windows.append(window)
-    return windows
-
 
 # ---------------------------------------------------------------------------
 # Chat examples
@@ -223,7 +131,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def tokenizer_config(max_length: int) -> dict:
+def tokenizer_config(max_length: int) -> dict[str, Any]:
     """``tokenizer_config.json`` contents for ``transformers.AutoTokenizer``."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -241,175 +149,39 @@ def tokenizer_config(max_length: int) -> dict:
 
 
 # ---------------------------------------------------------------------------
-# Model (Hugging Face Llama numerics and parameter names)
+# Model
 # ---------------------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Architecture hyper-parameters, named as in Hugging Face's ``LlamaConfig``."""
-
-    vocab_size: int = 8192
-    hidden_size: int = 256
-    intermediate_size: int = 688
-    num_hidden_layers: int = 5
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 4
-    max_position_embeddings: int = 1024
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    initializer_range: float = 0.02
-    tie_word_embeddings: bool = True
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+# The default model's architecture, as ``transformers.LlamaConfig`` fields.
+ARCHITECTURE: dict[str, Any] = {
+    "vocab_size": 8192,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 1024,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "rms_norm_eps": 1e-5,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": True,
+}
 
 
-class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)``."""
+def build_model(special_ids: dict[str, int]) -> LlamaForCausalLM:
+    """A freshly initialised float32 ``LlamaForCausalLM`` with ``ARCHITECTURE``.
 
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-
-def rotary_tables(config: LlamaConfig, seq_len: int) -> tuple[Tensor, Tensor]:
-    """Cos/sin tables of shape ``(seq_len, head_dim)`` with the two halves concatenated."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    freqs = torch.outer(torch.arange(seq_len, dtype=torch.int64).float(), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    """Map ``[x1, x2]`` to ``[-x2, x1]`` along the last dimension."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary position embeddings."""
-
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        hidden, kv_dim = config.hidden_size, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        groups = self.num_heads // self.num_kv_heads
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward block: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm transformer block."""
-
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class LlamaModel(nn.Module):
-    """Embeddings, decoder stack and final norm (the ``model.`` prefix in HF checkpoints)."""
-
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class LlamaForCausalLM(nn.Module):
-    """Llama decoder with a language-modelling head; parameter names match HF exactly."""
-
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=config.initializer_range)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        cos, sin = rotary_tables(self.config, input_ids.shape[1])
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin)
-        return self.lm_head(self.model.norm(x))
-
-    def checkpoint(self) -> dict[str, Tensor]:
-        """State dict in HF layout (``lm_head.weight`` omitted when tied)."""
-        state = self.state_dict()
-        if self.config.tie_word_embeddings:
-            del state["lm_head.weight"]
-        return {name: tensor.detach().contiguous() for name, tensor in state.items()}
-
-
-def hf_config(config: LlamaConfig, eos_id: int) -> dict:
-    """``config.json`` contents for ``transformers.LlamaForCausalLM``."""
-    fields = asdict(config)
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        **fields,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": eos_id,
-        "use_cache": True,
-        "dtype": "float32",
-        "torch_dtype": "float32",
-    }
+    bos, eos and pad are ``EOS_TOKEN``; generation stops on ``EOS_TOKEN`` or ``END_TOKEN``. The pad id is set
+    only after construction: ``transformers`` gives the embedding a zeroed, never-updated padding row, while
+    ``EOS_TOKEN`` also separates the training documents and must be learned.
+    """
+    eos_id = special_ids[EOS_TOKEN]
+    model = LlamaForCausalLM(LlamaConfig(**ARCHITECTURE, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=None))
+    model.config.pad_token_id = eos_id
+    model.generation_config = GenerationConfig(
+        bos_token_id=eos_id, eos_token_id=[eos_id, special_ids[END_TOKEN]], pad_token_id=eos_id
+    )
+    return model
 
 
 # ---------------------------------------------------------------------------
@@ -443,7 +215,7 @@ def learning_rate(step: int, settings: TrainSettings) -> float:
     return settings.lr * ratio
 
 
-def batches(windows: Tensor, batch_size: int, seed: int):
+def batches(windows: Tensor, batch_size: int, seed: int) -> Iterator[Tensor]:
     """Yield shuffled batches of windows forever; each epoch reshuffles deterministically."""
     epoch = 0
     while True:
@@ -461,7 +233,7 @@ def mean_loss(model: LlamaForCausalLM, windows: Tensor, batch_size: int) -> floa
     total, count = 0.0, 0
     for start in range(0, len(windows), batch_size):
         batch = windows[start : start + batch_size]
-        logits = model(batch[:, :-1])
+        logits = model(batch[:, :-1], use_cache=False).logits
         total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
         count += batch[:, 1:].numel()
     model.train()
@@ -487,7 +259,7 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, settings)
         batch = next(data)
-        logits = model(batch[:, :-1])
+        logits = model(batch[:, :-1], use_cache=False).logits
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -507,16 +279,17 @@ def train(
 # ---------------------------------------------------------------------------
 
 
-def write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write pretty-printed JSON with a trailing newline."""
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
-def model_card(info: dict) -> str:
+def model_card(info: dict[str, Any]) -> str:
     """Render the model card README from collected training and evaluation facts."""
     config: LlamaConfig = info["config"]
     settings: TrainSettings = info["settings"]
     ids = info["special_ids"]
+    heads = f"{config.num_attention_heads} / {config.num_key_value_heads}"
     history = "\n".join(f"| {step} | {tr:.3f} | {val:.3f} |" for step, tr, val in info["history"])
     return f"""# tokenmill default model
 
@@ -538,11 +311,11 @@ The folder uses the standard Hugging Face layout (`config.json`, `model.safetens
 | `model.safetensors` | {info["file_bytes"]:,} bytes, float32 |
 | hidden size / intermediate size | {config.hidden_size} / {config.intermediate_size} |
 | layers | {config.num_hidden_layers} |
-| attention heads / key-value heads | {config.num_attention_heads} / {config.num_key_value_heads} (grouped-query attention) |
+| attention heads / key-value heads | {heads} (grouped-query attention) |
 | head dim | {config.head_dim} |
 | vocabulary | {config.vocab_size} (byte-level BPE) |
 | max position embeddings | {config.max_position_embeddings} (trained on {settings.seq_len}-token windows) |
-| rope theta / rms norm eps | {config.rope_theta} / {config.rms_norm_eps} |
+| rope theta / rms norm eps | {config.rope_parameters["rope_theta"]} / {config.rms_norm_eps} |
 | tied input/output embeddings | {str(config.tie_word_embeddings).lower()} |
 
 ## Training data
@@ -597,13 +370,13 @@ def double(x):
 
 ## Training
 
-Plain PyTorch, float32 on CPU with `torch.set_num_threads({info["threads"]})`, seed {settings.seed}: AdamW
-(betas 0.9/0.95, weight decay {settings.weight_decay} on matrices), peak learning rate
-{settings.lr}, {settings.warmup_steps} warmup steps then cosine decay to
-{settings.min_lr_ratio:g}x, gradient clipping {settings.grad_clip}, {settings.steps} steps of
-{settings.batch_size} x {settings.seq_len} tokens ({info["tokens_seen"]:,} tokens,
-{info["epochs"]:.2f} epochs). Wall time: {info["train_minutes"]:.1f} minutes of training,
-{info["total_minutes"]:.1f} minutes for the whole script.
+A plain PyTorch loop over `transformers`' `LlamaForCausalLM`, float32 on CPU with
+`torch.set_num_threads({info["threads"]})`, seed {settings.seed}: AdamW (betas 0.9/0.95,
+weight decay {settings.weight_decay} on matrices), peak learning rate {settings.lr},
+{settings.warmup_steps} warmup steps then cosine decay to {settings.min_lr_ratio:g}x,
+gradient clipping {settings.grad_clip}, {settings.steps} steps of {settings.batch_size} x {settings.seq_len}
+tokens ({info["tokens_seen"]:,} tokens, {info["epochs"]:.2f} epochs). Wall time:
+{info["train_minutes"]:.1f} minutes of training, {info["total_minutes"]:.1f} minutes for the whole script.
 
 | step | train loss | val loss (first {settings.eval_windows} windows) |
 |---|---|---|
@@ -634,7 +407,7 @@ version reproduces the model up to floating-point differences between machines.
 def parse_args() -> argparse.Namespace:
     """Command-line options; the defaults fit a ~40 minute budget on a shared two-core CPU."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    parser.add_argument("--output", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--steps", type=int, default=480)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -657,11 +430,10 @@ def main() -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
-    config = LlamaConfig()
 
     train_texts, val_texts = load_split()
     print(f"corpus: {len(train_texts)} training files, {len(val_texts)} validation files")
-    tokenizer = train_tokenizer(list(train_texts.values()), config.vocab_size)
+    tokenizer = train_tokenizer(list(train_texts.values()), ARCHITECTURE["vocab_size"])
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     eos_id = ids[EOS_TOKEN]
 
@@ -701,7 +473,8 @@ def main() -> None:
         eval_windows=args.eval_windows,
         seed=args.seed,
     )
-    model = LlamaForCausalLM(config)
+    model = build_model(ids)
+    config = model.config
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params:,} parameters")
     train_started = time.monotonic()
@@ -710,16 +483,9 @@ def main() -> None:
 
     output: Path = args.output
     output.mkdir(parents=True, exist_ok=True)
-    save_file(model.checkpoint(), output / "model.safetensors", metadata={"format": "pt"})
-    write_json(output / "config.json", hf_config(config, eos_id))
-    write_json(
-        output / "generation_config.json",
-        {"bos_token_id": eos_id, "eos_token_id": [eos_id, ids[END_TOKEN]], "pad_token_id": eos_id},
-    )
+    model.save_pretrained(output)  # model.safetensors, config.json, generation_config.json
     tokenizer.save(str(output / "tokenizer.json"))
     write_json(output / "tokenizer_config.json", tokenizer_config(config.max_position_embeddings))
-
-    from measure_perplexity import measure  # imported late: it imports this module
 
     evaluation = measure(output, args.seq_len)
     print(f"perplexity: model {evaluation['model_ppl']:.2f}, unigram baseline {evaluation['unigram_ppl']:.2f}")
