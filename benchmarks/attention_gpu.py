@@ -20,8 +20,10 @@ import json
 import math
 import sys
 import tempfile
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -87,13 +89,9 @@ def decode_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             ours = decode_attention(q, k_cache, v_cache, view, scale)
             keys, values = zip(*(kv.dense(b) for b in range(batch)))
             keys, values = torch.stack(keys), torch.stack(values)  # [B, Hkv, L, D]
-            q4 = q[:, :, None, :]
-
-            def sdpa() -> torch.Tensor:
-                return F.scaled_dot_product_attention(q4, keys, values, scale=scale, enable_gqa=True)
-
+            sdpa = partial(F.scaled_dot_product_attention, q[:, :, None, :], keys, values, scale=scale, enable_gqa=True)
             err = (ours.float() - sdpa()[:, :, 0].float()).abs().max().item()
-            t_ours = bench_ms(lambda: decode_attention(q, k_cache, v_cache, view, scale))
+            t_ours = bench_ms(partial(decode_attention, q, k_cache, v_cache, view, scale))
             t_sdpa = bench_ms(sdpa)
             gbps_ours, gbps_sdpa = kv_bytes / t_ours / 1e6, kv_bytes / t_sdpa / 1e6
             rows.append({
@@ -133,9 +131,9 @@ def prefill_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             keys, values = zip(*(kv.dense(b) for b in range(batch)))
             keys, values = torch.stack(keys), torch.stack(values)
             q4 = q.view(batch, extend, heads, dim).transpose(1, 2)
-
-            def sdpa() -> torch.Tensor:
-                return F.scaled_dot_product_attention(q4, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+            sdpa = partial(
+                F.scaled_dot_product_attention, q4, keys, values, is_causal=True, scale=scale, enable_gqa=True
+            )
 
             ref = sdpa().transpose(1, 2).reshape(batch * extend, heads, dim)
             sdpa_ms = bench_ms(sdpa)
@@ -144,7 +142,7 @@ def prefill_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                                      loc, q_tile)
             k_cache, v_cache = kv.storage.k_buffer[0], kv.storage.v_buffer[0]
             out = prefill_attention(q, k_cache, v_cache, view, scale)
-            t = bench_ms(lambda: prefill_attention(q, k_cache, v_cache, view, scale))
+            t = bench_ms(partial(prefill_attention, q, k_cache, v_cache, view, scale))
             tflops = flops / t / 1e9
             row = {
                 "batch": batch, "prefix": prefix, "extend": extend, "q_tile": q_tile,
@@ -228,8 +226,8 @@ def main() -> None:
     parser.add_argument("--decode-contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     parser.add_argument("--max-splits", type=int, default=16, help="max_decode_splits")
     parser.add_argument("--split-min-tokens", type=int, default=256, help="decode_split_min_tokens")
-    parser.add_argument("--prefill-shapes", type=pairs, nargs="+", default=[pairs(s) for s in ("8x512", "4x2048", "1x8192")],
-                        help="BATCHxLENGTH fresh prompts")
+    parser.add_argument("--prefill-shapes", type=pairs, nargs="+",
+                        default=[pairs(s) for s in ("8x512", "4x2048", "1x8192")], help="BATCHxLENGTH fresh prompts")
     parser.add_argument("--chunk-prefix", type=int, default=4096, help="cached prefix of the chunked-prefill case")
     parser.add_argument("--chunk-len", type=int, default=512, help="extend length of the chunked-prefill case")
     parser.add_argument("--q-tiles", type=int, nargs="+", default=[16, 64, 128], help="prefill_q_tile values")

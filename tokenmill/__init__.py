@@ -1,7 +1,8 @@
 """tokenmill: an LLM inference engine with a token-level paged KV cache and continuous batching."""
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.engine import AsyncEngine, Engine
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.engine import Engine
 from tokenmill.request import CompletionOutput, RequestOutput, SamplingParams
 from tokenmill.llm import LLM
 

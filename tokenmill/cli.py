@@ -56,7 +56,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 async def _stream(engine: Any, prompt: str | list[int], params: SamplingParams) -> str:
-    from tokenmill.engine.engine import AsyncEngine
+    from tokenmill.engine.async_engine import AsyncEngine
 
     text = []
     async for delta in AsyncEngine(engine).generate(prompt, params):

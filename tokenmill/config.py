@@ -14,8 +14,13 @@ from typing import Any
 
 import torch
 
+from tokenmill.request import RequestLimits
+
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default-model"
 """The small model bundled with tokenmill, used when no model path is given."""
+
+ATTENTION_BACKENDS = ("torch", "cpu", "triton")
+"""Backends ``attention_backend`` may name besides "auto" (see ``attention/factory.py``)."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -80,27 +85,34 @@ class EngineConfig:
     cuda_graph_max_batch: int = 64
     """Largest decode batch captured in a CUDA graph."""
 
-    # Server-side caps
+    # Request caps (checked by SamplingParams.validate for every request, API and server alike)
     max_n: int = 16
+    """Most completions per request."""
     max_tokens_cap: int | None = None
+    """Most output tokens per request; a request without max_tokens gets this (or less, to fit)."""
     max_top_logprobs: int = 20
+    """Most alternatives per token in logprobs / prompt_logprobs."""
     max_stop_strings: int = 16
+    """Most stop strings per request."""
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size > 256 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two in [1, 256], got {self.page_size}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
-            raise ValueError(
-                f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {self.attention_backend!r}"
-            )
+        if self.attention_backend != "auto" and self.attention_backend not in ATTENTION_BACKENDS:
+            choices = ", ".join(repr(name) for name in ("auto", *ATTENTION_BACKENDS))
+            raise ValueError(f"attention_backend must be one of {choices}, got {self.attention_backend!r}")
         if self.kv_cache_memory_fraction is not None and not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         for name in ("max_running_requests", "max_num_batched_tokens", "prefill_q_tile", "max_decode_splits",
-                     "cuda_graph_max_batch", "decode_split_min_tokens"):
+                     "cuda_graph_max_batch", "decode_split_min_tokens", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, low in (("max_tokens_cap", 1), ("max_top_logprobs", 0), ("max_stop_strings", 0)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
         if self.num_kv_slots is not None and self.num_kv_slots < self.page_size:
             raise ValueError(f"num_kv_slots must be >= page_size ({self.page_size}), got {self.num_kv_slots}")
 
@@ -113,6 +125,10 @@ class EngineConfig:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(**kwargs)
 
+    def request_limits(self, vocab_size: int) -> RequestLimits:
+        """The caps above, for a model with ``vocab_size`` tokens."""
+        return RequestLimits(vocab_size, self.max_n, self.max_tokens_cap, self.max_top_logprobs, self.max_stop_strings)
+
     def model_path(self) -> Path:
         return Path(self.model) if self.model else DEFAULT_MODEL_DIR
 
@@ -122,7 +138,8 @@ class EngineConfig:
         return torch.device(self.device)
 
     def resolved_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-        """fp32 on CPU for "auto" (bf16 matmuls are ~100x slower there); checkpoint dtype on GPU."""
+        """fp32 on CPU for "auto" (bf16 matmuls are slow without native bf16; see the README); the
+        checkpoint's dtype on GPU."""
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         if self.resolved_device().type == "cpu":

@@ -74,11 +74,10 @@ class LLM:
 
     def _run(self, batch: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
-        prompts = [_prompt_value(p) for p in batch]
-        for prompt, p in zip(prompts, params):  # validate everything before queueing anything
-            engine.validate(prompt, p)
         deltas: queue.Queue[RequestOutput] = queue.Queue()
-        ids = [engine.add_request(prompt, p, deltas.put) for prompt, p in zip(prompts, params)]
+        # validate (and tokenize) everything before queueing anything
+        states = [engine.intake(_prompt_value(prompt), p, deltas.put) for prompt, p in zip(batch, params)]
+        ids = [engine.submit(state) for state in states]
         totals: dict[str, RequestOutput] = {}
         done = 0
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:

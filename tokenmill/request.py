@@ -1,4 +1,5 @@
-"""Requests and their results: SamplingParams, Request, RequestOutput, CompletionOutput.
+"""Requests and their results: SamplingParams (validated against RequestLimits), RequestOutput,
+CompletionOutput, and ParameterError, the one error type for a refused request parameter.
 
 Names and defaults follow vLLM so users can switch engines without relearning the API.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
@@ -21,6 +22,30 @@ class FinishReason(str, enum.Enum):
 
 GREEDY_TEMPERATURE = 1e-5
 INT63 = 2**63
+
+
+class ParameterError(ValueError):
+    """A refused request parameter; ``param`` names it, and the message starts with that name."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param} {message}")
+        self.param = param
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What the engine accepts: the model's vocabulary and the operator's caps (None: no cap)."""
+
+    vocab_size: int
+    max_n: int | None = None
+    max_tokens_cap: int | None = None
+    max_top_logprobs: int | None = None
+    max_stop_strings: int | None = None
+
+
+def _require(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise ParameterError(param, message)
 
 
 def _is_int(value: Any) -> bool:
@@ -77,70 +102,61 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
-    def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the first bad parameter (type or range)."""
+    def validate(self, limits: RequestLimits) -> None:
+        """Raise :class:`ParameterError` naming the first bad parameter (type, range or cap)."""
         ints = ("n", "top_k", "min_tokens")
         floats = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
         for name in ints:
-            if not _is_int(getattr(self, name)):
-                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+            _require(_is_int(getattr(self, name)), name, f"must be an integer, got {getattr(self, name)!r}")
         for name in floats:
-            if not _is_number(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
+            _require(_is_number(getattr(self, name)), name, f"must be a finite number, got {getattr(self, name)!r}")
         for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not _is_int(value):
-                raise ValueError(f"{name} must be an integer or None, got {value!r}")
+            _require(value is None or _is_int(value), name, f"must be an integer or None, got {value!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if not -1 <= self.top_k < 2**31:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or a positive count below 2**31, got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed < INT63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not 1e-3 <= self.repetition_penalty <= 1e3:
-            raise ValueError(f"repetition_penalty must be in [0.001, 1000], got {self.repetition_penalty}")
+            _require(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {getattr(self, name)!r}")
+        _require(self.n >= 1, "n", f"must be >= 1, got {self.n}")
+        _require(limits.max_n is None or self.n <= limits.max_n, "n", f"must be <= {limits.max_n}, got {self.n}")
+        _require(-1 <= self.top_k < 2**31, "top_k",
+                 f"must be -1 or 0 (disabled) or a positive count below 2**31, got {self.top_k}")
+        _require(self.seed is None or 0 <= self.seed < INT63, "seed", f"must be in [0, 2**63), got {self.seed}")
+        _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _require(1e-3 <= self.repetition_penalty <= 1e3, "repetition_penalty",
+                 f"must be in [0.001, 1000], got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+            _require(-2 <= getattr(self, name) <= 2, name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if self.max_tokens is not None:
+            _require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+            cap = limits.max_tokens_cap
+            _require(cap is None or self.max_tokens <= cap, "max_tokens", f"must be <= {cap}, got {self.max_tokens}")
+        _require(self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+                 "min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
+        vocab_size = limits.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= vocab_size:
-                raise ValueError(f"{name} must be in [0, {vocab_size}], got {value}")
-        if self.stop is not None and (
-            not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop)
-        ):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            _require(value is None or 0 <= value <= vocab_size, name, f"must be in [0, {vocab_size}], got {value}")
+            cap = limits.max_top_logprobs
+            _require(value is None or cap is None or value <= cap, name, f"must be <= {cap}, got {value}")
+        _require(self.stop is None or (isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop)),
+                 "stop", f"must be a non-empty string or a list of them, got {self.stop!r}")
+        cap = limits.max_stop_strings
+        _require(cap is None or len(self.stop_strings) <= cap, "stop",
+                 f"may hold at most {cap} strings, got {len(self.stop_strings)}")
         if self.stop_token_ids is not None:
-            if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
-                raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+            _require(isinstance(self.stop_token_ids, list) and all(_is_int(t) for t in self.stop_token_ids),
+                     "stop_token_ids", f"must be a list of integers, got {self.stop_token_ids!r}")
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+            _require(not bad, "stop_token_ids", f"{bad} are outside the vocabulary [0, {vocab_size})")
         if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
+            _require(isinstance(self.logit_bias, dict), "logit_bias",
+                     f"must be a mapping of token id to bias, got {self.logit_bias!r}")
             for token, bias in self.logit_bias.items():
-                if not _is_int(token) or not 0 <= token < vocab_size:
-                    raise ValueError(f"logit_bias token id {token!r} is outside the vocabulary [0, {vocab_size})")
-                if not _is_number(bias) or not -100 <= bias <= 100:
-                    raise ValueError(f"logit_bias value for token {token} must be in [-100, 100], got {bias!r}")
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
+                _require(_is_int(token) and 0 <= token < vocab_size, "logit_bias",
+                         f"token id {token!r} is outside the vocabulary [0, {vocab_size})")
+                _require(_is_number(bias) and -100 <= bias <= 100, "logit_bias",
+                         f"value for token {token} must be in [-100, 100], got {bias!r}")
 
 
 @dataclass
@@ -149,7 +165,6 @@ class Logprob:
 
     logprob: float
     rank: int
-    decoded_token: str | None = None
 
 
 @dataclass

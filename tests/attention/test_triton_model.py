@@ -76,10 +76,10 @@ def test_cuda_graph_static_decode_matches_eager(checkpoint: Path) -> None:
     torch_backend = TorchNativeBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     seqs = [new_seq(list(range(4, 4 + n))) for n in (3, 18, 9)]
     for seq in seqs:
-        assert cache.alloc(seq)
+        assert cache.alloc(seq.kv, seq.all_token_ids)
     lens = [len(s.prompt_token_ids) for s in seqs]
-    loc = torch.cat([cache.extend(s, n) for s, n in zip(seqs, lens)])
-    view = cache.bind_prefill(seqs, lens, loc)
+    loc = torch.cat([cache.extend(s.kv, n) for s, n in zip(seqs, lens)])
+    view = cache.bind_prefill([s.kv for s in seqs], lens, loc)
     ids = torch.tensor([t for s in seqs for t in s.prompt_token_ids])
     pos = torch.cat([torch.arange(n) for n in lens])
     model.backend = torch_backend
@@ -87,8 +87,9 @@ def test_cuda_graph_static_decode_matches_eager(checkpoint: Path) -> None:
     model.backend = triton_backend
     assert (model(ids, pos, view) - ref).abs().max().item() <= 1e-4
 
-    loc = cache.extend_decode(seqs)
-    view = cache.bind_decode(seqs, loc)
+    kvs = [s.kv for s in seqs]
+    loc = cache.extend_decode(kvs)
+    view = cache.bind_decode(kvs, loc)
     last = torch.tensor([s.prompt_token_ids[-1] for s in seqs])
     positions = view.seq_lens - 1
     model.backend = torch_backend

@@ -4,6 +4,7 @@ and prefix sharing through the real model."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tests.tiny_models import save_tiny_model
 from tokenmill.attention.torch_native import TorchNativeBackend
+from tokenmill.cache.handle import KVHandle
 from tokenmill.cache.manager import CacheManager
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool
 from tokenmill.config import EngineConfig
-from tokenmill.engine.sequence import Sequence
-from tokenmill.request import SamplingParams
 from tokenmill.model.loader import load_model
 
 
@@ -28,8 +28,28 @@ def make_manager(page_size: int, n_pages: int, rows: int = 4, context: int = 64,
     return CacheManager(config, storage, ReqToTokenPool(rows, context, "cpu"), n_heads=1, head_dim=2)
 
 
-def new_seq(tokens: list[int]) -> Sequence:
-    return Sequence(prompt_token_ids=list(tokens), params=SamplingParams())
+@dataclass(eq=False)
+class Seq:
+    """What the cache sees of a sequence: its handle and its token ids (prompt, then output)."""
+
+    tokens: list[int]
+    kv: KVHandle = field(default_factory=KVHandle)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_kv(self) -> int:
+        return self.kv.n_kv
+
+    @property
+    def row(self) -> int | None:
+        return self.kv.row
+
+
+def new_seq(tokens: list[int]) -> Seq:
+    return Seq(list(tokens))
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -40,22 +60,22 @@ class ManagerMachine(RuleBasedStateMachine):
     def setup(self, page_size: int, n_pages: int) -> None:
         self.ps = page_size
         self.mgr = make_manager(page_size, n_pages)
-        self.live: list[Sequence] = []
+        self.live: list[Seq] = []
         self.shadow: dict[int, int] = {}
 
-    def _record(self, seq: Sequence, slots: torch.Tensor) -> None:
+    def _record(self, seq: Seq, slots: torch.Tensor) -> None:
         start = seq.n_kv - slots.numel()
         for i, slot in enumerate(slots.tolist()):
-            self.shadow[slot] = seq.all_token_ids[start + i]
+            self.shadow[slot] = seq.tokens[start + i]
 
     @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=20))
     def start(self, tokens: list[int]) -> None:
         seq = new_seq(tokens)
-        if not self.mgr.alloc(seq):
+        if not self.mgr.alloc(seq.kv, seq.tokens):
             return
-        slots = self.mgr.extend(seq, seq.n_tokens - seq.n_kv)
+        slots = self.mgr.extend(seq.kv, seq.n_tokens - seq.n_kv)
         if slots is None:  # all or nothing: give everything back
-            self.mgr.free(seq, cache_pages=False)
+            self.mgr.free(seq.kv, seq.tokens, cache_pages=False)
             return
         self._record(seq, slots)
         self.live.append(seq)
@@ -66,24 +86,25 @@ class ManagerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self.live))
         if seq.n_tokens >= 60:
             return
-        seq.output_token_ids.append(token)
-        slots = self.mgr.extend_decode([seq])
+        seq.tokens.append(token)
+        slots = self.mgr.extend_decode([seq.kv])
         if slots is None:
-            seq.output_token_ids.pop()
+            seq.tokens.pop()
             return
         self._record(seq, slots)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def cache_prompt(self, data: st.DataObject) -> None:
-        self.mgr.cache_prompt(data.draw(st.sampled_from(self.live)))
+        seq = data.draw(st.sampled_from(self.live))
+        self.mgr.cache_prompt(seq.kv, seq.tokens)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), cache=st.booleans())
     def finish(self, data: st.DataObject, cache: bool) -> None:
         seq = data.draw(st.sampled_from(self.live))
         self.live.remove(seq)
-        self.mgr.free(seq, cache_pages=cache)
+        self.mgr.free(seq.kv, seq.tokens, cache_pages=cache)
 
     @rule(n=st.integers(1, 6))
     def evict(self, n: int) -> None:
@@ -119,7 +140,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert len(live_rows) == len(self.live)
         for seq in self.live:
             slots = table[seq.row, : seq.n_kv].tolist()
-            assert [self.shadow[s] for s in slots] == seq.all_token_ids[: seq.n_kv]
+            assert [self.shadow[s] for s in slots] == seq.tokens[: seq.n_kv]
             assert all(s % self.ps == pos % self.ps for pos, s in enumerate(slots))
             assert not table[seq.row, seq.n_kv :].any(), "stale entries beyond n_kv"
         for row in set(range(table.shape[0])) - live_rows:
@@ -129,7 +150,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "mgr"):
             return
         for seq in self.live:
-            self.mgr.free(seq)
+            self.mgr.free(seq.kv, seq.tokens)
         self.mgr.reset_prefix_cache()
         assert self.mgr.allocator.n_free == self.mgr.allocator.capacity, "pages leaked"
         assert self.mgr.req_pool.n_free == self.mgr.req_pool.max_rows, "rows leaked"
@@ -144,31 +165,31 @@ TestManagerMachine.settings = settings(
 def test_alloc_is_all_or_nothing_when_rows_run_out() -> None:
     mgr = make_manager(1, 16, rows=1)
     first, second = new_seq([1, 2, 3]), new_seq([1, 2, 3])
-    assert mgr.alloc(first)
+    assert mgr.alloc(first.kv, first.tokens)
     free_before = mgr.allocator.n_free
-    assert not mgr.alloc(second)
+    assert not mgr.alloc(second.kv, second.tokens)
     assert second.row is None and mgr.allocator.n_free == free_before
 
 
 def test_recycled_row_never_replays_the_previous_sequence() -> None:
     mgr = make_manager(1, 64, rows=1)
     a = new_seq([1, 1, 1, 1, 1, 1])
-    assert mgr.alloc(a)
-    mgr.extend(a, a.n_tokens - a.n_kv)
+    assert mgr.alloc(a.kv, a.tokens)
+    mgr.extend(a.kv, a.n_tokens - a.n_kv)
     for _ in range(3):  # A decodes in row 0, reaching the steady state
-        a.output_token_ids.append(2)
-        view_a = mgr.bind_decode([a], mgr.extend_decode([a]))
+        a.tokens.append(2)
+        view_a = mgr.bind_decode([a.kv], mgr.extend_decode([a.kv]))
     assert mgr.stats.steady_state_steps == 2
     a_lens = view_a.seq_lens.clone()
     row = a.row
-    mgr.free(a, cache_pages=False)
+    mgr.free(a.kv, a.tokens, cache_pages=False)
 
     b = new_seq([0, 2, 0, 2, 0, 2, 0])  # B takes the same row, one token shorter than A was
-    assert mgr.alloc(b) and b.row == row
-    mgr.extend(b, b.n_tokens - b.n_kv)
-    b.output_token_ids.append(1)
-    slots = mgr.extend_decode([b])
-    view_b = mgr.bind_decode([b], slots)
+    assert mgr.alloc(b.kv, b.tokens) and b.row == row
+    mgr.extend(b.kv, b.n_tokens - b.n_kv)
+    b.tokens.append(1)
+    slots = mgr.extend_decode([b.kv])
+    view_b = mgr.bind_decode([b.kv], slots)
     assert mgr.stats.steady_state_steps == 2, "steady-state path fired for a recycled row"
     assert view_b is not view_a
     assert view_b.seq_lens.tolist() == [8] != a_lens.tolist()
@@ -179,22 +200,21 @@ def test_recycled_row_never_replays_the_previous_sequence() -> None:
 
 @pytest.mark.parametrize("split_min_tokens", [1, 3, 256])  # splits change every step / at 4, 7 / never
 def test_steady_state_is_exactly_a_rebuild(split_min_tokens: int) -> None:
-    seqs = [new_seq([1, 2, 3]), new_seq([2, 2, 2, 2, 2])]
+    prompts = [[1, 2, 3], [2, 2, 2, 2, 2]]
     steady, rebuilt = (make_manager(2, 32, decode_split_min_tokens=split_min_tokens) for _ in range(2))
     for mgr in (steady, rebuilt):
+        seqs = [new_seq(p) for p in prompts]
         for s in seqs:
-            s.output_token_ids.clear()
-            s.row = None
-            assert mgr.alloc(s)
-            mgr.extend(s, s.n_tokens - s.n_kv)
+            assert mgr.alloc(s.kv, s.tokens)
+            mgr.extend(s.kv, s.n_tokens - s.n_kv)
         for _ in range(4):
             for s in seqs:
-                s.output_token_ids.append(1)
-            slots = mgr.extend_decode(seqs)
+                s.tokens.append(1)
+            slots = mgr.extend_decode([s.kv for s in seqs])
             if mgr is rebuilt:
                 mgr._last_decode = None  # force the rebuild path
-            view = mgr.bind_decode(seqs, slots)
-            fields = ("seq_lens", "kv_indptr", "out_cache_loc", "num_splits", "req_pool_indices")
+            view = mgr.bind_decode([s.kv for s in seqs], slots)
+            fields = ("seq_lens", "out_cache_loc", "num_splits", "req_pool_indices")
             snapshot = {f: getattr(view, f).clone() for f in fields} | {"max": view.max_seq_len}
             if mgr is steady:
                 steady_views = getattr(steady, "_views", [])
@@ -205,28 +225,28 @@ def test_steady_state_is_exactly_a_rebuild(split_min_tokens: int) -> None:
                     assert torch.equal(snapshot[f], expected[f]), f
                 assert snapshot["max"] == expected["max"]
         for s in seqs:
-            mgr.free(s)
+            mgr.free(s.kv, s.tokens)
     assert steady.stats.steady_state_steps == 3
 
 
 def test_full_pool_evicts_only_unreferenced_cache(tmp_path: Path) -> None:
     mgr = make_manager(2, 9, rows=4)  # 8 usable pages of 2 slots
     done = new_seq([1, 1, 1, 1, 0, 0])
-    assert mgr.alloc(done)
-    mgr.extend(done, 6)
-    mgr.free(done)  # its 3 pages stay in the cache, unreferenced
+    assert mgr.alloc(done.kv, done.tokens)
+    mgr.extend(done.kv, 6)
+    mgr.free(done.kv, done.tokens)  # its 3 pages stay in the cache, unreferenced
     running = new_seq([2, 2, 2, 2])
-    assert mgr.alloc(running)
-    held = mgr.extend(running, 4)
+    assert mgr.alloc(running.kv, running.tokens)
+    held = mgr.extend(running.kv, 4)
     assert mgr.allocator.n_free == 3
     big = new_seq([0] * 10)
-    assert mgr.alloc(big)
-    assert mgr.extend(big, 10) is not None  # needs 5 pages: 3 free + 2 evicted from the cache
+    assert mgr.alloc(big.kv, big.tokens)
+    assert mgr.extend(big.kv, 10) is not None  # needs 5 pages: 3 free + 2 evicted from the cache
     assert (mgr.allocator.refcount(held // 2) == 1).all()  # the running sequence's pages untouched
     assert mgr.available_pages() == 1  # one cached page left; the running pages never count
-    assert mgr.extend(big, 4) is None  # needs 2 pages: refused, nothing changes
+    assert mgr.extend(big.kv, 4) is None  # needs 2 pages: refused, nothing changes
     assert big.n_kv == 10 and (mgr.allocator.refcount(held // 2) == 1).all()
-    assert mgr.extend(big, 2) is not None  # the last cached page is evicted for it
+    assert mgr.extend(big.kv, 2) is not None  # the last cached page is evicted for it
     assert mgr.radix.n_cached_pages == 0
 
 
@@ -244,13 +264,13 @@ def test_prefix_sharing_through_the_model_matches_a_cold_run(tmp_path: Path) -> 
 
     def run(mgr: CacheManager, tokens: list[int]) -> tuple[torch.Tensor, int]:
         seq = new_seq(tokens)
-        assert mgr.alloc(seq)
+        assert mgr.alloc(seq.kv, seq.tokens)
         computed = seq.n_tokens - seq.n_kv
-        slots = mgr.extend(seq, computed)
-        view = mgr.bind_prefill([seq], [computed], slots)
+        slots = mgr.extend(seq.kv, computed)
+        view = mgr.bind_prefill([seq.kv], [computed], slots)
         ids = torch.tensor(tokens[-computed:])
         logits = model(ids, torch.arange(len(tokens) - computed, len(tokens)), view)
-        mgr.free(seq)
+        mgr.free(seq.kv, seq.tokens)
         return logits, computed
 
     shared = list(range(10, 22))  # 3 pages

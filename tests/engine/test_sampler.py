@@ -25,7 +25,7 @@ def seq(
 ) -> Sequence:
     s = Sequence(prompt_token_ids=list(prompt or [5]), params=SamplingParams(**params))  # type: ignore[arg-type]
     s.output_token_ids = list(output or [])
-    s.row = row
+    s.kv.row = row
     if seed is not None:
         s.generator = torch.Generator().manual_seed(seed)
     return s
@@ -211,7 +211,7 @@ def test_incremental_counts_match_a_recount_including_recycled_rows() -> None:
     _assert_state(smp, d)
 
     # c is preempted and comes back in row 3; b's old owner d moves to row 2 (previously unpenalized)
-    c.row, d.row = 3, 2
+    c.kv.row, d.kv.row = 3, 2
     step([c, d])
     _assert_state(smp, c)
     _assert_state(smp, d)

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from tests.tiny_models import save_tiny_checkpoint, save_tiny_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.request import RequestOutput, accumulate
 from tokenmill.model.loader import WeightError
+from tokenmill.request import RequestOutput, accumulate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PERTURBED = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)] + ["model.layers.0.self_attn.k_proj.weight"]

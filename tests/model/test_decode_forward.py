@@ -1,6 +1,7 @@
 """The C++ decode forward (one call for the whole forward of a decode step) against the Python
 forward it replaces: identical logits and cache contents step after step, on the skinny (few
-requests) and panel (more requests) linear paths; and it declines what it does not cover."""
+requests) and panel (more requests) linear paths; the runner takes it on every decode step of an
+engine run; and it is built only where both the backend and the model allow it."""
 
 from __future__ import annotations
 
@@ -11,16 +12,20 @@ import pytest
 import torch
 
 from tests.model.test_parity import KVHarness
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import save_tiny_checkpoint, save_tiny_model
+from tokenmill import LLM, SamplingParams
 from tokenmill.attention.cpu_backend import CpuBackend
 from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.cache.storage import ReqToTokenPool
-from tokenmill.cache.view_builder import make_decode_view
-from tokenmill.model import transformer
-from tokenmill.model.decode_forward import decode_forward
-from tokenmill.kernels.linear import SKINNY_MAX_ROWS
+from tokenmill.engine.runner import ModelRunner
+from tokenmill.kernels.linear import PANEL_MAX_ROWS, SKINNY_MAX_ROWS
+from tokenmill.model.blocks import Attention, DecoderLayer, GatedMLP
+from tokenmill.model.causal_lm import CausalLM
+from tokenmill.model.config import ModelConfig
+from tokenmill.model.decode_forward import CpuDecodeForward
+from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_model
-from tokenmill.model.transformer import CausalLM
+from tokenmill.model.registry import load_model_config
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler to build the CPU kernels")
 
@@ -37,13 +42,17 @@ def cpu_harness(model: CausalLM) -> KVHarness:
     return harness
 
 
-def greedy_decode(model: CausalLM, n_requests: int, steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Logits of each decode step of a ragged batch, and the cache's written slots (the rest is
-    uninitialized memory)."""
+def greedy_decode(model: CausalLM, n_requests: int, steps: int, fused: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Logits of each decode step of a ragged batch (through the C++ decode forward when ``fused``,
+    else the Python forward), and the cache's written slots (the rest is uninitialized memory)."""
     harness = cpu_harness(model)
     rows = list(range(n_requests))
     prompts = [[(7 * r + 3 * i) % 90 + 4 for i in range(3 + 2 * r)] for r in rows]
     logits = harness.extend(rows, prompts, [0] * n_requests)
+    if fused:  # the harness calls model(input_ids, positions, view): the decode forward's signature
+        decode = CpuDecodeForward.build(model, model.backend)
+        assert decode is not None and decode.can_run(n_requests)
+        harness.model = decode
     ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
     tokens = logits[ends].argmax(-1).tolist()
     lens = [len(p) + 1 for p in prompts]
@@ -59,43 +68,107 @@ def greedy_decode(model: CausalLM, n_requests: int, steps: int) -> tuple[list[to
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("decode-forward-llama")
-    save_tiny_model(path, "llama", num_key_value_heads=2, tie_word_embeddings=False)
+    save_tiny_checkpoint(path, "llama", num_key_value_heads=2, tie_word_embeddings=False)
     return path
 
 
 @pytest.mark.parametrize("n_requests", [1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 3])
-def test_matches_python_layers(llama: Path, monkeypatch: pytest.MonkeyPatch, n_requests: int) -> None:
+def test_matches_python_layers(llama: Path, n_requests: int) -> None:
     model = load_model(llama, torch.float32, "cpu")
-    ran = []
-
-    def counted(*args: object) -> torch.Tensor | None:
-        logits = decode_forward(*args)
-        ran.append(logits is not None)
-        return logits
-
-    monkeypatch.setattr(transformer, "decode_forward", counted)
-    fused, fused_cache = greedy_decode(model, n_requests, steps=5)
-    assert ran == [False] + [True] * 5  # the prefill declined, every decode step ran it
-    monkeypatch.setattr(transformer, "decode_forward", lambda *args: None)
-    python, python_cache = greedy_decode(model, n_requests, steps=5)
+    fused, fused_cache = greedy_decode(model, n_requests, steps=5, fused=True)
+    python, python_cache = greedy_decode(model, n_requests, steps=5, fused=False)
     for step, (a, b) in enumerate(zip(fused, python)):
         assert torch.equal(a, b), f"decode step {step}: max diff {(a - b).abs().max().item()}"
     assert torch.equal(fused_cache, python_cache)
 
 
+def test_engine_runs_it_on_every_decode_step(llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pure decode step of an engine run goes through the C++ decode forward, no other step
+    does, and the tokens and logprobs equal those of the same run on the Python forward."""
+    steps: list[tuple[bool, int]] = []  # per forward: (pure decode step, C++ decode forward calls)
+    calls = []
+    run_forward, run_fused = ModelRunner.forward, CpuDecodeForward.__call__
+
+    def forward(self: ModelRunner, plan) -> torch.Tensor:
+        before = len(calls)
+        logits = run_forward(self, plan)
+        steps.append((plan.is_pure_decode, len(calls) - before))
+        return logits
+
+    def fused(self: CpuDecodeForward, *args: object) -> torch.Tensor:
+        calls.append(1)
+        return run_fused(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "forward", forward)
+    monkeypatch.setattr(CpuDecodeForward, "__call__", fused)
+    prompts = [[5, 6, 7], [(7 * i) % 90 + 4 for i in range(19)], [8, 9, 10, 11]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    llm = LLM(model=str(llama), device="cpu", attention_backend="cpu", num_kv_slots=512, enable_prefix_caching=False)
+    try:
+        assert llm.engine.runner.cpu_decode is not None
+        with_fused = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert all(n == int(pure) for pure, n in steps) and sum(n for _, n in steps) > 0
+        llm.engine.runner.cpu_decode = None
+        python = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    for a, b in zip(with_fused, python):
+        assert a.token_ids == b.token_ids
+        assert [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)] == [
+            lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)
+        ]
+
+
+def test_can_run(llama: Path) -> None:
+    model = load_model(llama, torch.float32, "cpu")
+    cfg = model.config
+    decode = CpuDecodeForward.build(model, CpuBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
+    assert decode is not None and decode.can_run(1) and decode.can_run(PANEL_MAX_ROWS)
+    assert not decode.can_run(0) and not decode.can_run(PANEL_MAX_ROWS + 1)
+
+
 @pytest.mark.parametrize(
-    "overrides",
-    [dict(attention_bias=True), dict(mlp_bias=True), dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), {}],
-    ids=["qkv-bias", "mlp-bias", "dynamic-rope", "torch-backend"],
+    "kind, overrides",
+    [
+        ("llama", dict(attention_bias=True)),
+        ("llama", dict(mlp_bias=True)),
+        ("llama", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+        ("qwen2", {}),
+        ("qwen3", dict(attention_bias=False)),
+    ],
+    ids=["qkv-bias", "mlp-bias", "dynamic-rope", "qwen2", "qwen3"],
 )
-def test_declines_what_it_does_not_cover(tmp_path: Path, overrides: dict) -> None:
-    save_tiny_model(tmp_path, "llama", **overrides)
+def test_declines_what_it_does_not_cover(tmp_path: Path, kind: str, overrides: dict) -> None:
+    save_tiny_model(tmp_path, kind, **overrides)
     model = load_model(tmp_path, torch.float32, "cpu")
-    assert model.rotary.is_dynamic == ("rope_scaling" in overrides)
-    harness = cpu_harness(model)
-    if not overrides:
-        model.backend = TorchNativeBackend(model.config.num_heads, model.config.num_kv_heads, model.config.head_dim)
-    loc = harness._slots(0, 0, 1)
-    view = make_decode_view(harness.storage, harness.pool.table, [0], [1], loc, harness.partial_out,
-                            harness.partial_lse, 8)
-    assert decode_forward(model, torch.tensor([3]), torch.zeros(1, dtype=torch.long), view) is None
+    cfg = model.config
+    assert model.cpu_decode_weights() is None
+    assert CpuDecodeForward.build(model, CpuBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)) is None
+
+
+def test_declines_the_torch_backend(llama: Path) -> None:
+    model = load_model(llama, torch.float32, "cpu")
+    cfg = model.config
+    assert model.cpu_decode_weights() is not None
+    assert CpuDecodeForward.build(model, TorchNativeBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)) is None
+
+
+class _LlamaWithQKNorm(LlamaForCausalLM):
+    """An opted-in family whose instance has q/k norms: the layer allow-list must refuse it."""
+
+    def decoder_layer(self, config: ModelConfig, layer_id: int) -> DecoderLayer:
+        attention = Attention(config, layer_id, qkv_bias=False, o_bias=False, qk_norm=True)
+        return DecoderLayer(config, attention, GatedMLP(config.hidden_size, config.intermediate_size, False))
+
+
+class _UnmodelledFamily(LlamaForCausalLM):
+    """Llama's parameters, but a family that did not opt in (it might compute something else)."""
+
+    supports_cpu_decode_forward = False
+
+
+@pytest.mark.parametrize("family", [_LlamaWithQKNorm, _UnmodelledFamily])
+def test_declines_qk_norms_and_families_that_did_not_opt_in(llama: Path, family: type[CausalLM]) -> None:
+    with torch.device("meta"):
+        model = family(load_model_config(llama))
+    assert model.cpu_decode_weights() is None

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from tests.tiny_models import save_tiny_model
 from tokenmill.model.config import ModelConfigError
 from tokenmill.model.loader import WeightError, load_model
+from tokenmill.model.registry import MODELS, load_model_config
 
 
 @pytest.fixture
@@ -73,8 +74,9 @@ def test_wrong_shape(checkpoint: Path) -> None:
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 64)
     save_file(tensors, checkpoint / "model.safetensors")
     with pytest.raises(
-        WeightError, match=r"model.safetensors: tensor 'model.layers.0.self_attn.k_proj.weight' has shape \(3, 64\), "
-        r"expected \(32, 64\)"
+        WeightError,
+        match=r"model.safetensors: tensor 'model.layers.0.self_attn.k_proj.weight' has shape \(3, 64\), "
+        r"expected \(32, 64\)",
     ):
         load_model(checkpoint, torch.float32, "cpu")
 
@@ -87,8 +89,22 @@ def test_unexpected_tensor(checkpoint: Path) -> None:
         load_model(checkpoint, torch.float32, "cpu")
 
 
-def test_sliding_window_limits_context(tmp_path: Path) -> None:
-    from tokenmill.model.config import ModelConfig
+def test_unsupported_architecture_names_the_supported_ones(checkpoint: Path) -> None:
+    _edit_config(checkpoint, architectures=[])
+    supported = ", ".join(MODELS)
+    with pytest.raises(ModelConfigError, match=f"unsupported architecture None; supported: {supported}$"):
+        load_model_config(checkpoint)
 
+
+def test_sliding_window_limits_context(tmp_path: Path) -> None:
     save_tiny_model(tmp_path, "mistral", sliding_window=64)
-    assert ModelConfig.from_pretrained(tmp_path).max_context_len == 64
+    assert load_model_config(tmp_path).max_context_len == 64
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_qwen_sliding_window_counts_only_when_used(tmp_path: Path, kind: str) -> None:
+    save_tiny_model(tmp_path, kind)
+    _edit_config(tmp_path, sliding_window=64, use_sliding_window=False)
+    assert load_model_config(tmp_path).sliding_window is None
+    _edit_config(tmp_path, use_sliding_window=True)
+    assert load_model_config(tmp_path).max_context_len == 64

@@ -15,8 +15,8 @@ from tests.tiny_models import save_tiny_model
 from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool
 from tokenmill.cache.view_builder import make_decode_view, make_prefill_view
+from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.loader import load_model
-from tokenmill.model.transformer import CausalLM
 
 NEW_TOKENS = 24
 
@@ -27,11 +27,23 @@ CASES = {
     "llama_mqa": ("llama", dict(num_key_value_heads=1)),
     "llama_linear": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "llama_dynamic": ("llama", dict(max_position_embeddings=24, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
-    "llama3": ("llama", dict(rope_theta=500000.0, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16})),
-    "llama_yarn": ("llama", dict(rope_scaling={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama3": (
+        "llama",
+        dict(
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
+    "llama_yarn": (
+        "llama",
+        dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    ),
     "mistral": ("mistral", dict(sliding_window=None)),
     "qwen2_tied": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen2_untied": ("qwen2", dict(tie_word_embeddings=False)),
@@ -120,10 +132,13 @@ def hf_reference(hf_model, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
         logits = hf_model(ids).logits[0]
         reset_dynamic_rope(hf_model)
         out = hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-            do_sample=False, pad_token_id=0,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
         )
-    return logits, out[0, len(prompt):].tolist()
+    return logits, out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -19,6 +19,10 @@ class AttentionBackend(ABC):
     """Base class; subclasses own ``forward`` and call ``_check_fwd`` first."""
 
     name: str = "base"
+    supports_cuda_graphs: bool = False
+    """Decode forward capturable in a CUDA graph (fixed grid, no host sync)."""
+    supports_cpu_decode_forward: bool = False
+    """The C++ decode forward (``model/decode_forward.py``) computes exactly this backend's decode attention."""
 
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
         if n_heads % n_kv_heads:

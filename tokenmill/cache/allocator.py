@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
-RESERVED_PAGE = 0
-"""Page that is never handed out; padded batch entries may write to its slots."""
+from tokenmill.cache.storage import RESERVED_SLOT
+
+RESERVED_PAGE = RESERVED_SLOT
+"""The page holding ``RESERVED_SLOT`` (page 0 for every page size): never handed out."""
 
 MAX_PAGE_SIZE = 256
 
@@ -176,7 +178,7 @@ class PageAllocator:
             )
         pages = pages.to(device="cpu", dtype=torch.int64)
         if pages.numel():
-            low = 0 if allow_reserved else 1
+            low = RESERVED_PAGE if allow_reserved else RESERVED_PAGE + 1
             lo, hi = (int(x) for x in torch.aminmax(pages))
             if lo < low or hi >= self._n_pages:
                 raise ValueError(

@@ -1,32 +1,35 @@
 """CacheManager: gives sequences KV slots, shares prefixes, and binds a step to a layer-3 view.
 
-Ownership: a sequence's positions ``0 .. n_kv-1`` have slots recorded in its request-to-token row.
-Every page a sequence's row points at carries one reference for that sequence; the radix cache
-holds one more on the pages it stores. All methods run on the engine thread only.
+Each sequence is represented by its :class:`KVHandle` (written only here) and, where the radix
+cache needs them, its token ids (prompt then output, passed in). Ownership: a handle's positions
+``0 .. n_kv-1`` have slots recorded in its request-to-token row. Every page a row points at
+carries one reference for that handle; the radix cache holds one more on the pages it stores.
+All methods run on the engine thread only.
 
 Steady-state decode: when a decode step has exactly the same sequences in the same rows as the
 previous decode step, each one token longer, the previous view's tensors are advanced in place.
-The guard is a signature of (seq_id, row) pairs, and any alloc/free/reset clears it, so a row
+The guard is a signature of (handle_id, row) pairs, and any alloc/free/reset clears it, so a row
 recycled to a new sequence can never replay its previous occupant's positions or slots.
 
-Epochs: ``reset_prefix_cache`` (e.g. after a weight update) starts a new epoch; a sequence
+Epochs: ``reset_prefix_cache`` (e.g. after a weight update) starts a new epoch; a handle
 admitted in an older epoch never inserts its KV into the radix cache, so no later request can
 reuse KV computed under old weights.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.cache.allocator import PageAllocator
+from tokenmill.cache.handle import KVHandle
 from tokenmill.cache.radix import RadixCache
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool
 from tokenmill.cache.view_builder import decode_num_splits, make_decode_view, make_prefill_view
 from tokenmill.cache.views import DecodeKVCache, KVView
 from tokenmill.config import EngineConfig
-from tokenmill.engine.sequence import Sequence
 
 
 @dataclass
@@ -73,32 +76,30 @@ class CacheManager:
         evictable = self.radix.n_evictable_pages if self.radix is not None else 0
         return self.allocator.n_free + evictable
 
-    def pages_needed(self, seq: Sequence, n_tokens: int) -> int:
-        """New pages needed for ``seq`` to hold ``n_tokens`` more positions."""
-        held = -(-seq.n_kv // self.page_size)
-        return -(-(seq.n_kv + n_tokens) // self.page_size) - held
-
-    def can_allocate(self, n_tokens: int) -> bool:
-        return -(-n_tokens // self.page_size) <= self.available_pages()
+    def pages_needed(self, kv: KVHandle, n_tokens: int) -> int:
+        """New pages needed for ``kv`` to hold ``n_tokens`` more positions."""
+        held = -(-kv.n_kv // self.page_size)
+        return -(-(kv.n_kv + n_tokens) // self.page_size) - held
 
     def usage(self) -> float:
         return self.allocator.usage
 
     # ----------------------------------------------------------------- lifecycle
-    def alloc(self, seq: Sequence) -> bool:
-        """Give ``seq`` a row and its cached prefix. All or nothing: False leaves nothing allocated.
+    def alloc(self, kv: KVHandle, tokens: Sequence[int]) -> bool:
+        """Give ``kv`` a row and the cached prefix of ``tokens`` (the sequence's token ids).
+        All or nothing: False leaves nothing allocated.
 
         The prefix match is capped so at least one token remains to compute (the step that
         computes it yields the logits for the next token).
         """
-        assert seq.row is None, "sequence already holds a row"
+        assert kv.row is None, "handle already holds a row"
         row = self.req_pool.alloc()
         if row is None:
             return False
         self._last_decode = None
-        seq.row, seq.n_kv, seq.n_cached_tokens, seq.cache_epoch = row, 0, 0, self.epoch
+        kv.row, kv.n_kv, kv.n_cached_tokens, kv.epoch = row, 0, 0, self.epoch
         if self.radix is not None:
-            tokens = seq.all_token_ids[:-1]
+            tokens = tokens[:-1]
             match = self.radix.match_prefix(tokens)
             self.stats.prefix_queries += 1
             self.stats.prefix_query_tokens += len(tokens)
@@ -106,43 +107,43 @@ class CacheManager:
             if match.n_tokens:
                 self.allocator.incref(match.pages)
                 self.req_pool.write(row, 0, self.allocator.slots_of(match.pages))
-                seq.n_kv = seq.n_cached_tokens = match.n_tokens
+                kv.n_kv = kv.n_cached_tokens = match.n_tokens
             self.radix.lock(match.node)
-            seq.prefix_node = match.node
+            kv.prefix_node = match.node
         return True
 
-    def extend(self, seq: Sequence, n_tokens: int) -> torch.Tensor | None:
+    def extend(self, kv: KVHandle, n_tokens: int) -> torch.Tensor | None:
         """Slots for positions ``n_kv .. n_kv+n_tokens-1`` (recorded in the row, ``n_kv`` advanced).
 
         Allocates pages as needed, evicting unreferenced cached pages first. Returns None and
         changes nothing when the pages cannot be had.
         """
-        assert seq.row is not None and n_tokens >= 1
-        start, ps = seq.n_kv, self.page_size
+        assert kv.row is not None and n_tokens >= 1
+        start, ps = kv.n_kv, self.page_size
         if start + n_tokens > self.req_pool.max_context_len:
             raise ValueError(f"sequence would exceed max_context_len {self.req_pool.max_context_len}")
-        new_pages = self._alloc_pages(self.pages_needed(seq, n_tokens))
+        new_pages = self._alloc_pages(self.pages_needed(kv, n_tokens))
         if new_pages is None:
             return None
         positions = torch.arange(start, start + n_tokens)
         if start % ps:  # the last page is partly filled: continue in it
-            last_page = int(self.req_pool.table[seq.row, start - 1]) // ps
+            last_page = int(self.req_pool.table[kv.row, start - 1]) // ps
             new_pages = torch.cat([torch.tensor([last_page]), new_pages])
         pages = new_pages[positions // ps - start // ps]
         slots = pages * ps + positions % ps
-        self.req_pool.write(seq.row, start, slots)
-        seq.n_kv = start + n_tokens
+        self.req_pool.write(kv.row, start, slots)
+        kv.n_kv = start + n_tokens
         return slots
 
-    def extend_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """One new slot for each sequence (a decode step), or None with nothing changed."""
+    def extend_decode(self, kvs: list[KVHandle]) -> torch.Tensor | None:
+        """One new slot for each handle (a decode step), or None with nothing changed."""
         ps = self.page_size
-        need_page = [s.n_kv % ps == 0 for s in seqs]
+        need_page = [s.n_kv % ps == 0 for s in kvs]
         new_pages = self._alloc_pages(sum(need_page))
         if new_pages is None:
             return None
-        rows = torch.tensor([s.row for s in seqs])
-        starts = torch.tensor([s.n_kv for s in seqs])
+        rows = torch.tensor([s.row for s in kvs])
+        starts = torch.tensor([s.n_kv for s in kvs])
         if ps == 1:
             slots = new_pages
         else:
@@ -152,54 +153,55 @@ class CacheManager:
             page[need] = new_pages
             slots = page * ps + starts % ps
         self.req_pool.table[rows, starts] = slots.to(torch.int32)
-        for s in seqs:
+        for s in kvs:
             s.n_kv += 1
         return slots
 
-    def cache_prompt(self, seq: Sequence) -> None:
-        """Share ``seq``'s computed full pages through the radix cache while it keeps running.
+    def cache_prompt(self, kv: KVHandle, tokens: Sequence[int]) -> None:
+        """Share the computed full pages of ``kv`` (holding ``tokens``) through the radix cache
+        while its sequence keeps running.
 
-        Where the tree already holds identical pages (computed by another sequence), ``seq``
+        Where the tree already holds identical pages (computed by another sequence), ``kv``
         switches to the tree's pages and releases its duplicates.
         """
-        if self.radix is None or seq.row is None or seq.cache_epoch != self.epoch:
+        if self.radix is None or kv.row is None or kv.epoch != self.epoch:
             return
-        n_full = seq.n_kv // self.page_size * self.page_size
+        n_full = kv.n_kv // self.page_size * self.page_size
         if n_full == 0:
             return
-        tokens = seq.all_token_ids[:n_full]
-        own_pages = self._row_pages(seq.row, n_full)
+        tokens = tokens[:n_full]
+        own_pages = self._row_pages(kv.row, n_full)
         self.radix.insert(tokens, own_pages)
         match = self.radix.match_prefix(tokens)
         dup = match.pages != own_pages
         if bool(dup.any()):
             self.allocator.incref(match.pages[dup])
             self.allocator.decref(own_pages[dup])
-            self.req_pool.write(seq.row, 0, self.allocator.slots_of(match.pages))
+            self.req_pool.write(kv.row, 0, self.allocator.slots_of(match.pages))
             self._last_decode = None
         self.radix.lock(match.node)
-        if seq.prefix_node is not None:
-            self.radix.unlock(seq.prefix_node)
-        seq.prefix_node = match.node
-        seq.prompt_cached = True
+        if kv.prefix_node is not None:
+            self.radix.unlock(kv.prefix_node)
+        kv.prefix_node = match.node
+        kv.prompt_cached = True
 
-    def free(self, seq: Sequence, cache_pages: bool = True) -> None:
-        """Release ``seq``'s row and page references; with ``cache_pages`` its computed full
-        pages stay in the radix cache for later prefix hits."""
-        if seq.row is None:
+    def free(self, kv: KVHandle, tokens: Sequence[int], cache_pages: bool = True) -> None:
+        """Release the row and page references of ``kv`` (holding ``tokens``); with
+        ``cache_pages`` its computed full pages stay in the radix cache for later prefix hits."""
+        if kv.row is None:
             return
         self._last_decode = None
-        n_full = seq.n_kv // self.page_size * self.page_size
-        pages = self._row_pages(seq.row, seq.n_kv)
+        n_full = kv.n_kv // self.page_size * self.page_size
+        pages = self._row_pages(kv.row, kv.n_kv)
         if self.radix is not None:
-            if cache_pages and n_full and seq.cache_epoch == self.epoch:
-                self.radix.insert(seq.all_token_ids[:n_full], pages[: n_full // self.page_size])
-            if seq.prefix_node is not None:
-                self.radix.unlock(seq.prefix_node)
+            if cache_pages and n_full and kv.epoch == self.epoch:
+                self.radix.insert(tokens[:n_full], pages[: n_full // self.page_size])
+            if kv.prefix_node is not None:
+                self.radix.unlock(kv.prefix_node)
         if pages.numel():
             self.allocator.decref(pages)
-        self.req_pool.free(seq.row)
-        seq.row, seq.n_kv, seq.prefix_node = None, 0, None
+        self.req_pool.free(kv.row)
+        kv.row, kv.n_kv, kv.prefix_node = None, 0, None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (e.g. after a weight update). Running sequences keep theirs."""
@@ -209,25 +211,23 @@ class CacheManager:
         self._last_decode = None
 
     # ----------------------------------------------------------------- views
-    def bind_prefill(self, seqs: list[Sequence], extend_lens: list[int], out_cache_loc: torch.Tensor) -> KVView:
-        """View for an extend step; each sequence's new tokens end at its current ``n_kv``."""
+    def bind_prefill(self, kvs: list[KVHandle], extend_lens: list[int], out_cache_loc: torch.Tensor) -> KVView:
+        """View for an extend step; each handle's new tokens end at its current ``n_kv``."""
         self._last_decode = None
-        prefix_lens = [s.n_kv - e for s, e in zip(seqs, extend_lens)]
+        prefix_lens = [s.n_kv - e for s, e in zip(kvs, extend_lens)]
         return make_prefill_view(
-            self.storage, self.req_pool.table, [s.row for s in seqs], prefix_lens, extend_lens,
+            self.storage, self.req_pool.table, [s.row for s in kvs], prefix_lens, extend_lens,
             out_cache_loc, self.config.prefill_q_tile,
         )
 
-    def bind_decode(self, seqs: list[Sequence], out_cache_loc: torch.Tensor) -> DecodeKVCache:
+    def bind_decode(self, kvs: list[KVHandle], out_cache_loc: torch.Tensor) -> DecodeKVCache:
         """View for a decode step; reuses and advances the previous one in the steady state."""
-        signature = tuple((s.seq_id, s.row) for s in seqs)
-        seq_lens = [s.n_kv for s in seqs]
+        signature = tuple((s.handle_id, s.row) for s in kvs)
+        seq_lens = [s.n_kv for s in kvs]
         last = self._last_decode
         if last is not None and last[0] == signature and all(a + 1 == b for a, b in zip(last[1], seq_lens)):
             view = last[2]
-            batch = len(seqs)
             view.seq_lens.add_(1)
-            view.kv_indptr.add_(torch.arange(batch + 1, device=view.kv_indptr.device))
             view.out_cache_loc.copy_(out_cache_loc)
             split = self.config.decode_split_min_tokens
             if any(n % split == 1 % split for n in seq_lens):  # a request entered a new split's worth of KV
@@ -236,7 +236,7 @@ class CacheManager:
             self.stats.steady_state_steps += 1
         else:
             view = make_decode_view(
-                self.storage, self.req_pool.table, [s.row for s in seqs], seq_lens, out_cache_loc,
+                self.storage, self.req_pool.table, [s.row for s in kvs], seq_lens, out_cache_loc,
                 self.partial_out, self.partial_lse, self.config.decode_split_min_tokens,
             )
             self.stats.rebuilt_decode_steps += 1

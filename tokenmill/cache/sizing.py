@@ -8,7 +8,6 @@ import torch
 
 from tokenmill.cache.storage import KVStorage
 from tokenmill.config import EngineConfig
-from tokenmill.model.config import ModelConfig
 
 DEFAULT_FRACTION = {"cuda": 0.85, "cpu": 0.1}
 
@@ -25,12 +24,15 @@ def free_memory_bytes(device: torch.device) -> int:
     return 4 * 1024**3
 
 
-def kv_cache_slots(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """Slots for the KV cache, a multiple of ``page_size`` holding at least one usable page."""
+def kv_cache_slots(
+    config: EngineConfig, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Slots for the KV cache of a model of that shape, a multiple of ``page_size`` holding at
+    least one usable page."""
     if config.num_kv_slots is not None:
         slots = config.num_kv_slots
     else:
-        per_slot = KVStorage.bytes_per_slot(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+        per_slot = KVStorage.bytes_per_slot(n_layers, n_kv_heads, head_dim, dtype)
         budget = config.kv_cache_memory
         if budget is None:
             fraction = config.kv_cache_memory_fraction or DEFAULT_FRACTION.get(device.type, 0.1)

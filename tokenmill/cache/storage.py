@@ -14,13 +14,16 @@ import threading
 
 import torch
 
+RESERVED_SLOT = 0
+"""Never handed to a request: padded or masked entries may read it or write their k/v there."""
+
 
 class KVStorage:
     """``k_buffer`` / ``v_buffer`` of shape ``[n_layers, n_slots, n_kv_heads, head_dim]``.
 
     Buffers are allocated uninitialized (untouched memory costs nothing until used): every slot
-    is written before it is read, except slot 0 — the reserved dummy slot that padded or masked
-    reads may touch — which is zeroed so it can never inject NaN into a masked attention.
+    is written before it is read, except ``RESERVED_SLOT``, which padded or masked reads may touch and
+    which is zeroed so it can never inject NaN into a masked attention.
     """
 
     def __init__(
@@ -37,8 +40,8 @@ class KVStorage:
         shape = (n_layers, n_slots, n_kv_heads, head_dim)
         self.k_buffer = torch.empty(shape, dtype=dtype, device=device)
         self.v_buffer = torch.empty(shape, dtype=dtype, device=device)
-        self.k_buffer[:, 0].zero_()
-        self.v_buffer[:, 0].zero_()
+        self.k_buffer[:, RESERVED_SLOT].zero_()
+        self.v_buffer[:, RESERVED_SLOT].zero_()
 
     @property
     def n_slots(self) -> int:

@@ -28,12 +28,10 @@ class PrefillKVCache:
     prefix_lens: torch.Tensor  # [B] int64 tokens already in the cache before this step
     extend_lens: torch.Tensor  # [B] int64 query rows of each request this step
     qo_indptr: torch.Tensor  # [B + 1] int64 query-row offsets
-    kv_indptr: torch.Tensor  # [B + 1] int64 offsets of each request's KV in a flat layout
     out_cache_loc: torch.Tensor  # [T] int64 slot where each new token's k/v are stored
     tile_req: torch.Tensor  # [n_tiles] int32 request of each Q tile
     tile_q_start: torch.Tensor  # [n_tiles] int32 first query row (within its request) of each tile
     q_tile: int  # query rows per tile
-    max_extend_len: int
     max_seq_len: int
     extend_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
@@ -52,7 +50,6 @@ class DecodeKVCache:
     req_to_token: torch.Tensor
     req_pool_indices: torch.Tensor  # [B] int64
     seq_lens: torch.Tensor  # [B] int64 KV length including this step's token
-    kv_indptr: torch.Tensor  # [B + 1] int64
     out_cache_loc: torch.Tensor  # [B] int64
     num_splits: torch.Tensor  # [B] int32 KV splits per request for the split-KV kernel
     partial_out: torch.Tensor  # [max_rows, n_heads, max_splits, head_dim] fp32

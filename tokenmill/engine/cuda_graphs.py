@@ -4,7 +4,7 @@ A decode step of ``B`` requests runs in the graph of the smallest bucket ``bs >=
 ... up to ``cuda_graph_max_batch``). Every tensor the captured forward reads lives in static
 buffers; :meth:`CudaGraphDecodeRunner.run` copies the step's metadata into them and replays.
 Entries ``B .. bs-1`` are padding: token 0 at position 0 in request row 0 with one token of
-context, storing its k/v in slot 0 (the reserved page 0, never handed to a request), so they
+context, storing its k/v in ``RESERVED_SLOT`` (never handed to a request), so they
 read only valid slots and write nothing anyone reads. Sampling stays outside the graph.
 
 Requirements: a CUDA device and a backend whose decode forward is capturable
@@ -19,12 +19,11 @@ import time
 import torch
 
 from tokenmill.cache.manager import CacheManager
+from tokenmill.cache.storage import RESERVED_SLOT
 from tokenmill.cache.views import DecodeKVCache
 from tokenmill.config import EngineConfig
-from tokenmill.model.transformer import CausalLM
+from tokenmill.model.causal_lm import CausalLM
 
-PAD_SLOT = 0
-"""Slot of the reserved page 0: where padded entries store their k/v."""
 PAD_ROW = 0
 """req_to_token row padded entries read (one position, any valid slot; their output is dropped)."""
 
@@ -44,7 +43,7 @@ def make_cuda_graph_runner(model: CausalLM, cache: CacheManager, config: EngineC
     device = cache.storage.k_buffer.device
     if not config.cuda_graphs or device.type != "cuda":
         return None
-    if not getattr(model.backend, "supports_cuda_graphs", False):
+    if model.backend is None or not model.backend.supports_cuda_graphs:
         return None
     return CudaGraphDecodeRunner(model, cache, config)
 
@@ -69,10 +68,8 @@ class CudaGraphDecodeRunner:
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.req_pool_indices = torch.full((n,), PAD_ROW, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
-        self.kv_indptr = torch.arange(n + 1, dtype=torch.int64, device=device)
-        self.out_cache_loc = torch.full((n,), PAD_SLOT, dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.full((n,), RESERVED_SLOT, dtype=torch.int64, device=device)
         self.num_splits = torch.ones(n, dtype=torch.int32, device=device)
-        self._steps = torch.arange(1, n + 1, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds: dict[int, float] = {}
@@ -104,15 +101,13 @@ class CudaGraphDecodeRunner:
         self.seq_lens[:n].copy_(view.seq_lens)
         self.out_cache_loc[:n].copy_(view.out_cache_loc)
         self.num_splits[:n].copy_(view.num_splits)
-        self.kv_indptr[: n + 1].copy_(view.kv_indptr)
         if n < size:
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
             self.req_pool_indices[n:size].fill_(PAD_ROW)
             self.seq_lens[n:size].fill_(1)
-            self.out_cache_loc[n:size].fill_(PAD_SLOT)
+            self.out_cache_loc[n:size].fill_(RESERVED_SLOT)
             self.num_splits[n:size].fill_(1)
-            torch.add(self.kv_indptr[n : n + 1], self._steps[: size - n], out=self.kv_indptr[n + 1 : size + 1])
 
     def _view(self, size: int) -> DecodeKVCache:
         """The decode view over the first ``size`` static entries."""
@@ -123,7 +118,6 @@ class CudaGraphDecodeRunner:
             req_to_token=cache.req_pool.table,
             req_pool_indices=self.req_pool_indices[:size],
             seq_lens=self.seq_lens[:size],
-            kv_indptr=self.kv_indptr[: size + 1],
             out_cache_loc=self.out_cache_loc[:size],
             num_splits=self.num_splits[:size],
             partial_out=cache.partial_out,

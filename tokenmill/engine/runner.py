@@ -1,4 +1,10 @@
-"""ModelRunner: StepPlan -> flat batch tensors + KV view -> model -> logits of the sampled rows."""
+"""ModelRunner: StepPlan -> flat batch tensors + KV view -> model -> logits of the sampled rows.
+
+The runner is the one place that picks a step's execution path: a pure decode step replays a CUDA
+graph when one is available and fits, else runs the C++ decode forward when the backend and the
+model both support it and it fits, else runs the model eagerly, as every other step does. The
+paths compute the same logits.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,8 @@ from tokenmill.cache.manager import CacheManager
 from tokenmill.cache.views import KVView
 from tokenmill.engine.cuda_graphs import CudaGraphDecodeRunner
 from tokenmill.engine.scheduler import StepPlan
-from tokenmill.model.transformer import CausalLM
+from tokenmill.model.causal_lm import CausalLM
+from tokenmill.model.decode_forward import CpuDecodeForward
 
 
 @dataclass
@@ -26,17 +33,20 @@ class ModelRunner:
     def __init__(
         self, model: CausalLM, cache: CacheManager, device: torch.device, graphs: CudaGraphDecodeRunner | None = None
     ) -> None:
+        if model.backend is None:
+            raise ValueError("the model's attention backend must be set before building its runner")
         self.model = model
         self.cache = cache
         self.device = device
         self.graphs = graphs  # CUDA-graph replay of pure decode steps (GPU only)
+        self.cpu_decode = CpuDecodeForward.build(model, model.backend)  # None where unsupported
         self.last_forward_time = 0.0  # seconds inside the model call of the last step (CPU: exact)
 
     def prepare(self, plan: StepPlan) -> ForwardBatch:
         """Pack the plan's tokens in batch order (decode first, then prefill chunks)."""
         device = self.device
         if plan.is_pure_decode:
-            view = self.cache.bind_decode(plan.decode, plan.decode_slots)
+            view = self.cache.bind_decode([s.kv for s in plan.decode], plan.decode_slots)
             input_ids = torch.tensor([s.tokens(s.n_kv - 1, s.n_kv)[0] for s in plan.decode], device=device)
             positions = view.seq_lens - 1
             return ForwardBatch(input_ids, positions, view, None)  # every row samples
@@ -53,7 +63,7 @@ class ModelRunner:
             if seq.n_kv == seq.n_tokens:
                 logits_rows.append(len(ids) - 1)
         parts = ([plan.decode_slots] if plan.decode else []) + plan.prefill_slots
-        view = self.cache.bind_prefill(seqs, extend_lens, torch.cat(parts))
+        view = self.cache.bind_prefill([s.kv for s in seqs], extend_lens, torch.cat(parts))
         return ForwardBatch(
             torch.tensor(ids, device=device),
             torch.tensor(pos, device=device),
@@ -65,8 +75,11 @@ class ModelRunner:
         """Logits ``[len(plan.sample_seqs), vocab]`` in ``plan.sample_seqs`` order."""
         batch = self.prepare(plan)
         start = time.perf_counter()
-        if plan.is_pure_decode and self.graphs is not None and self.graphs.can_run(len(plan.decode)):
+        n_decode = len(plan.decode)
+        if plan.is_pure_decode and self.graphs is not None and self.graphs.can_run(n_decode):
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.kv_view)  # valid until next run
+        elif plan.is_pure_decode and self.cpu_decode is not None and self.cpu_decode.can_run(n_decode):
+            logits = self.cpu_decode(batch.input_ids, batch.positions, batch.kv_view)
         else:
             logits = self.model(batch.input_ids, batch.positions, batch.kv_view, batch.logits_indices)
         if logits.is_cuda:

@@ -81,7 +81,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.cache.free(seq, cache_pages=cache_pages)
+        self.cache.free(seq.kv, seq.all_token_ids, cache_pages=cache_pages)
 
     def schedule(self) -> StepPlan | None:
         """The next step's plan, with KV slots already allocated; None when there is nothing to run."""
@@ -89,7 +89,7 @@ class Scheduler:
         decode = [s for s in self.running if not s.in_prefill]
         decode_slots = None
         while decode:
-            decode_slots = self.cache.extend_decode(decode)
+            decode_slots = self.cache.extend_decode([s.kv for s in decode])
             if decode_slots is not None:
                 break
             victim = max(self.running, key=lambda s: s.admit_order)
@@ -104,7 +104,7 @@ class Scheduler:
             if budget <= 0:
                 break
             n = min(seq.n_tokens - seq.n_kv, budget)
-            got = self.cache.extend(seq, n)
+            got = self.cache.extend(seq.kv, n)
             if got is None:  # out of pages: make room for later steps, never touch this plan's KV
                 planned = set(map(id, decode)) | {id(s) for s, _ in prefill}
                 self._preempt(max((s for s in self.running if id(s) not in planned), key=lambda s: s.admit_order))
@@ -116,19 +116,19 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.cache.req_pool.max_rows:
             seq = self.waiting.popleft()
-            if seq.wait_for is not None and not (seq.wait_for.prompt_cached or seq.wait_for.is_finished):
+            if seq.wait_for is not None and not (seq.wait_for.kv.prompt_cached or seq.wait_for.is_finished):
                 skipped.append(seq)
                 continue
-            if not self.cache.alloc(seq):
+            if not self.cache.alloc(seq.kv, seq.all_token_ids):
                 self.waiting.appendleft(seq)
                 break
             remaining = seq.n_tokens - seq.n_kv
-            if self.cache.pages_needed(seq, remaining) > self.cache.available_pages():
-                self.cache.free(seq, cache_pages=False)
+            if self.cache.pages_needed(seq.kv, remaining) > self.cache.available_pages():
+                self.cache.free(seq.kv, seq.all_token_ids, cache_pages=False)
                 self.waiting.appendleft(seq)
                 break
             n = min(remaining, budget)
-            got = self.cache.extend(seq, n)
+            got = self.cache.extend(seq.kv, n)
             assert got is not None, "pages were checked available"
             seq.status = SeqStatus.RUNNING
             seq.admit_order = next(self._admissions)
@@ -146,9 +146,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.cache.free(seq, cache_pages=True)
+        self.cache.free(seq.kv, seq.all_token_ids, cache_pages=True)
         seq.status = SeqStatus.WAITING
-        seq.n_preemptions += 1
         self.waiting.appendleft(seq)
         self.stats.preemptions += 1
 

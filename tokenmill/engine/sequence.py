@@ -1,7 +1,8 @@
 """Sequence: one completion being generated (a request with ``n > 1`` owns ``n`` of them).
 
-The scheduler, cache manager, sampler and detokenizer work on sequences; only the engine thread
-touches them. Cache fields (``row``, ``n_kv``, ``prefix_node``) are owned by the CacheManager.
+The scheduler, runner, sampler and output stage work on sequences; only the engine thread touches
+them. ``kv`` is the sequence's handle on the KV cache: the CacheManager writes it, everyone else
+only reads it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.cache.handle import KVHandle
 from tokenmill.request import Logprob, SamplingParams
 
 _seq_ids = itertools.count()
@@ -41,17 +43,8 @@ class Sequence:
     wait_for: "Sequence | None" = None  # admitted only once this one's prompt is cached (n > 1)
     generator: torch.Generator | None = None  # per-request seed; None = the engine's generator
 
-    # owned by the CacheManager
-    row: int | None = None
-    n_kv: int = 0  # positions 0..n_kv-1 have slots in the request-to-token row
-    prefix_node: Any = None  # radix node locked on behalf of this sequence
-    n_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
-    prompt_cached: bool = False  # the prompt's full pages are in the radix cache
-    cache_epoch: int = -1  # the prefix-cache epoch its KV was computed in (see CacheManager.epoch)
-
-    # owned by the scheduler
-    admit_order: int = -1
-    n_preemptions: int = 0
+    kv: KVHandle = field(default_factory=KVHandle)
+    admit_order: int = -1  # written by the scheduler at each admission
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -65,6 +58,16 @@ class Sequence:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt : end - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+
+    @property
+    def row(self) -> int | None:
+        """The sequence's request-to-token row while it holds KV."""
+        return self.kv.row
+
+    @property
+    def n_kv(self) -> int:
+        """Positions ``0 .. n_kv-1`` have KV in the cache."""
+        return self.kv.n_kv
 
     @property
     def n_tokens(self) -> int:

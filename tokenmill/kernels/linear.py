@@ -1,31 +1,12 @@
-"""Dense projections routed to the fastest kernel for the tensor's device and shape.
+"""Dense projections routed to a kernel by the tensor's device, dtype and number of rows.
 
-On CPU, PyTorch's default ``F.linear`` calls MKL's sgemm, which is poor for the short, wide
-products of decoding (few rows against a large weight). Measured on a 2-core AVX2 machine over
-the ~100M benchmark model's weights (all 12 layers + LM head, 400 MB, per forward; medians of 5,
-interleaved in one process):
-
-=========  ========  =======  ==================  =================
-rows of x  F.linear  oneDNN   ``skinny_linear``   ``panel_linear``
-=========  ========  =======  ==================  =================
-1          40-50 ms  31 ms    24 ms               40 ms
-4          -         60       31                  47
-8          97-168    57       42                  50
-12         -         70       59                  54
-16         102-164   80       64                  62
-32         167-200   106      117                 84
-64         -         143      189                 135
-128        -         248      375                 241
-256        -         442      716                 429
-2048       3920      3693     -                   -
-=========  ========  =======  ==================  =================
-
-so fp32 CPU products with at most ``SKINNY_MAX_ROWS`` rows use the C++ ``skinny_linear`` (a pure
+fp32 CPU products with at most ``SKINNY_MAX_ROWS`` rows use the C++ ``skinny_linear`` (a pure
 weight stream), up to ``PANEL_MAX_ROWS`` the C++ ``panel_linear`` (register-tiled, weight packed
 on the fly in L1-sized panels), larger ones oneDNN's matmul (``mkldnn._linear_pointwise``, the
-kernel ``torch.compile`` uses for CPU linears). Elsewhere (GPU; bf16/fp16, which oneDNN refuses
-on CPUs without native bf16) ``F.linear`` is used. Weights are read as stored, never re-packed
-ahead of time, so in-place weight updates need no extra step.
+kernel ``torch.compile`` uses for CPU linears). Everything else (GPU; bf16/fp16) uses
+``F.linear``. The thresholds come from the per-row-count timings in the README's performance
+section. Weights are read as stored, never re-packed ahead of time, so in-place weight updates
+need no extra step. Every path computes ``x @ weight.T + bias`` (same contract as ``F.linear``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """ModelConfig: the parts of a Hugging Face ``config.json`` that the model code needs.
 
-Supports LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM, in both the
+Parsing here is generic: it knows the field names shared by decoder-only checkpoints, in both the
 transformers-4 layout (``rope_theta`` + ``rope_scaling``) and the transformers-5 layout
-(``rope_parameters``).
+(``rope_parameters``), and no architecture names. Which architectures run, and each family's
+quirks, belong to the family files; ``registry.load_model_config`` is the entry point that applies
+them. Every rejection is a :class:`ModelConfigError` naming the file and the field.
 """
 
 from __future__ import annotations
@@ -14,14 +16,9 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+from tokenmill.config import DTYPES
+
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelConfigError(ValueError):
@@ -48,7 +45,11 @@ class RopeConfig:
 
 @dataclass
 class ModelConfig:
-    """Architecture hyper-parameters of a decoder-only transformer."""
+    """Architecture hyper-parameters of a decoder-only transformer.
+
+    ``attention_bias``, ``mlp_bias`` are config.json's flags; a family may build its layers
+    differently (its file says how).
+    """
 
     architecture: str
     vocab_size: int
@@ -63,7 +64,6 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     attention_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     checkpoint_dtype: torch.dtype | None = None
@@ -81,35 +81,18 @@ class ModelConfig:
         return self.max_position_embeddings
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
-        config_path = Path(path) / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"no config.json in {Path(path)}: not a Hugging Face checkpoint folder")
-        try:
-            raw = json.loads(config_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelConfigError(f"{config_path} is not valid JSON: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ModelConfigError(f"{config_path} must hold a JSON object, got {type(raw).__name__}")
-        return cls.from_dict(raw, source=str(config_path))
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Parse the generic fields of ``raw`` (``source`` names it in errors)."""
+        arch = architecture(raw)
+        if arch is None:
+            raise ModelConfigError(f"{source}: missing required field 'architectures'")
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        archs = raw.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelConfigError(
-                f"{source}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-
-        def need(key: str, kind: type = int) -> Any:
+        def need(key: str) -> Any:
             if key not in raw or raw[key] is None:
                 raise ModelConfigError(f"{source}: missing required field {key!r}")
             value = raw[key]
-            if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelConfigError(f"{source}: {key!r} must be a positive integer, got {value!r}")
-            if kind is float and (not isinstance(value, (int, float)) or value <= 0):
-                raise ModelConfigError(f"{source}: {key!r} must be a positive number, got {value!r}")
             return value
 
         hidden = need("hidden_size")
@@ -120,17 +103,11 @@ class ModelConfig:
                 f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
                 f"num_key_value_heads ({num_kv_heads})"
             )
-        head_dim = raw.get("head_dim") or hidden // num_heads
         if raw.get("partial_rotary_factor", 1.0) != 1.0:
             raise ModelConfigError(f"{source}: partial_rotary_factor != 1 is not supported")
         hidden_act = raw.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ModelConfigError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
-
-        is_qwen = arch.startswith("Qwen")
-        sliding = raw.get("sliding_window")
-        if is_qwen and not raw.get("use_sliding_window", False):
-            sliding = None
         dtype_name = raw.get("torch_dtype") or raw.get("dtype")
         eos = raw.get("eos_token_id")
         return cls(
@@ -141,18 +118,37 @@ class ModelConfig:
             num_layers=need("num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+            head_dim=raw.get("head_dim") or hidden // num_heads,
             max_position_embeddings=raw.get("max_position_embeddings") or 2048,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope=_parse_rope(raw, source),
-            attention_bias=True if arch == "Qwen2ForCausalLM" else bool(raw.get("attention_bias", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            sliding_window=sliding,
-            checkpoint_dtype=_TORCH_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
+            sliding_window=raw.get("sliding_window"),
+            checkpoint_dtype=DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )
+
+
+def read_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
+    """The JSON object in ``path/config.json`` and that file's name (for error messages)."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {Path(path)}: not a Hugging Face checkpoint folder")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelConfigError(f"{config_path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{config_path} must hold a JSON object, got {type(raw).__name__}")
+    return raw, str(config_path)
+
+
+def architecture(raw: dict[str, Any]) -> Any:
+    """The first entry of ``architectures`` (what selects the model class), None when absent."""
+    archs = raw.get("architectures") or []
+    return archs[0] if archs else None
 
 
 def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:

@@ -2,9 +2,7 @@
 
 A batch-1 decode step reads every weight once, so on CPU it runs at the speed the memory system
 streams them; with 4 KB pages each 4 KB of weights also costs a TLB miss (a two-level page walk
-under a hypervisor). On the 2-core benchmark VM the ~100M model decoded at batch 1 in 30.1 vs
-31.2 ms/token (~4%, interleaved A/B in one process, medians of 10) with its parameters on huge
-pages; the same single buffer on 4 KB pages was no faster than separate allocations.
+under a hypervisor); one 2 MB page entry covers 512 times as much.
 
 Needs Linux with transparent huge pages in "madvise" or "always" mode; elsewhere
 ``materialize_on_huge_pages`` is a plain ``to_empty``. Parameters become views into the mapping

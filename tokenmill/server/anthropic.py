@@ -45,7 +45,7 @@ async def messages(body: MessagesRequest, request: Request, state: State) -> Res
     fields = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences}
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     with engine_errors(ALIASES):
-        params = sampling_params(state.engine.config, fields, body.max_tokens)
+        params = sampling_params(fields, body.max_tokens)
         generation = await until_disconnected(request, Generation.start(state, [prompt], [params], rid, arrival))
     if body.stream:
         return SSEResponse(_events(generation, rid, state.model_name), on_close=generation.close)

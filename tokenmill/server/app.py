@@ -136,22 +136,6 @@ class DrainGate:
                 self.idle.set()
 
 
-def abort_all(engine: Engine) -> int:
-    """Abort every request the engine holds, between steps; returns how many were aborted.
-
-    Runs on the engine thread through ``Engine.call`` and uses its request table, as
-    ``update_weights(abort_running=True)`` does: the engine has no public abort-all.
-    """
-
-    def abort() -> int:
-        request_ids = list(engine._requests)
-        for request_id in request_ids:
-            engine._abort(request_id)
-        return len(request_ids)
-
-    return engine.call(abort)
-
-
 class GracefulServer(uvicorn.Server):
     """A uvicorn server that drains before it stops.
 
@@ -181,7 +165,7 @@ class GracefulServer(uvicorn.Server):
             await asyncio.wait_for(self.gate.idle.wait(), self.grace_s)
         with contextlib.suppress(EngineDeadError):
             while True:
-                aborted = await asyncio.to_thread(abort_all, self.engine)
+                aborted = await asyncio.to_thread(self.engine.abort_all)
                 if aborted:
                     logger.warning("shutdown: aborted %d request(s) still running after the grace period", aborted)
                 await asyncio.sleep(ABORT_POLL_S)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import uuid
 from collections.abc import Iterator, Mapping
 
@@ -21,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from tokenmill.engine.engine import EngineDeadError, EngineOverloadedError
-from tokenmill.request import SamplingParams
+from tokenmill.request import ParameterError
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -34,8 +33,6 @@ _ANTHROPIC_TYPES = {
     429: "rate_limit_error",
     503: "overloaded_error",
 }
-_ENGINE_PARAMS = SamplingParams.field_names() | {"prompt"}
-_LEADING_NAME = re.compile(r"[a-z_]+")
 
 
 class APIError(Exception):
@@ -68,17 +65,15 @@ def error_response(request: Request, error: APIError) -> JSONResponse:
 def engine_errors(aliases: Mapping[str, str]) -> Iterator[None]:
     """Turn the engine's refusals into APIErrors.
 
-    ValueError -> 400, with ``param`` taken from the message's leading parameter name (the engine
-    names it first) and renamed through ``aliases`` to the route's own name for it;
-    EngineOverloadedError and EngineDeadError -> 503.
+    ValueError -> 400; a :class:`ParameterError` names its parameter, renamed through ``aliases``
+    to the route's own name for it; EngineOverloadedError and EngineDeadError -> 503.
     """
     try:
         yield
+    except ParameterError as exc:
+        raise APIError(400, str(exc), param=aliases.get(exc.param, exc.param)) from exc
     except ValueError as exc:
-        message = str(exc)
-        match = _LEADING_NAME.match(message)
-        name = match.group(0) if match and match.group(0) in _ENGINE_PARAMS else None
-        raise APIError(400, message, param=aliases.get(name, name) if name else None) from exc
+        raise APIError(400, str(exc)) from exc
     except EngineOverloadedError as exc:
         raise APIError(503, f"the server is overloaded, retry later: {exc}", code="overloaded") from exc
     except EngineDeadError as exc:

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.request import CompletionOutput, Logprob, RequestOutput
 from tokenmill.server.errors import APIError, engine_errors
 from tokenmill.server.generation import Generation, until_disconnected
-from tokenmill.server.params import fit_to_context, openai_params
+from tokenmill.server.params import openai_params
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
 from tokenmill.server.sse import SSEResponse, sse_event
 from tokenmill.server.state import ServerState, State
@@ -64,8 +64,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     with engine_errors(CHAT_ALIASES):
-        params = openai_params(state.engine.config, body, max_tokens, logprobs)
-        params = fit_to_context(params, len(prompt), state.engine.config, state.engine.max_context_len)
+        params = openai_params(body, max_tokens, logprobs)
         generation = await until_disconnected(request, Generation.start(state, [prompt], [params], rid, arrival))
     chat = _Chat(state, rid, tool_names, logprobs)
     if body.stream:
@@ -266,7 +265,7 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
         max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, config.max_tokens_cap or COMPLETION_DEFAULT_MAX_TOKENS)
     rid = f"cmpl-{uuid.uuid4().hex}"
     with engine_errors({}):
-        params = openai_params(config, body, max_tokens, body.logprobs)
+        params = openai_params(body, max_tokens, body.logprobs)
         generation = await until_disconnected(
             request, Generation.start(state, prompts, [params] * len(prompts), rid, arrival)
         )

@@ -14,7 +14,8 @@ from typing import Annotated, Any
 import jinja2
 from fastapi import Depends, Request
 
-from tokenmill.engine.engine import AsyncEngine, Engine
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.engine import Engine
 from tokenmill.metrics import ServerMetrics
 from tokenmill.server.errors import APIError
 from tokenmill.tokenizer import Tokenizer

@@ -12,7 +12,7 @@ causal_softmax_ (CpuBackend prefill).
 The sources are compiled by ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja)
 for the host CPU (``-march=native``) with OpenMP, so ``at::parallel_for`` uses torch's threads.
 torch caches the build under ``TORCH_EXTENSIONS_DIR`` (``~/.cache/torch_extensions``): only the
-first run on a machine pays the compile (~1 minute on 2 cores). ``load_cpu_kernels`` returns None,
+first run on a machine pays the compile (see the README). ``load_cpu_kernels`` returns None,
 and logs why, when the build is impossible or ``TOKENMILL_CPU_KERNELS=0`` is set; every caller
 then uses its torch implementation.
 """

@@ -1,22 +1,36 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, MLP, attention.
+"""Shared building blocks of decoder-only families: norms, rotary embedding, packed linears,
+gated MLP, attention block, decoder layer.
 
 Numerics follow the Hugging Face implementations exactly (normalization in fp32, RoPE in the
-"rotate_half" layout with fp32 frequencies). Projections are fused at load time: ``qkv_proj``
-holds q, k, v stacked on the output dimension and ``gate_up_proj`` holds gate and up.
+"rotate_half" layout with fp32 frequencies). Projections that a checkpoint stores separately are
+packed into one :class:`PackedLinear` (``qkv_proj``: q, k, v stacked on the output dimension;
+``gate_up_proj``: gate, up), and a family's ``packed_modules`` maps the checkpoint's names onto
+the packed shards (:data:`SPLIT_PROJECTIONS` for the usual ``q_proj`` ... ``up_proj``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.cache.views import KVView
-from tokenmill.model.config import ModelConfig, RopeConfig
 from tokenmill.kernels.fused import add_rms_norm, apply_rotary, rms_norm, rotary_split_qkv, silu_and_mul
 from tokenmill.kernels.linear import Linear
+from tokenmill.model.config import ModelConfig, RopeConfig
+
+SPLIT_PROJECTIONS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+"""Checkpoint module name -> (packed module name, shard) for checkpoints that store q, k, v and
+gate, up as separate projections."""
 
 
 class RMSNorm(nn.Module):
@@ -149,12 +163,27 @@ def _yarn_inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+class PackedLinear(Linear):
+    """A Linear whose output rows stack several checkpoint projections, computed in one matmul.
+
+    Shard ``i`` (``shard_sizes[i]`` rows) is rows :meth:`shard_rows` ``(i)`` of the weight and bias.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: Sequence[int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = tuple(shard_sizes)
+
+    def shard_rows(self, shard: int) -> slice:
+        start = sum(self.shard_sizes[:shard])
+        return slice(start, start + self.shard_sizes[shard])
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up packed into one matmul."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.gate_up_proj = PackedLinear(hidden, (intermediate, intermediate), bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,9 +191,9 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Self-attention with fused q/k/v, optional q/k RMSNorm (qwen3), RoPE, and a pluggable backend."""
+    """Self-attention: packed q/k/v, optional per-head q/k RMSNorm before RoPE, a pluggable backend."""
 
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.n_heads = config.num_heads
@@ -172,11 +201,9 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         q_size = self.n_heads * self.head_dim
         kv_size = self.n_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
+        self.qkv_proj = PackedLinear(config.hidden_size, (q_size, kv_size, kv_size), bias=qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
-        if config.qk_norm:
+        if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
@@ -194,10 +221,41 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.q_norm is None:
             q, k, v = rotary_split_qkv(qkv, cos, sin, self.n_heads, self.n_kv_heads, self.head_dim)
-        else:  # qwen3: per-head RMSNorm of q and k before RoPE
-            q, k, v = qkv.split(self.split_sizes, dim=-1)
+        else:
+            q, k, v = qkv.split(self.qkv_proj.shard_sizes, dim=-1)
             q = apply_rotary(self.q_norm(q.reshape(n_tokens, self.n_heads, self.head_dim)), cos, sin)
             k = apply_rotary(self.k_norm(k.reshape(n_tokens, self.n_kv_heads, self.head_dim)), cos, sin)
             v = v.reshape(n_tokens, self.n_kv_heads, self.head_dim)
         out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), self.layer_id, kv_view)
         return self.o_proj(out.reshape(n_tokens, self.n_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: RMSNorm, attention, RMSNorm, MLP, each with a residual sum."""
+
+    def __init__(self, config: ModelConfig, self_attn: Attention, mlp: GatedMLP) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+        kv_view: KVView,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried unsummed: the layer's input is ``h + residual`` (``h`` alone
+        for the first layer), its output ``(mlp_out, residual)``; each sum is fused into the next norm."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(h, residual)
+        x, residual = self.post_attention_layernorm.add_and_norm(
+            self.self_attn(x, cos, sin, backend, kv_view), residual
+        )
+        return self.mlp(x), residual

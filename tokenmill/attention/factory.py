@@ -1,0 +1,64 @@
+"""make_backend: the attention backend for an engine, from ``EngineConfig.attention_backend``.
+
+"auto": triton on CUDA when installed; for fp32 on CPU "cpu" (C++ kernels) when they build;
+else the torch reference. An explicit choice is strict: it raises instead of falling back.
+Adding a backend: its module, one entry in ``_BACKENDS`` (and the name in ``config.ATTENTION_BACKENDS``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tokenmill.attention.base import AttentionBackend
+from tokenmill.attention.torch_native import TorchNativeBackend
+from tokenmill.config import EngineConfig
+from tokenmill.kernels.cpu import load_cpu_kernels
+
+
+def _triton(n_heads: int, n_kv_heads: int, head_dim: int, config: EngineConfig, dtype: torch.dtype) -> AttentionBackend:
+    from tokenmill.attention.triton import TritonBackend  # imported on use: TRITON_INTERPRET is read at import
+
+    return TritonBackend(n_heads, n_kv_heads, head_dim, config)
+
+
+def _cpu(n_heads: int, n_kv_heads: int, head_dim: int, config: EngineConfig, dtype: torch.dtype) -> AttentionBackend:
+    from tokenmill.attention.cpu_backend import CpuBackend
+
+    device = config.resolved_device()
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"attention_backend='cpu' needs fp32 on CPU, got {dtype} on {device}")
+    return CpuBackend(n_heads, n_kv_heads, head_dim)
+
+
+def _torch(n_heads: int, n_kv_heads: int, head_dim: int, config: EngineConfig, dtype: torch.dtype) -> AttentionBackend:
+    return TorchNativeBackend(n_heads, n_kv_heads, head_dim)
+
+
+_BACKENDS: dict[str, Callable[[int, int, int, EngineConfig, torch.dtype], AttentionBackend]] = {
+    "triton": _triton,
+    "cpu": _cpu,
+    "torch": _torch,
+}
+
+
+def auto_backend_name(device: torch.device, dtype: torch.dtype) -> str:
+    """What "auto" resolves to on ``device`` for ``dtype``."""
+    if device.type == "cuda":
+        from tokenmill.attention.triton import TRITON_AVAILABLE
+
+        return "triton" if TRITON_AVAILABLE else "torch"
+    if device.type == "cpu" and dtype == torch.float32:
+        return "cpu" if load_cpu_kernels() is not None else "torch"
+    return "torch"
+
+
+def make_backend(
+    config: EngineConfig, n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> AttentionBackend:
+    """The backend ``config.attention_backend`` names (resolving "auto") for a model of that shape."""
+    name = config.attention_backend
+    if name == "auto":
+        name = auto_backend_name(config.resolved_device(), dtype)
+    return _BACKENDS[name](n_heads, n_kv_heads, head_dim, config, dtype)

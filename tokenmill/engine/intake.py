@@ -1,0 +1,127 @@
+"""Intake: a prompt and its SamplingParams, validated into a RequestState (caller's thread).
+
+``Intake.make`` tokenizes a text prompt once, validates every parameter against the engine's
+limits and the prompt against the context limit (the model's, the engine's and the KV cache's
+capacity), and returns the state that is then submitted as is. A refusal raises
+:class:`~tokenmill.request.ParameterError` naming the parameter; nothing is allocated before
+that, and nothing touches the engine's loop, scheduler or cache.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.sequence import Sequence
+from tokenmill.request import (
+    INT63,
+    OutputCallback,
+    ParameterError,
+    RequestLimits,
+    RequestMetrics,
+    SamplingParams,
+    now,
+)
+from tokenmill.tokenizer import Tokenizer
+
+SIBLING_SEED_STRIDE = 7919
+"""Sequence ``i`` of a seeded request samples with ``seed + i * stride``: distinct, reproducible."""
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Engine-side state of one request and its ``n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    callback: OutputCallback
+    metrics: RequestMetrics
+    token_limit: int  # prompt + max_tokens, as validated: no sequence grows past it
+    seqs: list[Sequence] = field(default_factory=list)
+    detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)  # empty without a tokenizer
+    emitted_tokens: list[int] = field(default_factory=list)  # per sequence: tokens already sent
+    final_sent: list[bool] = field(default_factory=list)  # per sequence: its last delta was sent
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class Intake:
+    """Validates requests for one engine; stateless after construction, so any thread may call it."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        limits: RequestLimits,
+        context_limit: int,
+        device: torch.device,
+        share_prompt: bool,
+    ) -> None:
+        """``context_limit``: most tokens (prompt + output) one sequence may hold; ``share_prompt``:
+        siblings of an ``n > 1`` request wait for the first one's cached prompt (prefix caching on)."""
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.context_limit = context_limit
+        self.device = device
+        self.share_prompt = share_prompt
+
+    def make(
+        self, prompt: str | list[int], params: SamplingParams, callback: OutputCallback, request_id: str | None
+    ) -> RequestState:
+        """The validated state of a request; raises ParameterError (a ValueError) for bad input."""
+        if not isinstance(params, SamplingParams):
+            raise ParameterError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
+        params.validate(self.limits)
+        text, ids = self._tokens(prompt)
+        limit = self.context_limit
+        max_tokens = params.max_tokens
+        if max_tokens is None:  # up to the context limit, or the operator's cap when that is lower
+            max_tokens = max(1, min(limit - len(ids), self.limits.max_tokens_cap or limit))
+        if len(ids) + max_tokens > limit:
+            raise ParameterError(
+                "prompt",
+                f"({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} exceeds the "
+                f"context limit of {limit} tokens",
+            )
+        if self.tokenizer is None and params.stop_strings:
+            raise ParameterError("stop", "strings need a tokenizer; use stop_token_ids")
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        state = RequestState(rid, text, ids, params, callback, RequestMetrics(arrival_time=now()), len(ids) + max_tokens)
+        for i in range(params.n):
+            seq = Sequence(prompt_token_ids=ids, params=params, index=i, group=state)
+            if params.seed is not None:
+                seed = (params.seed + SIBLING_SEED_STRIDE * i) % INT63
+                seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+            if i > 0 and self.share_prompt:
+                seq.wait_for = state.seqs[0]
+            state.seqs.append(seq)
+            if self.tokenizer is not None:
+                state.detokenizers.append(IncrementalDetokenizer(self.tokenizer, ids, params))
+            state.emitted_tokens.append(0)
+            state.final_sent.append(False)
+        return state
+
+    def _tokens(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and token ids, checked against the vocabulary."""
+        vocab = self.limits.vocab_size
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ParameterError("prompt", "must be token ids: the engine runs without a tokenizer")
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            text, ids = None, list(prompt)
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ParameterError("prompt", f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        else:
+            raise ParameterError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ParameterError("prompt", "is empty")
+        return text, ids

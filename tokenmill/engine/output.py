@@ -1,0 +1,174 @@
+"""Output: sampled tokens appended to their sequences, stop rules, finishing, and the deltas
+each request's callback receives. Engine thread only.
+
+Stop rules, in order: EOS (unless ``ignore_eos``), a stop token id, a stop string (found by the
+incremental detokenizer), the request's token limit (``max_tokens``, or the context/KV limit).
+A finished or failed sequence is removed from the scheduler at once, which frees its KV. A
+request leaves the table when its last sequence has finished and its final delta is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from tokenmill.engine.intake import RequestState
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.sequence import Sequence, SeqStatus
+from tokenmill.request import CompletionOutput, FinishReason, RequestOutput, now
+
+logger = logging.getLogger("tokenmill.engine")
+
+
+class OutputProcessor:
+    """Owns the table of live requests (``requests``) and the finished/failed counters."""
+
+    def __init__(self, scheduler: Scheduler, eos_token_ids: set[int], weight_version: Callable[[], int]) -> None:
+        self.scheduler = scheduler
+        self.eos_token_ids = eos_token_ids
+        self.weight_version = weight_version
+        self.requests: dict[str, RequestState] = {}
+        self.finished_requests = 0
+        self.failed_requests = 0
+
+    def admit(self, state: RequestState) -> None:
+        self.requests[state.request_id] = state
+        for seq in state.seqs:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """End every unfinished sequence of the request with "abort"; False if it is not live."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return False
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self.finish(seq, FinishReason.ABORT.value)
+        self.emit(state)
+        return True
+
+    def process(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[Any]) -> None:
+        """Append each sampled token to its sequence, then emit every touched request. A failure
+        here (e.g. in detokenization) fails only the request it belongs to."""
+        touched: dict[str, RequestState] = {}
+        for seq, token, token_logprobs in zip(seqs, token_ids, logprobs):
+            if seq.is_finished:  # a sibling's failure already ended it
+                continue
+            try:
+                self.append(seq, token, token_logprobs)
+                touched[seq.group.request_id] = seq.group
+            except Exception as exc:
+                logger.error("finishing a token failed:\n%s", traceback.format_exc())
+                self.fail([seq], f"internal error after sampling: {type(exc).__name__}: {exc}")
+        for state in touched.values():
+            if state.request_id not in self.requests:
+                continue
+            try:
+                self.emit(state)
+            except Exception as exc:
+                logger.error("emitting output failed:\n%s", traceback.format_exc())
+                self.fail(state.seqs, f"internal error while emitting output: {type(exc).__name__}: {exc}")
+
+    def append(self, seq: Sequence, token: int, logprobs: Any) -> None:
+        """Add a sampled token (and its logprobs) to ``seq`` and apply the stop rules."""
+        state: RequestState = seq.group
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now()
+        seq.output_token_ids.append(token)
+        seq.weight_versions.append(self.weight_version())
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        params = seq.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            self.finish(seq, FinishReason.STOP.value)
+            return
+        if params.stop_token_ids and token in params.stop_token_ids:
+            self.finish(seq, FinishReason.STOP.value, stop_reason=token)
+            return
+        detok = state.detokenizers[seq.index] if state.detokenizers else None
+        if detok is not None:
+            detok.add_token(token)
+        if detok is not None and detok.stopped_by is not None:
+            self.finish(seq, FinishReason.STOP.value, stop_reason=detok.stopped_by)
+        elif seq.n_tokens >= state.token_limit:  # max_tokens, or the context/KV limit when it is None
+            self.finish(seq, FinishReason.LENGTH.value)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None, cache: bool = True) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.scheduler.remove(seq, cache_pages=cache)
+
+    def fail(self, seqs: list[Sequence], message: str) -> None:
+        """End ``seqs`` and their siblings with an error (their KV is not cached); notify their requests."""
+        states: dict[str, RequestState] = {}
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            seq.error = message
+            try:
+                self.finish(seq, FinishReason.ERROR.value, cache=False)
+            except Exception:  # never let cleanup of a failed step kill the loop
+                logger.exception("cleanup of a failed sequence failed")
+            states[seq.group.request_id] = seq.group
+        for state in states.values():
+            for seq in state.seqs:  # siblings of a failed sequence cannot complete the request either
+                if not seq.is_finished:
+                    seq.error = message
+                    self.finish(seq, FinishReason.ERROR.value, cache=False)
+            self.emit(state)
+
+    def emit(self, state: RequestState) -> None:
+        """Send the request's new tokens/text since the last emit; drop it once finished."""
+        outputs = []
+        for seq in state.seqs:
+            if state.final_sent[seq.index]:
+                continue
+            start = state.emitted_tokens[seq.index]
+            new_ids = seq.output_token_ids[start:]
+            if not new_ids and not seq.is_finished:
+                continue
+            state.emitted_tokens[seq.index] = len(seq.output_token_ids)
+            state.final_sent[seq.index] = seq.is_finished
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=_text_delta(state, seq),
+                    token_ids=new_ids,
+                    logprobs=seq.output_logprobs[start:] if seq.params.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    error=seq.error,
+                    weight_versions=seq.weight_versions[start:],
+                )
+            )
+        finished = state.finished
+        if finished:
+            state.metrics.finished_time = now()
+            self.requests.pop(state.request_id, None)
+            if any(s.finish_reason == FinishReason.ERROR.value for s in state.seqs):
+                self.failed_requests += 1
+            else:
+                self.finished_requests += 1
+        delta = RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            metrics=state.metrics,
+            num_cached_tokens=state.seqs[0].kv.n_cached_tokens,
+        )
+        try:
+            state.callback(delta)
+        except Exception:
+            logger.exception("output callback of request %s failed", state.request_id)
+
+
+def _text_delta(state: RequestState, seq: Sequence) -> str:
+    """New text of ``seq``; none for a failed sequence (its detokenizer may be what failed)."""
+    if not state.detokenizers or seq.error is not None:
+        return ""
+    return state.detokenizers[seq.index].take_delta(seq.is_finished)

@@ -1,0 +1,160 @@
+"""CausalLM: the base of every family, a decoder-only transformer over a flat ragged token layout.
+
+``forward(input_ids, positions, kv_view, logits_indices)``: ``input_ids`` and ``positions`` are
+1-D over every token of every request in the step; only the rows in ``logits_indices`` are
+projected through the LM head. ``backend`` must be set before the first forward.
+
+A family subclasses :class:`CausalLM` in its own file and declares:
+
+- :meth:`CausalLM.decoder_layer`: its layer, built from ``blocks.py``;
+- ``packed_modules``: checkpoint module name -> (packed module, shard) (``weights.py`` derives
+  every checkpoint name and the rows it loads into from it and the parameters);
+- :meth:`CausalLM.adjust_config`: its config.json quirks, applied to the generic parse;
+- ``supports_cpu_decode_forward``: an explicit opt-in, true only when its layer computes exactly
+  what ``kernels/cpu/decode_forward.cpp`` computes (see :meth:`CausalLM.cpu_decode_weights`).
+
+Parameter names are Hugging Face's (``model.layers.N.self_attn...``) except for packed projections.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tokenmill.attention.base import AttentionBackend
+from tokenmill.cache.views import DecodeKVCache, KVView
+from tokenmill.kernels.linear import Linear, linear
+from tokenmill.model.blocks import DecoderLayer, RMSNorm, RotaryEmbedding
+from tokenmill.model.config import ModelConfig
+
+CPU_DECODE_LAYER_WEIGHTS = (
+    "input_layernorm.weight",
+    "self_attn.qkv_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_up_proj.weight",
+    "mlp.down_proj.weight",
+)
+"""A layer's parameters, in ``decode_forward.cpp``'s order; a layer with any other parameter (a
+bias, a q/k norm) is not what the C++ decode forward computes."""
+
+
+@dataclass(frozen=True)
+class CpuDecodeWeights:
+    """What the C++ decode forward reads. The Parameter objects themselves are held: weight updates
+    copy into them and ``Module.to`` swaps their ``.data``, so they stay current."""
+
+    embed: nn.Parameter
+    layers: list[nn.Parameter]  # CPU_DECODE_LAYER_WEIGHTS of each layer, layer after layer
+    final_norm: nn.Parameter
+    lm_head: nn.Parameter
+    rotary: RotaryEmbedding  # fixed-frequency: its cos/sin table is what the kernel gathers from
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+
+
+class DecoderStack(nn.Module):
+    """``model.*`` in checkpoint names: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module, ABC):
+    """Embeddings, the family's decoder layers, final norm, LM head (tied to the embeddings or not)."""
+
+    packed_modules: ClassVar[dict[str, tuple[str, int]]] = {}
+    supports_cpu_decode_forward: ClassVar[bool] = False
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config, [self.decoder_layer(config, i) for i in range(config.num_layers)])
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.backend: AttentionBackend | None = None
+
+    @abstractmethod
+    def decoder_layer(self, config: ModelConfig, layer_id: int) -> DecoderLayer:
+        """Layer ``layer_id`` of this family."""
+
+    @classmethod
+    def adjust_config(cls, config: ModelConfig, raw: dict[str, Any]) -> ModelConfig:
+        """The generic parse of ``raw`` corrected for this family's conventions (none by default)."""
+        return config
+
+    def skips_weight(self, name: str) -> bool:
+        """Checkpoint tensors that are not weights of this model: RoPE caches, a tied LM head."""
+        return name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight")
+
+    @property
+    def lm_head_weight(self) -> nn.Parameter:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def cpu_decode_weights(self) -> CpuDecodeWeights | None:
+        """The weights of the C++ decode forward, or None when it would not compute this model.
+
+        Allow-list: the family opted in (``supports_cpu_decode_forward``), RoPE has fixed
+        frequencies, and every layer has exactly :data:`CPU_DECODE_LAYER_WEIGHTS`.
+        """
+        if not self.supports_cpu_decode_forward or self.rotary.is_dynamic:
+            return None
+        weights: list[nn.Parameter] = []
+        for layer in self.model.layers:
+            params = dict(layer.named_parameters())
+            if params.keys() != set(CPU_DECODE_LAYER_WEIGHTS):
+                return None
+            weights.extend(params[name] for name in CPU_DECODE_LAYER_WEIGHTS)
+        cfg = self.config
+        return CpuDecodeWeights(
+            embed=self.model.embed_tokens.weight,
+            layers=weights,
+            final_norm=self.model.norm.weight,
+            lm_head=self.lm_head_weight,
+            rotary=self.rotary,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_view: KVView,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[len(logits_indices), vocab]`` (all rows when ``logits_indices`` is None)."""
+        if self.backend is None:
+            raise RuntimeError(f"{type(self).__name__}.backend must be set before forward")
+        h = self.model.embed_tokens(input_ids)
+        rope_lens = self._dynamic_rope_lens(kv_view) if self.rotary.is_dynamic else None
+        cos, sin = self.rotary(positions, rope_lens, h.dtype, kv_view.max_seq_len)
+        residual = None
+        for layer in self.model.layers:  # at least one: ModelConfig requires a positive count
+            h, residual = layer(h, residual, cos, sin, self.backend, kv_view)
+        if logits_indices is not None:
+            h, residual = h[logits_indices], residual[logits_indices]
+        h, _ = self.model.norm.add_and_norm(h, residual)
+        return linear(h, self.lm_head_weight)
+
+    @staticmethod
+    def _dynamic_rope_lens(kv_view: KVView) -> torch.Tensor:
+        """Per-token length of its request after this step (what dynamic NTK scales by)."""
+        if isinstance(kv_view, DecodeKVCache):
+            return kv_view.seq_lens
+        return torch.repeat_interleave(kv_view.seq_lens, kv_view.extend_lens)

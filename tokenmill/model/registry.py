@@ -1,0 +1,38 @@
+"""The supported architectures: config.json's ``architectures`` name -> model class.
+
+A new family is its file plus one line in :data:`MODELS`. :func:`load_model_config` is the one way
+to read a checkpoint's :class:`ModelConfig`: the generic parse, corrected by the family's
+``adjust_config``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenmill.model.causal_lm import CausalLM
+from tokenmill.model.config import ModelConfig, ModelConfigError, architecture, read_config_json
+from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.qwen2 import Qwen2ForCausalLM
+from tokenmill.model.qwen3 import Qwen3ForCausalLM
+
+MODELS: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(arch: object, source: str = "config.json") -> type[CausalLM]:
+    """The class of architecture ``arch``; :class:`ModelConfigError` naming the supported ones."""
+    cls = MODELS.get(arch) if isinstance(arch, str) else None
+    if cls is None:
+        raise ModelConfigError(f"{source}: unsupported architecture {arch!r}; supported: {', '.join(MODELS)}")
+    return cls
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """The family-adjusted config of the checkpoint folder ``path``."""
+    raw, source = read_config_json(path)
+    cls = model_class(architecture(raw), source)
+    return cls.adjust_config(ModelConfig.from_dict(raw, source), raw)

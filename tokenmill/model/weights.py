@@ -1,0 +1,93 @@
+"""Checkpoint tensor names -> the parameter rows they load into, and the checks every load passes.
+
+The mapping is derived, never written by hand: every parameter loads from its own Hugging Face
+name, except the shards of a :class:`~tokenmill.model.blocks.PackedLinear`, which load from the
+names the family's ``packed_modules`` gives them (``q_proj`` -> shard 0 of ``qkv_proj``, ...),
+into the rows the packed module reports. The loader and weight updates validate through
+:func:`check_tensor`, so a tensor is accepted or refused the same way by both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.model.blocks import PackedLinear
+from tokenmill.model.causal_lm import CausalLM
+
+
+class WeightError(ValueError):
+    """A checkpoint tensor that is missing, unexpected, or of the wrong shape or dtype."""
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Rows ``rows`` of ``param``: where one checkpoint tensor is stored."""
+
+    param: nn.Parameter
+    rows: slice
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape the checkpoint tensor must have."""
+        return (self.rows.stop - self.rows.start, *self.param.shape[1:])
+
+    def load(self, tensor: torch.Tensor) -> None:
+        """Copy a tensor that passed :func:`check_tensor` into its rows."""
+        with torch.no_grad():
+            self.param[self.rows].copy_(tensor)
+
+
+def checkpoint_targets(model: CausalLM) -> dict[str, WeightTarget]:
+    """Every checkpoint tensor name ``model`` expects -> where it is stored."""
+    shards: dict[str, list[tuple[int, str]]] = {}
+    for name, (packed, shard) in model.packed_modules.items():
+        shards.setdefault(packed, []).append((shard, name))
+    targets: dict[str, WeightTarget] = {}
+    for module_name, module in model.named_modules():
+        parent, _, local = module_name.rpartition(".")
+        packed = shards.get(local) if isinstance(module, PackedLinear) else None
+        if packed is not None and sorted(s for s, _ in packed) != list(range(len(module.shard_sizes))):
+            raise ValueError(f"{type(model).__name__}.packed_modules does not name each shard of {module_name} once")
+        for leaf, param in module.named_parameters(recurse=False):
+            if packed is None:
+                targets[_join(module_name, leaf)] = WeightTarget(param, slice(0, param.shape[0]))
+            else:
+                for shard, name in packed:
+                    targets[_join(parent, name, leaf)] = WeightTarget(param, module.shard_rows(shard))
+    return targets
+
+
+def _join(*parts: str) -> str:
+    return ".".join(part for part in parts if part)
+
+
+def check_tensor(
+    model: CausalLM, targets: dict[str, WeightTarget], name: str, tensor: torch.Tensor, source: str
+) -> WeightTarget | None:
+    """Where checkpoint tensor ``name`` goes; None for tensors to skip.
+
+    ``tensor`` may be on the meta device (only its shape and dtype are read). Raises
+    :class:`WeightError` naming ``source`` and the tensor for unknown names, wrong shapes or
+    non-floating dtypes.
+    """
+    if model.skips_weight(name):
+        return None
+    target = targets.get(name)
+    if target is None:
+        raise WeightError(f"{source}: unexpected tensor {name!r} (not part of a {model.config.architecture})")
+    if tuple(tensor.shape) != target.shape:
+        raise WeightError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {target.shape}")
+    if not tensor.is_floating_point():
+        raise WeightError(f"{source}: tensor {name!r} has dtype {tensor.dtype}, expected a floating-point dtype")
+    return target
+
+
+def check_complete(targets: dict[str, WeightTarget], loaded: set[str]) -> None:
+    """Raise :class:`WeightError` listing the expected names that are not in ``loaded``."""
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise WeightError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
