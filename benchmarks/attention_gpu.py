@@ -80,7 +80,13 @@ def decode_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             partial_lse = torch.empty(batch, heads, args.max_splits, dtype=torch.float32, device="cuda")
             loc = kv.table[:, ctx - 1].long()
             view = make_decode_view(
-                kv.storage, kv.table, list(range(batch)), [ctx] * batch, loc, partial_out, partial_lse,
+                kv.storage,
+                kv.table,
+                list(range(batch)),
+                [ctx] * batch,
+                loc,
+                partial_out,
+                partial_lse,
                 args.split_min_tokens,
             )
             q = torch.randn(batch, heads, dim, dtype=dtype, device="cuda")
@@ -94,13 +100,20 @@ def decode_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             t_ours = bench_ms(partial(decode_attention, q, k_cache, v_cache, view, scale))
             t_sdpa = bench_ms(sdpa)
             gbps_ours, gbps_sdpa = kv_bytes / t_ours / 1e6, kv_bytes / t_sdpa / 1e6
-            rows.append({
-                "batch": batch, "context": ctx, "splits": int(view.num_splits[0]),
-                "triton_ms": round(t_ours, 4), "triton_gbps": round(gbps_ours, 1),
-                "triton_frac_peak": round(gbps_ours / args.peak_gbps, 3),
-                "sdpa_ms": round(t_sdpa, 4), "sdpa_gbps": round(gbps_sdpa, 1),
-                "speedup_vs_sdpa": round(t_sdpa / t_ours, 2), "max_abs_err_vs_sdpa": err,
-            })
+            rows.append(
+                {
+                    "batch": batch,
+                    "context": ctx,
+                    "splits": int(view.num_splits[0]),
+                    "triton_ms": round(t_ours, 4),
+                    "triton_gbps": round(gbps_ours, 1),
+                    "triton_frac_peak": round(gbps_ours / args.peak_gbps, 3),
+                    "sdpa_ms": round(t_sdpa, 4),
+                    "sdpa_gbps": round(gbps_sdpa, 1),
+                    "speedup_vs_sdpa": round(t_sdpa / t_ours, 2),
+                    "max_abs_err_vs_sdpa": err,
+                }
+            )
             del kv, keys, values, partial_out, partial_lse, view
             torch.cuda.empty_cache()
     return rows
@@ -138,20 +151,26 @@ def prefill_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             ref = sdpa().transpose(1, 2).reshape(batch * extend, heads, dim)
             sdpa_ms = bench_ms(sdpa)
         for q_tile in args.q_tiles:
-            view = make_prefill_view(kv.storage, kv.table, list(range(batch)), [prefix] * batch, [extend] * batch,
-                                     loc, q_tile)
+            view = make_prefill_view(
+                kv.storage, kv.table, list(range(batch)), [prefix] * batch, [extend] * batch, loc, q_tile
+            )
             k_cache, v_cache = kv.storage.k_buffer[0], kv.storage.v_buffer[0]
             out = prefill_attention(q, k_cache, v_cache, view, scale)
             t = bench_ms(partial(prefill_attention, q, k_cache, v_cache, view, scale))
             tflops = flops / t / 1e9
             row = {
-                "batch": batch, "prefix": prefix, "extend": extend, "q_tile": q_tile,
-                "triton_ms": round(t, 4), "triton_tflops": round(tflops, 1),
+                "batch": batch,
+                "prefix": prefix,
+                "extend": extend,
+                "q_tile": q_tile,
+                "triton_ms": round(t, 4),
+                "triton_tflops": round(tflops, 1),
                 "triton_frac_peak": round(tflops / args.peak_tflops, 3),
             }
             if sdpa_ms is not None:
                 row |= {
-                    "sdpa_ms": round(sdpa_ms, 4), "sdpa_tflops": round(flops / sdpa_ms / 1e9, 1),
+                    "sdpa_ms": round(sdpa_ms, 4),
+                    "sdpa_tflops": round(flops / sdpa_ms / 1e9, 1),
                     "speedup_vs_sdpa": round(sdpa_ms / t, 2),
                     "max_abs_err_vs_sdpa": (out.float() - ref.float()).abs().max().item(),
                 }
@@ -169,9 +188,15 @@ def e2e_decode(path: Path, cuda_graphs: bool, batch: int, args: argparse.Namespa
 
     prompt_len = args.e2e_prompt_len
     llm = LLM(
-        model=str(path), dtype="bfloat16", attention_backend="triton", cuda_graphs=cuda_graphs,
-        skip_tokenizer_init=True, enable_prefix_caching=False, kv_cache_memory=args.e2e_kv_bytes,
-        max_running_requests=max(batch, 8), cuda_graph_max_batch=max(batch, 1),
+        model=str(path),
+        dtype="bfloat16",
+        attention_backend="triton",
+        cuda_graphs=cuda_graphs,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        kv_cache_memory=args.e2e_kv_bytes,
+        max_running_requests=max(batch, 8),
+        cuda_graph_max_batch=max(batch, 1),
         max_num_batched_tokens=max(2048, batch * prompt_len),
     )
     try:
@@ -192,7 +217,9 @@ def e2e_decode(path: Path, cuda_graphs: bool, batch: int, args: argparse.Namespa
     end = max(o.metrics.finished_time for o in outs)
     tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
     return {
-        "batch": batch, "cuda_graphs": cuda_graphs, "graphs_wired": wired,
+        "batch": batch,
+        "cuda_graphs": cuda_graphs,
+        "graphs_wired": wired,
         "decode_tok_s": round(tokens / (end - start), 1),
         "ms_per_step": round((end - start) * 1000 / (args.e2e_output_len - 1), 3),
         "capture_s": {str(k): round(v, 3) for k, v in capture.items()},
@@ -226,8 +253,13 @@ def main() -> None:
     parser.add_argument("--decode-contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     parser.add_argument("--max-splits", type=int, default=16, help="max_decode_splits")
     parser.add_argument("--split-min-tokens", type=int, default=256, help="decode_split_min_tokens")
-    parser.add_argument("--prefill-shapes", type=pairs, nargs="+",
-                        default=[pairs(s) for s in ("8x512", "4x2048", "1x8192")], help="BATCHxLENGTH fresh prompts")
+    parser.add_argument(
+        "--prefill-shapes",
+        type=pairs,
+        nargs="+",
+        default=[pairs(s) for s in ("8x512", "4x2048", "1x8192")],
+        help="BATCHxLENGTH fresh prompts",
+    )
     parser.add_argument("--chunk-prefix", type=int, default=4096, help="cached prefix of the chunked-prefill case")
     parser.add_argument("--chunk-len", type=int, default=512, help="extend length of the chunked-prefill case")
     parser.add_argument("--q-tiles", type=int, nargs="+", default=[16, 64, 128], help="prefill_q_tile values")

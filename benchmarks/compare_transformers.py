@@ -46,11 +46,16 @@ def run_transformers(path: Path, work: Workload, batch_size: int) -> float:
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, p in enumerate(prompts):
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(work.output_lens[i : i + batch_size]),
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(work.output_lens[i : i + batch_size]),
+                do_sample=False,
+                pad_token_id=0,
+            )
     return work.n_output_tokens / (time.perf_counter() - start)
 
 
@@ -115,8 +120,12 @@ def main() -> None:
     # engine run, and each engine's roof uses the mean of the probes around its own run.
     probe = (lambda: (matmul_gflops(), copy_gbps())) if args.roofline else (lambda: (0.0, 0.0))
     probes = [probe()]
-    llm = LLM(model=str(path), skip_tokenizer_init=True, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_running_requests=args.max_running_requests)
+    llm = LLM(
+        model=str(path),
+        skip_tokenizer_init=True,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_running_requests=args.max_running_requests,
+    )
     try:
         ours, _ = run_throughput(llm, work)
         probes.append(probe())

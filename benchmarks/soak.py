@@ -317,11 +317,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.shutdown()
     report = {
-        "requests": soak.requests, "completed": soak.completed, "disconnects": soak.disconnects,
-        "refused": soak.refused, "errors": len(soak.errors), "seconds": round(soak.seconds, 1),
-        "requests_per_s": round(soak.requests / soak.seconds, 1), **held,
-        "rss_before_mb": round(rss_before, 1), "rss_after_mb": round(rss_after, 1),
-        "rss_delta_mb": round(rss_after - rss_before, 1), "warmup_errors": len(warm.errors),
+        "requests": soak.requests,
+        "completed": soak.completed,
+        "disconnects": soak.disconnects,
+        "refused": soak.refused,
+        "errors": len(soak.errors),
+        "seconds": round(soak.seconds, 1),
+        "requests_per_s": round(soak.requests / soak.seconds, 1),
+        **held,
+        "rss_before_mb": round(rss_before, 1),
+        "rss_after_mb": round(rss_after, 1),
+        "rss_delta_mb": round(rss_after - rss_before, 1),
+        "warmup_errors": len(warm.errors),
     }
     if args.json:
         print(json.dumps(report))

@@ -49,8 +49,10 @@ def main() -> None:
         optimizer.step()
         version = llm.update_weights(((n, p.detach()) for n, p in policy.named_parameters()))
         sampled_under = {v for c in rollout.outputs for v in c.weight_versions}
-        print(f"step {step}: mean reward {rewards.mean():.3f}, rollouts from weights {sorted(sampled_under)}, "
-              f"pushed version {version}")
+        print(
+            f"step {step}: mean reward {rewards.mean():.3f}, rollouts from weights {sorted(sampled_under)}, "
+            f"pushed version {version}"
+        )
     llm.shutdown()
 
 

@@ -40,8 +40,9 @@ def test_greedy_continuations_equal_transformers(llm: LLM) -> None:
         ids = torch.tensor([hf_tok.encode(prompt)])
         assert out.prompt_token_ids == ids[0].tolist()
         with torch.no_grad():
-            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                                    pad_token_id=0)[0, ids.shape[1]:].tolist()
+            ref = hf_model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, pad_token_id=0
+            )[0, ids.shape[1] :].tolist()
         assert out.outputs[0].token_ids == ref
 
 

@@ -44,8 +44,17 @@ def test_one_step_checkpoint_matches_bundled_layout_and_loads(trainer: ModuleTyp
     assert model.model.embed_tokens.padding_idx is None  # the EOS separator's embedding is trained
     windows = torch.randint(0, trainer.ARCHITECTURE["vocab_size"], (4, 17))
     settings = trainer.TrainSettings(
-        steps=1, batch_size=2, seq_len=16, lr=1e-3, min_lr_ratio=0.1, warmup_steps=1, weight_decay=0.1,
-        grad_clip=1.0, eval_every=1, eval_windows=2, seed=0,
+        steps=1,
+        batch_size=2,
+        seq_len=16,
+        lr=1e-3,
+        min_lr_ratio=0.1,
+        warmup_steps=1,
+        weight_decay=0.1,
+        grad_clip=1.0,
+        eval_every=1,
+        eval_windows=2,
+        seed=0,
     )
     [(step, train_loss, val_loss)] = trainer.train(model, windows, windows, settings)
     assert step == 1 and math.isfinite(train_loss) and math.isfinite(val_loss)

@@ -56,7 +56,9 @@ def save_tiny_model(
     return model
 
 
-def save_tiny_checkpoint(path: Path, kind: str = "llama", seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+def save_tiny_checkpoint(
+    path: Path, kind: str = "llama", seed: int = 0, **overrides: Any
+) -> transformers.PreTrainedModel:
     """A complete checkpoint folder: tiny random model plus the tiny word-level tokenizer."""
     from tests.tiny_tokenizer import save_tiny_tokenizer
 

@@ -11,8 +11,35 @@ from transformers import PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<|end|>"]
 WORDS = [
-    "hello", "world", "the", "a", "cat", "dog", "sat", "on", "mat", "def", "return", "x", "y", "+", "=",
-    "(", ")", ":", "user", "assistant", "system", "is", "and", "not", "stop", "here", "one", "two", "three",
+    "hello",
+    "world",
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sat",
+    "on",
+    "mat",
+    "def",
+    "return",
+    "x",
+    "y",
+    "+",
+    "=",
+    "(",
+    ")",
+    ":",
+    "user",
+    "assistant",
+    "system",
+    "is",
+    "and",
+    "not",
+    "stop",
+    "here",
+    "one",
+    "two",
+    "three",
 ]
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} <|end|> {% endfor %}"
@@ -28,7 +55,10 @@ def save_tiny_tokenizer(path: Path, vocab_size: int = 97) -> PreTrainedTokenizer
     raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     raw.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        tokenizer_object=raw,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
         additional_special_tokens=["<|end|>"],
     )
     tok.chat_template = CHAT_TEMPLATE

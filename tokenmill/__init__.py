@@ -3,8 +3,8 @@
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine
-from tokenmill.request import CompletionOutput, RequestOutput, SamplingParams
 from tokenmill.llm import LLM
+from tokenmill.request import CompletionOutput, RequestOutput, SamplingParams
 
 __all__ = ["LLM", "AsyncEngine", "CompletionOutput", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

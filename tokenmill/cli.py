@@ -50,8 +50,12 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
     )
 
 
@@ -113,8 +117,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     grace = {} if args.shutdown_grace_seconds is None else {"shutdown_grace_seconds": args.shutdown_grace_seconds}
     run_server(
-        engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
-        api_key=args.api_key, max_body_bytes=args.max_body_bytes, allowed_weight_roots=args.allowed_weight_roots,
+        engine_config(args),
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        allowed_weight_roots=args.allowed_weight_roots,
         **grace,
     )
     return 0
@@ -147,11 +156,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model name clients send (default: folder name)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or x-api-key)")
     serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    serve.add_argument("--allowed-weight-roots", nargs="+", default=[], metavar="DIR",
-                       help="folders POST /update_weights_from_disk may load checkpoints from (default: none)")
-    serve.add_argument("--shutdown-grace-seconds", type=float, default=None, metavar="S",
-                       help="on SIGTERM/SIGINT, seconds running requests get to finish before they are aborted "
-                            "(default: 10)")
+    serve.add_argument(
+        "--allowed-weight-roots",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="folders POST /update_weights_from_disk may load checkpoints from (default: none)",
+    )
+    serve.add_argument(
+        "--shutdown-grace-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="on SIGTERM/SIGINT, seconds running requests get to finish before they are aborted (default: 10)",
+    )
     _add_engine_options(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -161,8 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, module in (("throughput", bench_throughput), ("serve", bench_serve)):
         doc = module.__doc__ or ""
-        sub_bench = bench.add_parser(name, help=doc.splitlines()[0], description=doc,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub_bench = bench.add_parser(
+            name, help=doc.splitlines()[0], description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         module.add_arguments(sub_bench)
         sub_bench.set_defaults(func=cmd_bench, bench_main=module.main)
     return parser

@@ -105,8 +105,15 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {choices}, got {self.attention_backend!r}")
         if self.kv_cache_memory_fraction is not None and not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
-        for name in ("max_running_requests", "max_num_batched_tokens", "prefill_q_tile", "max_decode_splits",
-                     "cuda_graph_max_batch", "decode_split_min_tokens", "max_n"):
+        for name in (
+            "max_running_requests",
+            "max_num_batched_tokens",
+            "prefill_q_tile",
+            "max_decode_splits",
+            "cuda_graph_max_batch",
+            "decode_split_min_tokens",
+            "max_n",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name, low in (("max_tokens_cap", 1), ("max_top_logprobs", 0), ("max_stop_strings", 0)):
@@ -117,7 +124,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_slots must be >= page_size ({self.page_size}), got {self.num_kv_slots}")
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from keyword arguments, naming any unknown one in the error."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)

@@ -32,10 +32,18 @@ _ENGINE_METRICS: list[tuple[str, str, type[Metric], Callable[[Stats], float]]] =
     ("tokenmill_num_requests_running", "Sequences being computed.", GaugeMetricFamily, lambda s: s["running"]),
     ("tokenmill_num_requests_waiting", "Sequences waiting to be admitted.", GaugeMetricFamily, lambda s: s["waiting"]),
     ("tokenmill_kv_cache_usage_ratio", "Fraction of KV pages in use.", GaugeMetricFamily, lambda s: s["kv_usage"]),
-    ("tokenmill_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up.",
-     GaugeMetricFamily, _hit_rate),
-    ("tokenmill_num_preemptions", "Sequences preempted for lack of KV pages.", CounterMetricFamily,
-     lambda s: s["scheduler"]["preemptions"]),
+    (
+        "tokenmill_prefix_cache_hit_rate",
+        "Prompt tokens served from the prefix cache / prompt tokens looked up.",
+        GaugeMetricFamily,
+        _hit_rate,
+    ),
+    (
+        "tokenmill_num_preemptions",
+        "Sequences preempted for lack of KV pages.",
+        CounterMetricFamily,
+        lambda s: s["scheduler"]["preemptions"],
+    ),
 ]
 
 
@@ -63,19 +71,27 @@ class ServerMetrics:
         self.prompt_tokens = Counter("tokenmill_prompt_tokens", "Prompt tokens of served requests.", registry=reg)
         self.generation_tokens = Counter("tokenmill_generation_tokens", "Generated tokens.", registry=reg)
         self.finished = Counter(
-            "tokenmill_finished_completions", "Completions (choices) finished, by finish reason.",
-            ["finish_reason"], registry=reg,
+            "tokenmill_finished_completions",
+            "Completions (choices) finished, by finish reason.",
+            ["finish_reason"],
+            registry=reg,
         )
         self.ttft = Histogram(
-            "tokenmill_time_to_first_token_seconds", "From request arrival to its first token.", registry=reg,
+            "tokenmill_time_to_first_token_seconds",
+            "From request arrival to its first token.",
+            registry=reg,
             buckets=(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40),
         )
         self.itl = Histogram(
-            "tokenmill_inter_token_latency_seconds", "Between consecutive outputs of a request.", registry=reg,
+            "tokenmill_inter_token_latency_seconds",
+            "Between consecutive outputs of a request.",
+            registry=reg,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5),
         )
         self.e2e = Histogram(
-            "tokenmill_e2e_request_latency_seconds", "From request arrival to its last token.", registry=reg,
+            "tokenmill_e2e_request_latency_seconds",
+            "From request arrival to its last token.",
+            registry=reg,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300),
         )
         reg.register(_EngineCollector(engine))

@@ -9,8 +9,9 @@ from __future__ import annotations
 import enum
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 class FinishReason(str, enum.Enum):
@@ -117,46 +118,73 @@ class SamplingParams:
             _require(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {getattr(self, name)!r}")
         _require(self.n >= 1, "n", f"must be >= 1, got {self.n}")
         _require(limits.max_n is None or self.n <= limits.max_n, "n", f"must be <= {limits.max_n}, got {self.n}")
-        _require(-1 <= self.top_k < 2**31, "top_k",
-                 f"must be -1 or 0 (disabled) or a positive count below 2**31, got {self.top_k}")
+        _require(
+            -1 <= self.top_k < 2**31,
+            "top_k",
+            f"must be -1 or 0 (disabled) or a positive count below 2**31, got {self.top_k}",
+        )
         _require(self.seed is None or 0 <= self.seed < INT63, "seed", f"must be in [0, 2**63), got {self.seed}")
         _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _require(1e-3 <= self.repetition_penalty <= 1e3, "repetition_penalty",
-                 f"must be in [0.001, 1000], got {self.repetition_penalty}")
+        _require(
+            1e-3 <= self.repetition_penalty <= 1e3,
+            "repetition_penalty",
+            f"must be in [0.001, 1000], got {self.repetition_penalty}",
+        )
         for name in ("frequency_penalty", "presence_penalty"):
             _require(-2 <= getattr(self, name) <= 2, name, f"must be in [-2, 2], got {getattr(self, name)}")
         if self.max_tokens is not None:
             _require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
             cap = limits.max_tokens_cap
             _require(cap is None or self.max_tokens <= cap, "max_tokens", f"must be <= {cap}, got {self.max_tokens}")
-        _require(self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
-                 "min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
+        _require(
+            self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+            "min_tokens",
+            f"must be in [0, max_tokens], got {self.min_tokens}",
+        )
         vocab_size = limits.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(value is None or 0 <= value <= vocab_size, name, f"must be in [0, {vocab_size}], got {value}")
             cap = limits.max_top_logprobs
             _require(value is None or cap is None or value <= cap, name, f"must be <= {cap}, got {value}")
-        _require(self.stop is None or (isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop)),
-                 "stop", f"must be a non-empty string or a list of them, got {self.stop!r}")
+        _require(
+            self.stop is None or (isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop)),
+            "stop",
+            f"must be a non-empty string or a list of them, got {self.stop!r}",
+        )
         cap = limits.max_stop_strings
-        _require(cap is None or len(self.stop_strings) <= cap, "stop",
-                 f"may hold at most {cap} strings, got {len(self.stop_strings)}")
+        _require(
+            cap is None or len(self.stop_strings) <= cap,
+            "stop",
+            f"may hold at most {cap} strings, got {len(self.stop_strings)}",
+        )
         if self.stop_token_ids is not None:
-            _require(isinstance(self.stop_token_ids, list) and all(_is_int(t) for t in self.stop_token_ids),
-                     "stop_token_ids", f"must be a list of integers, got {self.stop_token_ids!r}")
+            _require(
+                isinstance(self.stop_token_ids, list) and all(_is_int(t) for t in self.stop_token_ids),
+                "stop_token_ids",
+                f"must be a list of integers, got {self.stop_token_ids!r}",
+            )
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             _require(not bad, "stop_token_ids", f"{bad} are outside the vocabulary [0, {vocab_size})")
         if self.logit_bias is not None:
-            _require(isinstance(self.logit_bias, dict), "logit_bias",
-                     f"must be a mapping of token id to bias, got {self.logit_bias!r}")
+            _require(
+                isinstance(self.logit_bias, dict),
+                "logit_bias",
+                f"must be a mapping of token id to bias, got {self.logit_bias!r}",
+            )
             for token, bias in self.logit_bias.items():
-                _require(_is_int(token) and 0 <= token < vocab_size, "logit_bias",
-                         f"token id {token!r} is outside the vocabulary [0, {vocab_size})")
-                _require(_is_number(bias) and -100 <= bias <= 100, "logit_bias",
-                         f"value for token {token} must be in [-100, 100], got {bias!r}")
+                _require(
+                    _is_int(token) and 0 <= token < vocab_size,
+                    "logit_bias",
+                    f"token id {token!r} is outside the vocabulary [0, {vocab_size})",
+                )
+                _require(
+                    _is_number(bias) and -100 <= bias <= 100,
+                    "logit_bias",
+                    f"value for token {token} must be in [-100, 100], got {bias!r}",
+                )
 
 
 @dataclass

@@ -457,8 +457,10 @@ def main() -> None:
     random.Random(args.seed + 1).shuffle(documents)
     train_windows = torch.stack(stream_windows(pack_stream(documents, eos_id), args.seq_len, drop_last=True))
     val_windows = torch.stack(stream_windows(pack_stream(val_docs, eos_id), args.seq_len, drop_last=True))
-    print(f"tokens: {code_tokens} code + {chat_tokens} chat ({len(chat_docs)} examples), "
-          f"{len(train_windows)} training windows, {len(val_windows)} validation windows")
+    print(
+        f"tokens: {code_tokens} code + {chat_tokens} chat ({len(chat_docs)} examples), "
+        f"{len(train_windows)} training windows, {len(val_windows)} validation windows"
+    )
 
     settings = TrainSettings(
         steps=args.steps,

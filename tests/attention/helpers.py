@@ -56,9 +56,7 @@ class PagedLayout:
         return [torch.cat(p) if p else torch.empty(0, dtype=torch.int64) for p in parts]
 
 
-def make_storage(
-    n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> KVStorage:
+def make_storage(n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVStorage:
     """Storage whose every slot (but the zeroed dummy slot 0) holds random keys/values."""
     storage = KVStorage(n_layers, n_slots, n_kv_heads, head_dim, dtype, "cpu")
     storage.k_buffer[:, 1:] = torch.randn(n_layers, n_slots - 1, n_kv_heads, head_dim).to(dtype)

@@ -58,8 +58,16 @@ def test_decode_matches_torch(case: tuple) -> None:
     layout.extend_interleaved(rows, torch.randint(0, 64, (batch,)).tolist())  # cached context
     loc = torch.cat(layout.extend_interleaved(rows, [1] * batch))
     seq_lens = [layout.lens[r] for r in rows]
-    view = make_decode_view(storage, layout.pool.table, rows, seq_lens, loc, torch.zeros(batch, n_heads, 1, head_dim),
-                            torch.zeros(batch, n_heads, 1), 64)
+    view = make_decode_view(
+        storage,
+        layout.pool.table,
+        rows,
+        seq_lens,
+        loc,
+        torch.zeros(batch, n_heads, 1, head_dim),
+        torch.zeros(batch, n_heads, 1),
+        64,
+    )
     q = torch.randn(batch, n_heads, head_dim)
     k, v = torch.randn(batch, n_kv, head_dim), torch.randn(batch, n_kv, head_dim)
     cpu, ref = backends(n_heads, n_kv, head_dim)
@@ -86,9 +94,16 @@ def test_decode_long_contexts_match_torch_and_do_not_depend_on_the_batch(context
     cpu, ref = backends(n_heads, n_kv, head_dim)
 
     def view(index: list[int]):
-        return make_decode_view(storage, layout.pool.table, [rows[i] for i in index],
-                                [layout.lens[rows[i]] for i in index], loc[index],
-                                torch.zeros(len(index), n_heads, 1, head_dim), torch.zeros(len(index), n_heads, 1), 64)
+        return make_decode_view(
+            storage,
+            layout.pool.table,
+            [rows[i] for i in index],
+            [layout.lens[rows[i]] for i in index],
+            loc[index],
+            torch.zeros(len(index), n_heads, 1, head_dim),
+            torch.zeros(len(index), n_heads, 1),
+            64,
+        )
 
     everyone = list(range(batch))
     out = cpu.forward(q, k, v, LAYER, view(everyone))
@@ -138,8 +153,9 @@ def test_refuses_non_fp32() -> None:
     storage = make_storage(2, 8, 2, 64, torch.bfloat16)
     row = layout.new_row()
     loc = layout.extend(row, 1)
-    view = make_decode_view(storage, layout.pool.table, [row], [1], loc, torch.zeros(1, 2, 1, 64),
-                            torch.zeros(1, 2, 1), 64)
+    view = make_decode_view(
+        storage, layout.pool.table, [row], [1], loc, torch.zeros(1, 2, 1, 64), torch.zeros(1, 2, 1), 64
+    )
     q, kv = torch.randn(1, 2, 64).bfloat16(), torch.randn(1, 2, 64).bfloat16()
     with pytest.raises(ValueError, match="fp32"):
         CpuBackend(2, 2, 64).forward(q, kv, kv, 0, view)

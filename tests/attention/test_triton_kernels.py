@@ -159,8 +159,14 @@ def test_unsupported_calls_raise(monkeypatch: pytest.MonkeyPatch) -> None:
         bf16_view = make_prefill_view(bf16, pair.layout.pool.table, [row], [0], [3], loc, 8)
         pair.triton.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0, bf16_view)
     short = make_decode_view(
-        pair.storage, pair.layout.pool.table, [row], [3], loc[:1], torch.zeros(1, N_HEADS, 2, 32),
-        torch.zeros(1, N_HEADS, 2), 8,
+        pair.storage,
+        pair.layout.pool.table,
+        [row],
+        [3],
+        loc[:1],
+        torch.zeros(1, N_HEADS, 2, 32),
+        torch.zeros(1, N_HEADS, 2),
+        8,
     )
     with pytest.raises(ValueError, match="partial_out"):
         pair.triton.forward(q[:1], k[:1], v[:1], 0, short)

@@ -36,8 +36,14 @@ def test_engine_greedy_tokens_match_torch_backend(checkpoint: Path) -> None:
     prompts = [list(range(3, 8)), [(7 * i) % 90 + 4 for i in range(19)], [(5 * i) % 80 + 6 for i in range(34)]]
     followup = prompts[2][:20] + [9, 8, 7]  # shares the first (cached) 16-token page of prompt 3
     options = dict(
-        device="cpu", num_kv_slots=256, page_size=16, max_running_requests=4, max_num_batched_tokens=24,
-        max_decode_splits=2, decode_split_min_tokens=8, cuda_graphs=False,
+        device="cpu",
+        num_kv_slots=256,
+        page_size=16,
+        max_running_requests=4,
+        max_num_batched_tokens=24,
+        max_decode_splits=2,
+        decode_split_min_tokens=8,
+        cuda_graphs=False,
     )
     results = {}
     for backend in ("torch", "triton"):
@@ -65,7 +71,11 @@ def test_cuda_graph_static_decode_matches_eager(checkpoint: Path) -> None:
     model = load_model(checkpoint, torch.float32, "cpu")
     cfg = model.config
     config = EngineConfig(
-        device="cpu", page_size=16, max_running_requests=8, max_decode_splits=2, decode_split_min_tokens=8,
+        device="cpu",
+        page_size=16,
+        max_running_requests=8,
+        max_decode_splits=2,
+        decode_split_min_tokens=8,
         cuda_graph_max_batch=6,
     )
     storage = KVStorage(cfg.num_layers, 256, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")

@@ -232,6 +232,4 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase
-TestAllocatorMachine.settings = settings(
-    max_examples=100, stateful_step_count=30, deadline=None
-)
+TestAllocatorMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)

@@ -30,9 +30,7 @@ def seq(n_pages: int, page_size: int, start: int) -> list[int]:
     return list(range(start, start + n_pages * page_size))
 
 
-def cache_finished(
-    alloc: PageAllocator, cache: RadixCache, tokens: list[int]
-) -> torch.Tensor:
+def cache_finished(alloc: PageAllocator, cache: RadixCache, tokens: list[int]) -> torch.Tensor:
     """Simulate a finished request: alloc its pages, insert them, drop its own references."""
     pages = take(alloc, len(tokens) // cache.page_size)
     cache.insert(tokens, pages)
@@ -130,9 +128,7 @@ def test_insert_prefix_of_existing_and_existing_sequence(page_size: int) -> None
     dup = take(alloc, 2)
     assert cache.insert(tokens[: 2 * page_size], dup) == 2 * page_size
     assert rc(alloc, dup) == [1, 1]
-    assert cache.match_prefix(tokens[: 2 * page_size]).node.key == tuple(
-        tokens[: 2 * page_size]
-    )
+    assert cache.match_prefix(tokens[: 2 * page_size]).node.key == tuple(tokens[: 2 * page_size])
     dup3 = take(alloc, 3)
     assert cache.insert(tokens, dup3) == 3 * page_size
     assert rc(alloc, dup3) == [1, 1, 1]
@@ -410,9 +406,7 @@ class RadixMachine(RuleBasedStateMachine):
         req = self.requests.pop(rid)
         if insert:
             full = len(req.tokens) // self.ps
-            present = self.cache.insert(
-                req.tokens[: full * self.ps], torch.tensor(req.pages[:full], dtype=torch.int64)
-            )
+            present = self.cache.insert(req.tokens[: full * self.ps], torch.tensor(req.pages[:full], dtype=torch.int64))
             assert present % self.ps == 0
             if req.epoch == self.epoch:
                 assert present >= req.n_matched
@@ -473,9 +467,7 @@ class RadixMachine(RuleBasedStateMachine):
         """Insert a running request's full pages; it keeps holding them, unlocked."""
         req = self.requests[data.draw(st.sampled_from(sorted(self.requests)))]
         full = len(req.tokens) // self.ps
-        self.cache.insert(
-            req.tokens[: full * self.ps], torch.tensor(req.pages[:full], dtype=torch.int64)
-        )
+        self.cache.insert(req.tokens[: full * self.ps], torch.tensor(req.pages[:full], dtype=torch.int64))
 
     @precondition(lambda self: bool(self.requests))
     @rule(data=st.data(), insert=st.booleans())
@@ -503,7 +495,6 @@ class RadixMachine(RuleBasedStateMachine):
     def reset(self) -> None:
         self.cache.reset()
         self.epoch += 1
-
 
     # -- invariants -----------------------------------------------------------
 

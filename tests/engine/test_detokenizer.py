@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers

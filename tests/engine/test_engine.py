@@ -36,9 +36,10 @@ def llm(checkpoint) -> LLM:
 def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_batch_with_preemption_and_chunking_equals_alone_and_transformers(checkpoint) -> None:
@@ -151,8 +152,9 @@ def test_streaming_deltas_concatenate_to_the_full_output(llm: LLM, checkpoint) -
 def test_n_completions_compute_the_prompt_once(llm: LLM) -> None:
     prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
     before = llm.engine.stats()["scheduler"]["prompt_tokens_computed"]
-    out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )[0]
     computed = llm.engine.stats()["scheduler"]["prompt_tokens_computed"] - before
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert all(len(c.token_ids) == 6 for c in out.outputs)
@@ -164,17 +166,26 @@ def test_seed_is_reproducible_whatever_the_batch(llm: LLM) -> None:
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
     alone = llm.generate([[5, 6, 7]], seeded, use_tqdm=False)[0].outputs[0].token_ids
     noise = [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)] * 3
-    mixed = llm.generate([[9, 9, 9, 9], [5, 6, 7], [20, 21], [30]], [noise[0], seeded, noise[1], noise[2]],
-                         use_tqdm=False)
+    mixed = llm.generate(
+        [[9, 9, 9, 9], [5, 6, 7], [20, 21], [30]], [noise[0], seeded, noise[1], noise[2]], use_tqdm=False
+    )
     assert mixed[1].outputs[0].token_ids == alone
-    other = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=4321, max_tokens=10, ignore_eos=True),
-                         use_tqdm=False)[0].outputs[0].token_ids
+    other = (
+        llm.generate(
+            [[5, 6, 7]], SamplingParams(temperature=1.0, seed=4321, max_tokens=10, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert other != alone
 
 
 def test_logit_bias_and_logprobs_through_the_engine(llm: LLM) -> None:
-    out = llm.generate([[5, 6]], SamplingParams(max_tokens=4, temperature=0.8, logit_bias={42: 100.0}, logprobs=2,
-                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [[5, 6]],
+        SamplingParams(max_tokens=4, temperature=0.8, logit_bias={42: 100.0}, logprobs=2, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == [42] * 4
     assert len(out.logprobs) == 4 and all(42 in lp and len(lp) <= 3 for lp in out.logprobs)
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from tokenmill.request import SamplingParams
 from tokenmill.engine.sampler import Sampler, apply_penalties
 from tokenmill.engine.sequence import Sequence
+from tokenmill.request import SamplingParams
 
 V = 32
 EOS = {2}
@@ -77,7 +77,9 @@ def test_logit_bias_forces_and_forbids_tokens() -> None:
     low = int(logits[0].argmin())
     top = int(logits[1].argmax())
     result = sampler().sample(
-        logits, [seq(row=0, temperature=1.0, logit_bias={low: 100.0}), seq(row=1, temperature=0.0, logit_bias={top: -100.0})], EOS
+        logits,
+        [seq(row=0, temperature=1.0, logit_bias={low: 100.0}), seq(row=1, temperature=0.0, logit_bias={top: -100.0})],
+        EOS,
     )
     assert result.token_ids[0] == low
     assert result.token_ids[1] == int(logits[1].topk(2).indices[1])

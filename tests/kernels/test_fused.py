@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from tokenmill.kernels.cpu import load_cpu_kernels
 from tokenmill.kernels import fused
+from tokenmill.kernels.cpu import load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler to build the CPU kernels")
 
@@ -31,7 +31,11 @@ def reference(monkeypatch: pytest.MonkeyPatch):
 
 
 def close(a: torch.Tensor, b: torch.Tensor, tol: float = 2e-6) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and (a - b).abs().max().item() <= tol if a.numel() else a.shape == b.shape
+    return (
+        a.shape == b.shape and a.dtype == b.dtype and (a - b).abs().max().item() <= tol
+        if a.numel()
+        else a.shape == b.shape
+    )
 
 
 @pytest.mark.parametrize("rows", ROWS)

@@ -55,8 +55,11 @@ def test_fault_in_a_step_fails_that_step_only(llm: LLM, component: str) -> None:
     # fail the step that decodes the long request's 4th token, whoever else is in it
     hits = fail_once(target, component, lambda *a, **k: _decoding_at(engine, 4))
     try:
-        outs = llm.generate([[5, 6, 7], [8, 9]], [GREEDY, SamplingParams(temperature=0.0, max_tokens=2,
-                                                                         ignore_eos=True)], use_tqdm=False)
+        outs = llm.generate(
+            [[5, 6, 7], [8, 9]],
+            [GREEDY, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)],
+            use_tqdm=False,
+        )
     finally:
         delattr(target, component)
     assert hits[0] == 1
@@ -89,8 +92,10 @@ def test_fault_in_detokenization_fails_only_that_request(llm: LLM) -> None:
     try:
         outs = llm.generate(
             [[5, 6], [7, 8]],
-            [SamplingParams(max_tokens=3, temperature=0.5, logit_bias={poisoned: 100.0}),
-             SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)],
+            [
+                SamplingParams(max_tokens=3, temperature=0.5, logit_bias={poisoned: 100.0}),
+                SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+            ],
             use_tqdm=False,
         )
     finally:

@@ -28,28 +28,59 @@ ENDPOINTS = {
     "/v1/messages": {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2},
 }
 OPENAI_FIELDS = [
-    "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
-    "logit_bias", "stream", "stream_options", "user", "top_k", "min_p", "repetition_penalty", "min_tokens",
-    "ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "stream",
+    "stream_options",
+    "user",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
 ]
 FIELDS = {
-    "/v1/chat/completions": OPENAI_FIELDS + [
-        "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "response_format"],
+    "/v1/chat/completions": OPENAI_FIELDS
+    + ["messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "response_format"],
     "/v1/completions": OPENAI_FIELDS + ["prompt", "logprobs", "echo", "suffix"],
-    "/v1/messages": ["model", "max_tokens", "messages", "system", "temperature", "top_p", "top_k", "stop_sequences",
-                     "stream", "tools"],
+    "/v1/messages": [
+        "model",
+        "max_tokens",
+        "messages",
+        "system",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop_sequences",
+        "stream",
+        "tools",
+    ],
 }
 INT64_MAX = 2**63 - 1
 
 TEXT = st.text(max_size=16) | st.sampled_from(
-    ["", "\ud800", "a\udfffb", "\x00", "</s>", "<|end|>", "\u202e", "🙂" * 3, "hello " * 50])
+    ["", "\ud800", "a\udfffb", "\x00", "</s>", "<|end|>", "\u202e", "🙂" * 3, "hello " * 50]
+)
 INTS = st.integers() | st.sampled_from([0, -1, 1, 2, 8, 9, 2**31, INT64_MAX, 2**63, 2**64, -(2**63) - 1, 10**400])
-FLOATS = st.floats() | st.sampled_from([1e308, -1e308, 5e-324, 1e-308, -0.0, 0.5, float("nan"), float("inf"),
-                                        float("-inf")])
+FLOATS = st.floats() | st.sampled_from(
+    [1e308, -1e308, 5e-324, 1e-308, -0.0, 0.5, float("nan"), float("inf"), float("-inf")]
+)
 NUMBERS = INTS | FLOATS
 SCALARS = st.none() | st.booleans() | NUMBERS | TEXT
 JSON_VALUES = st.recursive(
-    SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=8)
+    SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=8
+)
 DEPTHS = st.sampled_from([50, 500, 950, 5_000, 100_000])
 DEEP = re.compile(r'"\\u0000deep:(\d+)\\u0000"')  # a placeholder string, as json.dumps writes it
 
@@ -69,16 +100,27 @@ def typed(strategy: st.SearchStrategy) -> st.SearchStrategy:
 ARGUMENTS = TEXT | st.just("{}") | DEPTHS.map(deep_json) | JSON_VALUES.map(json.dumps)
 TOOL_CALL = st.fixed_dictionaries(
     {"function": st.fixed_dictionaries({"name": TEXT, "arguments": ARGUMENTS})},
-    optional={"id": TEXT, "type": typed(st.just("function"))})
+    optional={"id": TEXT, "type": typed(st.just("function"))},
+)
 CONTENT_PART = st.fixed_dictionaries(
     {"type": typed(st.sampled_from(["text", "image_url", "tool_use", "tool_result"]))},
-    optional={"text": typed(TEXT), "input": ANY, "name": TEXT, "content": typed(TEXT)})
+    optional={"text": typed(TEXT), "input": ANY, "name": TEXT, "content": typed(TEXT)},
+)
 MESSAGE = st.fixed_dictionaries(
     {"role": typed(st.sampled_from(["user", "assistant", "system", "developer", "tool", "robot", ""]))},
-    optional={"content": typed(st.none() | TEXT | st.lists(CONTENT_PART, max_size=3)), "name": typed(TEXT),
-              "tool_calls": typed(st.lists(TOOL_CALL, max_size=2)), "tool_call_id": typed(TEXT)})
-TOOL = st.fixed_dictionaries({"type": typed(st.just("function")), "function": st.fixed_dictionaries(
-    {"name": typed(TEXT)}, optional={"description": TEXT, "parameters": ANY})})
+    optional={
+        "content": typed(st.none() | TEXT | st.lists(CONTENT_PART, max_size=3)),
+        "name": typed(TEXT),
+        "tool_calls": typed(st.lists(TOOL_CALL, max_size=2)),
+        "tool_call_id": typed(TEXT),
+    },
+)
+TOOL = st.fixed_dictionaries(
+    {
+        "type": typed(st.just("function")),
+        "function": st.fixed_dictionaries({"name": typed(TEXT)}, optional={"description": TEXT, "parameters": ANY}),
+    }
+)
 LOGIT_BIAS_KEYS = st.sampled_from(["0", "5", "96", "97", "100000", "-1", "1e5", "abc", "", " 5", "٥", "9" * 30]) | TEXT
 TOKEN_IDS = st.lists(st.integers(-5, 200) | INTS, max_size=5)
 INT_FIELDS = ["max_tokens", "max_completion_tokens", "n", "seed", "min_tokens", "top_logprobs"]
@@ -98,8 +140,10 @@ FIELD_VALUES: dict[str, st.SearchStrategy] = {
     "stop_sequences": typed(st.lists(TEXT, max_size=20)),
     "stop_token_ids": typed(TOKEN_IDS),
     "tools": typed(st.lists(TOOL, max_size=2)),
-    "tool_choice": typed(st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries(
-        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": TEXT})})),
+    "tool_choice": typed(
+        st.sampled_from(["none", "auto", "required"])
+        | st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({"name": TEXT})})
+    ),
     "system": typed(TEXT | st.lists(CONTENT_PART, max_size=2)),
     "stream_options": typed(st.fixed_dictionaries({"include_usage": typed(st.booleans())})),
     "response_format": typed(st.fixed_dictionaries({"type": st.just("text") | TEXT})),
@@ -122,12 +166,28 @@ def bodies(draw: st.DrawFn, path: str) -> bytes:
 
 RAW_BODIES = st.one_of(
     st.binary(max_size=64),
-    st.sampled_from([b"", b"null", b"[]", b"1", b'"x"', b"{", b'{"model": NaN}', b'{"max_tokens": 1e999}',
-                     b'{"max_tokens": ' + b"9" * 5000 + b"}", deep_json(100_000).encode(),
-                     b'{"model": "\xff\xfe", "prompt": "\xc3\x28"}']),
+    st.sampled_from(
+        [
+            b"",
+            b"null",
+            b"[]",
+            b"1",
+            b'"x"',
+            b"{",
+            b'{"model": NaN}',
+            b'{"max_tokens": 1e999}',
+            b'{"max_tokens": ' + b"9" * 5000 + b"}",
+            deep_json(100_000).encode(),
+            b'{"model": "\xff\xfe", "prompt": "\xc3\x28"}',
+        ]
+    ),
     st.builds(lambda body, cut: body[:cut], bodies("/v1/completions"), st.integers(0, 40)),
-    st.builds(lambda body, at, junk: body[:at] + junk + body[at:], bodies("/v1/chat/completions"),
-              st.integers(0, 40), st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x00"])),
+    st.builds(
+        lambda body, at, junk: body[:at] + junk + body[at:],
+        bodies("/v1/chat/completions"),
+        st.integers(0, 40),
+        st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x00"]),
+    ),
 )
 CONTENT_TYPES = st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded", ""])
 
@@ -154,8 +214,9 @@ def assert_answered(response: httpx.Response) -> None:
         assert '"engine_error"' not in response.text and "event: error" not in response.text, response.text[-1000:]
 
 
-FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                        HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 
 
 @pytest.mark.parametrize("path", list(ENDPOINTS))
@@ -182,33 +243,61 @@ HOSTILE = {  # id: (path, raw body, expected status)
     "infinity": ("/v1/chat/completions", CHAT_START + b', "top_p": Infinity}', 400),
     "1e308-max-tokens": ("/v1/completions", b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": 1e308}', 400),
     "2**63-n": ("/v1/completions", b'{"model": "tiny-llama", "prompt": "hi", "n": 9223372036854775808}', 400),
-    "2**63-max-tokens": ("/v1/completions", b'{"model": "tiny-llama", "prompt": "hi", '
-                                            b'"max_tokens": 9223372036854775808}', 400),
+    "2**63-max-tokens": (
+        "/v1/completions",
+        b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": 9223372036854775808}',
+        400,
+    ),
     "2**64-seed": ("/v1/completions", b'{"model": "tiny-llama", "prompt": "hi", "seed": 18446744073709551616}', 400),
-    "huge-n-streamed": ("/v1/completions", b'{"model": "tiny-llama", "prompt": "hi", "stream": true, "n": 100000}',
-                        400),
-    "logit-bias-oov": ("/v1/completions", b'{"model": "tiny-llama", "prompt": "hi", "logit_bias": {"100000": 1}}',
-                       400),
+    "huge-n-streamed": (
+        "/v1/completions",
+        b'{"model": "tiny-llama", "prompt": "hi", "stream": true, "n": 100000}',
+        400,
+    ),
+    "logit-bias-oov": ("/v1/completions", b'{"model": "tiny-llama", "prompt": "hi", "logit_bias": {"100000": 1}}', 400),
     "logit-bias-word": ("/v1/completions", b'{"model": "tiny-llama", "prompt": "hi", "logit_bias": {"one": 1}}', 400),
     "surrogate-prompt": ("/v1/completions", b'{"model": "tiny-llama", "prompt": "hi \\ud800"}', 400),
-    "surrogate-chat": ("/v1/chat/completions",
-                       b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\\udfff"}]}', 400),
-    "surrogate-messages": ("/v1/messages", b'{"model": "tiny-llama", "max_tokens": 2, "messages": '
-                                           b'[{"role": "user", "content": "\\ud800"}]}', 400),
+    "surrogate-chat": (
+        "/v1/chat/completions",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\\udfff"}]}',
+        400,
+    ),
+    "surrogate-messages": (
+        "/v1/messages",
+        b'{"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "\\ud800"}]}',
+        400,
+    ),
     "no-messages": ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": []}', 400),
     "absent-messages": ("/v1/chat/completions", b'{"model": "tiny-llama"}', 400),
-    "unknown-role": ("/v1/chat/completions",
-                     b'{"model": "tiny-llama", "messages": [{"role": "robot", "content": "hi"}]}', 400),
-    "anthropic-system-role": ("/v1/messages", b'{"model": "tiny-llama", "max_tokens": 2, "messages": '
-                                              b'[{"role": "system", "content": "x"}]}', 400),
-    "deep-body": ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": ' + deep_json(50_000).encode() + b"}",
-                  400),
-    "deep-tool-arguments": ("/v1/chat/completions", b'{"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": '
-                            b'"assistant", "tool_calls": [{"function": {"name": "f", "arguments": "'
-                            + deep_json(100_000).encode() + b'"}}]}]}', 200),
-    "deep-tool-use-input": ("/v1/messages", b'{"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", '
-                            b'"content": [{"type": "tool_use", "name": "f", "input": ' + deep_json(900).encode()
-                            + b"}]}]}", 200),
+    "unknown-role": (
+        "/v1/chat/completions",
+        b'{"model": "tiny-llama", "messages": [{"role": "robot", "content": "hi"}]}',
+        400,
+    ),
+    "anthropic-system-role": (
+        "/v1/messages",
+        b'{"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "system", "content": "x"}]}',
+        400,
+    ),
+    "deep-body": (
+        "/v1/chat/completions",
+        b'{"model": "tiny-llama", "messages": ' + deep_json(50_000).encode() + b"}",
+        400,
+    ),
+    "deep-tool-arguments": (
+        "/v1/chat/completions",
+        b'{"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": '
+        b'"assistant", "tool_calls": [{"function": {"name": "f", "arguments": "'
+        + deep_json(100_000).encode()
+        + b'"}}]}]}',
+        200,
+    ),
+    "deep-tool-use-input": (
+        "/v1/messages",
+        b'{"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", '
+        b'"content": [{"type": "tool_use", "name": "f", "input": ' + deep_json(900).encode() + b"}]}]}",
+        200,
+    ),
     "invalid-utf8-key": ("/v1/chat/completions", CHAT_START + b', "\xff": 1}', 400),
 }
 

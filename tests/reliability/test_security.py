@@ -70,14 +70,24 @@ def test_serve_binds_loopback_by_default() -> None:
     assert (args.allowed_weight_roots, args.shutdown_grace_seconds) == (["a", "b"], 2.5)
 
 
-def test_every_route_but_health_needs_the_api_key(guarded: Server, client: httpx.Client,
-                                                 models: dict[str, Path]) -> None:
+def test_every_route_but_health_needs_the_api_key(
+    guarded: Server, client: httpx.Client, models: dict[str, Path]
+) -> None:
     app = create_app(guarded.engine, api_key=KEY, allowed_weight_roots=[models["roots"]])
     paths = app.openapi()["paths"]  # every route of the app (the schema is built even though it is not served)
     routes = {(method.upper(), path) for path, operations in paths.items() for method in operations}
-    assert {("GET", "/metrics"), ("GET", "/version"), ("GET", "/v1/models"), ("POST", "/update_weights_from_disk"),
-            ("POST", "/pause_generation"), ("POST", "/resume_generation"), ("GET", "/weight_version"),
-            ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/messages")} <= routes
+    assert {
+        ("GET", "/metrics"),
+        ("GET", "/version"),
+        ("GET", "/v1/models"),
+        ("POST", "/update_weights_from_disk"),
+        ("POST", "/pause_generation"),
+        ("POST", "/resume_generation"),
+        ("GET", "/weight_version"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/messages"),
+    } <= routes
     for method, path in sorted(routes):
         for headers in ({}, {"Authorization": "Bearer nope"}, {"x-api-key": KEY + "x"}):
             response = client.request(method, path, headers=headers)
@@ -88,20 +98,27 @@ def test_every_route_but_health_needs_the_api_key(guarded: Server, client: httpx
     assert client.get("/openapi.json").status_code in (401, 404)
 
 
-@pytest.mark.parametrize("path, at_cap, over, param", [
-    ("/v1/chat/completions", {"n": 2}, {"n": 3}, "n"),
-    ("/v1/chat/completions", {"max_tokens": 8}, {"max_tokens": 9}, "max_tokens"),
-    ("/v1/chat/completions", {"max_completion_tokens": 8}, {"max_completion_tokens": 9}, "max_tokens"),
-    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}, {"logprobs": True, "top_logprobs": 3},
-     "top_logprobs"),
-    ("/v1/chat/completions", {"stop": ["a", "b"]}, {"stop": ["a", "b", "c"]}, "stop"),
-    ("/v1/completions", {"n": 2}, {"n": 3}, "n"),
-    ("/v1/completions", {"max_tokens": 8}, {"max_tokens": 9}, "max_tokens"),
-    ("/v1/completions", {"logprobs": 2}, {"logprobs": 3}, "logprobs"),
-    ("/v1/completions", {"stop": ["a", "b"]}, {"stop": ["a", "b", "c"]}, "stop"),
-    ("/v1/messages", {"max_tokens": 8}, {"max_tokens": 9}, None),
-    ("/v1/messages", {"stop_sequences": ["a", "b"]}, {"stop_sequences": ["a", "b", "c"]}, None),
-])
+@pytest.mark.parametrize(
+    "path, at_cap, over, param",
+    [
+        ("/v1/chat/completions", {"n": 2}, {"n": 3}, "n"),
+        ("/v1/chat/completions", {"max_tokens": 8}, {"max_tokens": 9}, "max_tokens"),
+        ("/v1/chat/completions", {"max_completion_tokens": 8}, {"max_completion_tokens": 9}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"logprobs": True, "top_logprobs": 2},
+            {"logprobs": True, "top_logprobs": 3},
+            "top_logprobs",
+        ),
+        ("/v1/chat/completions", {"stop": ["a", "b"]}, {"stop": ["a", "b", "c"]}, "stop"),
+        ("/v1/completions", {"n": 2}, {"n": 3}, "n"),
+        ("/v1/completions", {"max_tokens": 8}, {"max_tokens": 9}, "max_tokens"),
+        ("/v1/completions", {"logprobs": 2}, {"logprobs": 3}, "logprobs"),
+        ("/v1/completions", {"stop": ["a", "b"]}, {"stop": ["a", "b", "c"]}, "stop"),
+        ("/v1/messages", {"max_tokens": 8}, {"max_tokens": 9}, None),
+        ("/v1/messages", {"stop_sequences": ["a", "b"]}, {"stop_sequences": ["a", "b", "c"]}, None),
+    ],
+)
 def test_each_server_cap_is_a_400(client: httpx.Client, path: str, at_cap: dict, over: dict, param: str | None) -> None:
     messages = {"messages": [{"role": "user", "content": "hello"}]}
     base = {"model": MODEL, "max_tokens": 2, **({"prompt": "hello"} if path == "/v1/completions" else messages)}
@@ -122,8 +139,9 @@ def test_bodies_over_the_limit_are_413(client: httpx.Client, path: str) -> None:
     assert response.status_code == 413 and str(BODY_LIMIT) in response.json()["error"]["message"]
 
 
-def test_weights_are_read_from_safetensors_only_never_unpickled(guarded: Server, client: httpx.Client,
-                                                                models: dict[str, Path]) -> None:
+def test_weights_are_read_from_safetensors_only_never_unpickled(
+    guarded: Server, client: httpx.Client, models: dict[str, Path]
+) -> None:
     with pytest.raises(FileNotFoundError, match="safetensors checkpoints only"):
         load_model(models["pickled"], torch.float32, "cpu")
     with pytest.raises(FileNotFoundError, match="safetensors"):
@@ -134,8 +152,9 @@ def test_weights_are_read_from_safetensors_only_never_unpickled(guarded: Server,
     assert guarded.engine.weight_version == 0
 
 
-def test_weight_updates_stay_inside_the_allowed_roots(guarded: Server, client: httpx.Client,
-                                                      models: dict[str, Path]) -> None:
+def test_weight_updates_stay_inside_the_allowed_roots(
+    guarded: Server, client: httpx.Client, models: dict[str, Path]
+) -> None:
     outside = models["base"] / "outside"
     save_tiny_checkpoint(outside, "llama", max_position_embeddings=512)
     for path in (outside, f"{models['roots']}/../outside", "/", f"{models['good']}/../../outside"):
@@ -151,14 +170,21 @@ def test_no_remote_code_from_a_model_folder(models: dict[str, Path], tokenizer_c
     folder = models["base"] / f"remote-code-{tokenizer_class}"
     marker = models["base"] / f"imported-{tokenizer_class}"
     shutil.copytree(models["good"], folder)
-    (folder / "evil.py").write_text(f"import os\nos.mkdir({str(marker)!r})\n"
-                                    "from transformers import PreTrainedTokenizerFast\n"
-                                    "class EvilTokenizer(PreTrainedTokenizerFast): pass\n"
-                                    "class EvilConfig: pass\nclass EvilModel: pass\n")
-    auto_map = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel",
-                "AutoTokenizer": ["evil.EvilTokenizer", None]}
-    for name, extra in (("config.json", {}), ("tokenizer_config.json",
-                                              {"tokenizer_class": tokenizer_class} if tokenizer_class else {})):
+    (folder / "evil.py").write_text(
+        f"import os\nos.mkdir({str(marker)!r})\n"
+        "from transformers import PreTrainedTokenizerFast\n"
+        "class EvilTokenizer(PreTrainedTokenizerFast): pass\n"
+        "class EvilConfig: pass\nclass EvilModel: pass\n"
+    )
+    auto_map = {
+        "AutoConfig": "evil.EvilConfig",
+        "AutoModelForCausalLM": "evil.EvilModel",
+        "AutoTokenizer": ["evil.EvilTokenizer", None],
+    }
+    for name, extra in (
+        ("config.json", {}),
+        ("tokenizer_config.json", {"tokenizer_class": tokenizer_class} if tokenizer_class else {}),
+    ):
         config = json.loads((folder / name).read_text())
         (folder / name).write_text(json.dumps({**config, "auto_map": auto_map, **extra}))
     if tokenizer_class is None:

@@ -51,8 +51,9 @@ class Stream:
 
     def _read(self) -> None:
         try:
-            with httpx.stream("POST", f"{self.url}/v1/completions", json={**self.body, "stream": True},
-                              timeout=60) as response:
+            with httpx.stream(
+                "POST", f"{self.url}/v1/completions", json={**self.body, "stream": True}, timeout=60
+            ) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: "):
                         self.events.append((time.monotonic(), line.removeprefix("data: ")))
@@ -79,8 +80,22 @@ def server_process(checkpoint: Path, log: Path) -> Iterator[tuple[subprocess.Pop
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(checkpoint), "--port", str(port),
-               "--shutdown-grace-seconds", str(GRACE_S), "--num-kv-slots", "16384", "--max-running-requests", "8"]
+    command = [
+        sys.executable,
+        "-m",
+        "tokenmill.cli",
+        "serve",
+        "--model",
+        str(checkpoint),
+        "--port",
+        str(port),
+        "--shutdown-grace-seconds",
+        str(GRACE_S),
+        "--num-kv-slots",
+        "16384",
+        "--max-running-requests",
+        "8",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     with log.open("w") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)

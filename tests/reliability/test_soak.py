@@ -39,10 +39,12 @@ def test_soak_leaves_nothing_behind(tmp_path: Path) -> None:
         held = leaks(engine)
         rss_after = rss_mb()
         stats = engine.stats()
-    print(f"\nsoak: {2 * BATCH} requests, {warmup.disconnects + again.disconnects} disconnects, "
-          f"{warmup.seconds:.1f}s + {again.seconds:.1f}s, held after: {held}, "
-          f"RSS {rss_before:.1f} -> {rss_after:.1f} MiB ({rss_after - rss_before:+.1f}), "
-          f"preemptions {stats['scheduler']['preemptions']}")
+    print(
+        f"\nsoak: {2 * BATCH} requests, {warmup.disconnects + again.disconnects} disconnects, "
+        f"{warmup.seconds:.1f}s + {again.seconds:.1f}s, held after: {held}, "
+        f"RSS {rss_before:.1f} -> {rss_after:.1f} MiB ({rss_after - rss_before:+.1f}), "
+        f"preemptions {stats['scheduler']['preemptions']}"
+    )
     assert held == baseline
     assert held["leaked_rows"] == held["leaked_kv_pages"] == held["active_requests"] == 0
     assert held["live_Sequence"] == held["live_RequestState"] == 0

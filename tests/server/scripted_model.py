@@ -34,15 +34,35 @@ from tests.tiny_models import make_hf_model
 SPECIALS = ["<pad>", "<s>", "</s>", "<|end|>"]
 HERMES = ["<tool_call>", '{"name":', '"get_weather",', '"arguments":', '{"city":', '"Paris"}}', "</tool_call>"]
 LLAMA_JSON = ['{"name":"get_time",', '"parameters":{"tz":"UTC"}}']
-WORDS = ["system", "user", "assistant", "tool", ":", "call", "hello", "world", "weather", "in", "Paris", "sunny",
-         "get_weather", "get_time", "lookup"]
+WORDS = [
+    "system",
+    "user",
+    "assistant",
+    "tool",
+    ":",
+    "call",
+    "hello",
+    "world",
+    "weather",
+    "in",
+    "Paris",
+    "sunny",
+    "get_weather",
+    "get_time",
+    "lookup",
+]
 VOCAB = SPECIALS + WORDS + HERMES + LLAMA_JSON
 
 SCRIPT = {
-    ":": "hello", "hello": "world", "world": "</s>",
+    ":": "hello",
+    "hello": "world",
+    "world": "</s>",
     "lookup": "hello",
-    "get_weather": HERMES[0], **dict(zip(HERMES, HERMES[1:] + ["</s>"])),
-    "get_time": LLAMA_JSON[0], LLAMA_JSON[0]: LLAMA_JSON[1], LLAMA_JSON[1]: "</s>",
+    "get_weather": HERMES[0],
+    **dict(zip(HERMES, HERMES[1:] + ["</s>"])),
+    "get_time": LLAMA_JSON[0],
+    LLAMA_JSON[0]: LLAMA_JSON[1],
+    LLAMA_JSON[1]: "</s>",
 }
 HERMES_TEXT = " ".join(HERMES)
 LLAMA_JSON_TEXT = " ".join(LLAMA_JSON)
@@ -75,7 +95,10 @@ def save_scripted_checkpoint(path: Path) -> None:
     raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     raw.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        tokenizer_object=raw,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
         additional_special_tokens=["<|end|>"],
     )
     tokenizer.chat_template = CHAT_TEMPLATE

@@ -41,8 +41,9 @@ def layout(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
     escaping = root / "escaping-shards"  # an index whose shard lies outside the roots
     escaping.mkdir()
-    (escaping / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"model.norm.weight": "../../outside/model.safetensors"}}))
+    (escaping / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "../../outside/model.safetensors"}})
+    )
     (root / "link").symlink_to(outside, target_is_directory=True)
     return {"root": root, "outside": outside}
 
@@ -82,7 +83,8 @@ def error_of(response: httpx.Response, status: int) -> dict:
 
 
 def test_update_from_disk_switches_to_the_new_model_and_bumps_the_version(
-        admin_server: Server, layout: dict[str, Path]) -> None:
+    admin_server: Server, layout: dict[str, Path]
+) -> None:
     second = Engine(model=str(layout["root"] / "second"), num_kv_slots=256)
     try:
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -122,16 +124,20 @@ def test_paths_outside_the_allowed_roots_are_403(admin_server: Server, layout: d
     assert weight_version(admin_server) == version and greedy_text(admin_server) == before
 
 
-@pytest.mark.parametrize("folder, message", [
-    ("wrong-shapes", "has shape"),
-    ("pickle-only", "safetensors"),
-    ("corrupt", "header"),
-    ("does-not-exist", "no model.safetensors"),
-    ("first/config.json", "no model.safetensors"),
-    ("nul\x00byte", "cannot be resolved"),
-])
+@pytest.mark.parametrize(
+    "folder, message",
+    [
+        ("wrong-shapes", "has shape"),
+        ("pickle-only", "safetensors"),
+        ("corrupt", "header"),
+        ("does-not-exist", "no model.safetensors"),
+        ("first/config.json", "no model.safetensors"),
+        ("nul\x00byte", "cannot be resolved"),
+    ],
+)
 def test_bad_checkpoints_are_400_and_change_nothing(
-        admin_server: Server, layout: dict[str, Path], folder: str, message: str) -> None:
+    admin_server: Server, layout: dict[str, Path], folder: str, message: str
+) -> None:
     before, version = greedy_text(admin_server), weight_version(admin_server)
     error = error_of(update(admin_server, layout["root"] / folder), 400)
     assert error["code"] == "invalid_weights" and message in error["message"], error
@@ -140,8 +146,13 @@ def test_bad_checkpoints_are_400_and_change_nothing(
 
 def test_pause_holds_a_request_until_resume(admin_server: Server) -> None:
     url = admin_server.url
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     async def stream(client: httpx.AsyncClient) -> list[str]:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=AUTH) as response:
@@ -171,9 +182,12 @@ def test_pause_holds_a_request_until_resume(admin_server: Server) -> None:
 
 def test_admin_routes_need_the_api_key(admin_server: Server, layout: dict[str, Path]) -> None:
     version = weight_version(admin_server)
-    routes = [("POST", "/update_weights_from_disk", {"model_path": str(layout["root"] / "second")}),
-              ("POST", "/pause_generation", None), ("POST", "/resume_generation", None),
-              ("GET", "/weight_version", None)]
+    routes = [
+        ("POST", "/update_weights_from_disk", {"model_path": str(layout["root"] / "second")}),
+        ("POST", "/pause_generation", None),
+        ("POST", "/resume_generation", None),
+        ("GET", "/weight_version", None),
+    ]
     for method, path, body in routes:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}):
             response = httpx.request(method, f"{admin_server.url}{path}", json=body, headers=headers)

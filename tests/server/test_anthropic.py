@@ -37,9 +37,13 @@ def test_message_matches_the_engine(client: anthropic.Anthropic, greedy: tuple[l
     assert message.content[0].text == text
     assert message.stop_reason == "max_tokens" and message.stop_sequence is None
     assert (message.usage.input_tokens, message.usage.output_tokens) == (len(prompt), 10)
-    blocks = client.messages.create(model=MODEL, system=[{"type": "text", "text": SYSTEM}], max_tokens=10,
-                                    messages=[{"role": "user", "content": [{"type": "text", "text": "hello world"}]}],
-                                    extra_body={"temperature": 0, "top_p": 0.9, "top_k": 5})
+    blocks = client.messages.create(
+        model=MODEL,
+        system=[{"type": "text", "text": SYSTEM}],
+        max_tokens=10,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hello world"}]}],
+        extra_body={"temperature": 0, "top_p": 0.9, "top_k": 5},
+    )
     assert blocks.content[0].text == text
 
 
@@ -68,8 +72,9 @@ def test_raw_stream_has_the_full_event_sequence(server: Server) -> None:
 def test_stop_sequence(client: anthropic.Anthropic, greedy: tuple[list[int], str]) -> None:
     _, text = greedy
     stop = text.split()[2]
-    message = client.messages.create(model=MODEL, system=SYSTEM, messages=MESSAGES, max_tokens=10,
-                                     stop_sequences=[stop, "never appears"], **GREEDY)
+    message = client.messages.create(
+        model=MODEL, system=SYSTEM, messages=MESSAGES, max_tokens=10, stop_sequences=[stop, "never appears"], **GREEDY
+    )
     assert message.content[0].text == text[: text.index(stop)]
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
 
@@ -77,8 +82,10 @@ def test_stop_sequence(client: anthropic.Anthropic, greedy: tuple[list[int], str
 def test_tool_blocks_become_text_and_errors_use_anthropics_shape(client: anthropic.Anthropic) -> None:
     history = [
         {"role": "user", "content": "hello"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
-                                           "input": {"city": "Paris"}}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}}],
+        },
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]},
     ]
     assert client.messages.create(model=MODEL, messages=history, max_tokens=2).usage.output_tokens >= 1

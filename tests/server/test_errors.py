@@ -38,38 +38,41 @@ def assert_still_serves(server: Server, **kwargs) -> None:
     assert response.json()["usage"]["completion_tokens"] >= 1
 
 
-@pytest.mark.parametrize("path, change, param", [
-    ("/v1/chat/completions", {"temperature": -1}, "temperature"),
-    ("/v1/chat/completions", {"temperature": "hot"}, "temperature"),
-    ("/v1/chat/completions", {"top_p": 0}, "top_p"),
-    ("/v1/chat/completions", {"n": 0}, "n"),
-    ("/v1/chat/completions", {"n": 17}, "n"),  # EngineConfig.max_n
-    ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
-    ("/v1/chat/completions", {"max_tokens": 401}, "max_tokens"),  # EngineConfig.max_tokens_cap
-    ("/v1/chat/completions", {"max_completion_tokens": 401}, "max_tokens"),
-    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # max_top_logprobs
-    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # needs logprobs=true
-    ("/v1/chat/completions", {"stop": [f"s{i}" for i in range(17)]}, "stop"),  # max_stop_strings
-    ("/v1/chat/completions", {"stop": [""]}, "stop"),
-    ("/v1/chat/completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
-    ("/v1/chat/completions", {"logit_bias": {"5": 500}}, "logit_bias"),
-    ("/v1/chat/completions", {"logit_bias": {"100000": 1}}, "logit_bias"),
-    ("/v1/chat/completions", {"presence_penalty": 3}, "presence_penalty"),
-    ("/v1/chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
-    ("/v1/chat/completions", {"min_p": 2}, "min_p"),
-    ("/v1/chat/completions", {"stop_token_ids": [100000]}, "stop_token_ids"),
-    ("/v1/chat/completions", {"seed": "x"}, "seed"),
-    ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
-    ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"prompt": [5, 100000]}, "prompt"),
-    ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
-    ("/v1/completions", {"logprobs": 21}, "logprobs"),
-    ("/v1/completions", {"echo": True}, "echo"),
-])
+@pytest.mark.parametrize(
+    "path, change, param",
+    [
+        ("/v1/chat/completions", {"temperature": -1}, "temperature"),
+        ("/v1/chat/completions", {"temperature": "hot"}, "temperature"),
+        ("/v1/chat/completions", {"top_p": 0}, "top_p"),
+        ("/v1/chat/completions", {"n": 0}, "n"),
+        ("/v1/chat/completions", {"n": 17}, "n"),  # EngineConfig.max_n
+        ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {"max_tokens": 401}, "max_tokens"),  # EngineConfig.max_tokens_cap
+        ("/v1/chat/completions", {"max_completion_tokens": 401}, "max_tokens"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # max_top_logprobs
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # needs logprobs=true
+        ("/v1/chat/completions", {"stop": [f"s{i}" for i in range(17)]}, "stop"),  # max_stop_strings
+        ("/v1/chat/completions", {"stop": [""]}, "stop"),
+        ("/v1/chat/completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
+        ("/v1/chat/completions", {"logit_bias": {"5": 500}}, "logit_bias"),
+        ("/v1/chat/completions", {"logit_bias": {"100000": 1}}, "logit_bias"),
+        ("/v1/chat/completions", {"presence_penalty": 3}, "presence_penalty"),
+        ("/v1/chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/chat/completions", {"min_p": 2}, "min_p"),
+        ("/v1/chat/completions", {"stop_token_ids": [100000]}, "stop_token_ids"),
+        ("/v1/chat/completions", {"seed": "x"}, "seed"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": [5, 100000]}, "prompt"),
+        ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"echo": True}, "echo"),
+    ],
+)
 def test_bad_parameters_are_400_naming_the_param(server: Server, path: str, change: dict, param: str) -> None:
     steps = server.engine.stats()["scheduler"]["steps"]
     base = CHAT if path == "/v1/chat/completions" else COMPLETION
@@ -100,7 +103,8 @@ def test_unknown_model_is_404(server: Server) -> None:
     assert error["code"] == "model_not_found" and error["param"] == "model"
     with pytest.raises(openai.NotFoundError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0).completions.create(
-            model="gpt-4", prompt="hi")
+            model="gpt-4", prompt="hi"
+        )
     assert_still_serves(server)
 
 
@@ -132,8 +136,9 @@ def test_overloaded_engine_is_503(server: Server) -> None:
     assert_still_serves(server)
 
 
-def test_internal_error_is_500_with_a_logged_id(server: Server, monkeypatch: pytest.MonkeyPatch,
-                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_internal_error_is_500_with_a_logged_id(
+    server: Server, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def broken(*args, **kwargs):
         raise RuntimeError("template exploded")
 
@@ -161,7 +166,8 @@ def test_failed_generation_is_500_or_a_stream_error(server: Server, monkeypatch:
         assert "step exploded" in json.loads(lines[-2].removeprefix("data: "))["error"]["message"]
         with pytest.raises(anthropic.InternalServerError):
             anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0).messages.create(
-                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hello"}])
+                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hello"}]
+            )
     assert_still_serves(server)
 
 
@@ -185,7 +191,8 @@ def test_api_key_is_required_everywhere_but_health(guarded: Server) -> None:
         openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="wrong", max_retries=0).models.list()
     assert openai.OpenAI(base_url=f"{guarded.url}/v1", api_key=KEY).models.list().data[0].id == MODEL
     reply = anthropic.Anthropic(base_url=guarded.url, api_key=KEY).messages.create(
-        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hello"}])
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hello"}]
+    )
     assert reply.usage.output_tokens >= 1
     assert_still_serves(guarded, headers={"x-api-key": KEY})
 
@@ -202,8 +209,9 @@ def test_oversized_body_is_413(guarded: Server) -> None:
             yield b"hello " * 10
         yield b'"}]}'
 
-    chunked = httpx.post(f"{guarded.url}/v1/chat/completions", content=chunks(),
-                         headers={**headers, "content-type": "application/json"})
+    chunked = httpx.post(
+        f"{guarded.url}/v1/chat/completions", content=chunks(), headers={**headers, "content-type": "application/json"}
+    )
     assert "content-length" not in chunked.request.headers
     openai_error(chunked, 413)
     assert_still_serves(guarded, headers=headers)

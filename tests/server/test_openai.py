@@ -48,8 +48,11 @@ def test_chat_equals_engine_output_with_exact_usage(client: openai.OpenAI, serve
 
 def test_chat_stream_concatenates_to_the_full_reply(client: openai.OpenAI) -> None:
     full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, **GREEDY)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, stream=True,
-                                                 stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=12, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -58,8 +61,9 @@ def test_chat_stream_concatenates_to_the_full_reply(client: openai.OpenAI) -> No
 
 
 def test_n_completions_sum_their_tokens(client: openai.OpenAI, server: Server) -> None:
-    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, max_tokens=7, temperature=1.0,
-                                           seed=11, extra_body={"ignore_eos": True})
+    reply = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=2, max_tokens=7, temperature=1.0, seed=11, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in reply.choices] == [0, 1]
     assert reply.choices[0].message.content != reply.choices[1].message.content
     assert reply.usage.prompt_tokens == len(chat_prompt(server, MESSAGES))  # once, not per choice
@@ -68,8 +72,9 @@ def test_n_completions_sum_their_tokens(client: openai.OpenAI, server: Server) -
 
 def test_seed_reproduces_a_sampled_reply(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str:
-        reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0,
-                                               seed=seed, extra_body={"ignore_eos": True})
+        reply = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0, seed=seed, extra_body={"ignore_eos": True}
+        )
         return reply.choices[0].message.content
 
     assert sample(5) == sample(5)
@@ -85,14 +90,20 @@ def test_stop_cuts_exactly_where_the_unstopped_text_has_it(client: openai.OpenAI
     stopped = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, stop=[stop], **GREEDY)
     assert stopped.choices[0].message.content == expected
     assert stopped.choices[0].finish_reason == "stop"
-    streamed = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, stop=stop,
-                                              stream=True, **GREEDY)
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, stop=stop, stream=True, **GREEDY
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected
     prompt = "the cat sat on the mat"
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **GREEDY).choices[0].text
     stop = plain.split()[2]
-    kept = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stop=stop, **{
-        **GREEDY, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}})
+    kept = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        stop=stop,
+        **{**GREEDY, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}},
+    )
     assert kept.choices[0].text == plain[: plain.index(stop) + len(stop)]
 
 
@@ -116,8 +127,16 @@ def test_completions_accept_every_prompt_form(client: openai.OpenAI, server: Ser
 def test_completions_default_to_16_tokens_and_stream(client: openai.OpenAI) -> None:
     reply = client.completions.create(model=MODEL, prompt="hello", extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 16
-    chunks = list(client.completions.create(model=MODEL, prompt=["hello", "the cat"], max_tokens=5, stream=True,
-                                            stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=["hello", "the cat"],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     by_choice: dict[int, str] = {}
     for chunk in chunks[:-1]:
         for c in chunk.choices:
@@ -128,8 +147,9 @@ def test_completions_default_to_16_tokens_and_stream(client: openai.OpenAI) -> N
 
 
 def test_chat_logprobs_shape(client: openai.OpenAI, server: Server) -> None:
-    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, logprobs=True,
-                                           top_logprobs=3, **GREEDY)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=3, **GREEDY
+    )
     content = reply.choices[0].logprobs.content
     assert len(content) == 5
     assert " ".join(item.token for item in content) == reply.choices[0].message.content.strip()
@@ -141,8 +161,9 @@ def test_chat_logprobs_shape(client: openai.OpenAI, server: Server) -> None:
         assert item.logprob == pytest.approx(values[0])  # greedy picks the most likely token
         assert all(v <= 0 for v in values)
     assert sum(math.exp(v) for v in values) < 1
-    streamed = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, logprobs=True,
-                                              top_logprobs=3, stream=True, **GREEDY)
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=3, stream=True, **GREEDY
+    )
     tokens = [item.token for c in streamed if c.choices[0].logprobs for item in c.choices[0].logprobs.content]
     assert tokens == [item.token for item in content]
     only_chosen = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logprobs=True, **GREEDY)
@@ -161,14 +182,35 @@ def test_completions_logprobs_shape(client: openai.OpenAI) -> None:
 
 def test_logit_bias_and_vllm_extras(client: openai.OpenAI, server: Server) -> None:
     cat = server.engine.tokenizer.encode("cat")[0]
-    forced = client.completions.create(model=MODEL, prompt="hello", max_tokens=3, temperature=0.7,
-                                       logit_bias={str(cat): 100}, extra_body={"ignore_eos": True})
+    forced = client.completions.create(
+        model=MODEL,
+        prompt="hello",
+        max_tokens=3,
+        temperature=0.7,
+        logit_bias={str(cat): 100},
+        extra_body={"ignore_eos": True},
+    )
     assert forced.choices[0].text.split() == ["cat"] * 3
-    stop_id = client.completions.create(model=MODEL, prompt="hello", max_tokens=5, logit_bias={str(cat): 100},
-                                        extra_body={"stop_token_ids": [cat]})
+    stop_id = client.completions.create(
+        model=MODEL, prompt="hello", max_tokens=5, logit_bias={str(cat): 100}, extra_body={"stop_token_ids": [cat]}
+    )
     assert stop_id.choices[0].finish_reason == "stop" and stop_id.usage.completion_tokens == 1
-    shaped = client.completions.create(model=MODEL, prompt="hello", max_tokens=8, temperature=1.0, seed=3,
-                                       presence_penalty=0.5, frequency_penalty=0.5, top_p=0.9, user="u-1",
-                                       extra_body={"top_k": 5, "min_p": 0.01, "repetition_penalty": 1.2,
-                                                   "min_tokens": 8, "skip_special_tokens": False})
+    shaped = client.completions.create(
+        model=MODEL,
+        prompt="hello",
+        max_tokens=8,
+        temperature=1.0,
+        seed=3,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        top_p=0.9,
+        user="u-1",
+        extra_body={
+            "top_k": 5,
+            "min_p": 0.01,
+            "repetition_penalty": 1.2,
+            "min_tokens": 8,
+            "skip_special_tokens": False,
+        },
+    )
     assert shaped.usage.completion_tokens == 8 and shaped.choices[0].finish_reason == "length"

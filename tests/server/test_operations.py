@@ -16,7 +16,8 @@ def scrape(server: Server) -> Samples:
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(response.text) for s in family.samples
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
     }
 
 
@@ -28,8 +29,13 @@ def test_health_and_version(server: Server) -> None:
 
 def test_metrics_count_a_request_exactly(server: Server) -> None:
     before = scrape(server)
-    body = {"model": MODEL, "prompt": ["hello world", "the cat"], "max_tokens": 5, "temperature": 1.0,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": ["hello world", "the cat"],
+        "max_tokens": 5,
+        "temperature": 1.0,
+        "ignore_eos": True,
+    }
     usage = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()["usage"]
     after = scrape(server)
 

@@ -42,8 +42,15 @@ def test_non_streaming_client_that_leaves_is_aborted_and_its_kv_freed(server: Se
 
 
 async def _stream_chat(client: httpx.AsyncClient, url: str, word: str) -> tuple[str, dict]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"hello {word}"}], "max_tokens": 8,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"hello {word}"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with client.stream("POST", url, json=body) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -70,7 +77,16 @@ def test_64_concurrent_streams_are_well_formed(server: Server) -> None:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"hello {word}"}])
         assert usage == {"prompt_tokens": len(prompt), "completion_tokens": 8, "total_tokens": len(prompt) + 8}
         assert text == results[i % 8][0]  # same prompt, same greedy text, however batched
-    alone = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "hello the"}],
-                                  "max_tokens": 8, "temperature": 0, "ignore_eos": True}, timeout=30)
+    alone = httpx.post(
+        url,
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hello the"}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+        timeout=30,
+    )
     assert alone.json()["choices"][0]["message"]["content"] == results[0][0]
     wait_until_idle(server.engine)

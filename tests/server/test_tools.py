@@ -24,20 +24,27 @@ NAMES = {"get_weather", "get_time"}
 
 # ------------------------------------------------------------------------------------------ parser
 def test_hermes_calls_with_content_around() -> None:
-    text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-            '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}</tool_call>')
+    text = (
+        'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}</tool_call>'
+    )
     parsed = parse_tool_calls(text, NAMES)
     assert parsed.content == "Let me check. "
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
-        ("get_weather", {"city": "Paris"}), ("get_time", {"tz": "UTC"})]
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {"tz": "UTC"}),
+    ]
     assert len({c.id for c in parsed.tool_calls}) == 2
 
 
-@pytest.mark.parametrize("text", [
-    '{"name": "get_time", "parameters": {"tz": "UTC"}}',
-    '<|python_tag|>{"name": "get_time", "parameters": {"tz": "UTC"}}',
-    '  {"name": "get_time", "arguments": {"tz": "UTC"}}\n',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "get_time", "parameters": {"tz": "UTC"}}',
+        '<|python_tag|>{"name": "get_time", "parameters": {"tz": "UTC"}}',
+        '  {"name": "get_time", "arguments": {"tz": "UTC"}}\n',
+    ],
+)
 def test_llama_json_call(text: str) -> None:
     parsed = parse_tool_calls(text, NAMES)
     assert parsed.content == ""
@@ -51,27 +58,33 @@ def test_llama_json_several_calls() -> None:
         assert [c.name for c in parse_tool_calls(text, NAMES).tool_calls] == ["get_time", "get_weather"]
 
 
-@pytest.mark.parametrize("text", [
-    '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',  # broken JSON
-    '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call><tool_call>nope</tool_call>',  # one bad of two
-    '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',  # not an offered tool
-    '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>',  # arguments not an object
-    '{"name": "get_time", "parameters": {"tz": "UTC"}} and some words',  # JSON is not the whole output
-    '{"name": "get_time"',
-    'The answer is {"a": 1}',
-    "plain text",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',  # broken JSON
+        '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call><tool_call>nope</tool_call>',  # one bad of two
+        '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',  # not an offered tool
+        '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>',  # arguments not an object
+        '{"name": "get_time", "parameters": {"tz": "UTC"}} and some words',  # JSON is not the whole output
+        '{"name": "get_time"',
+        'The answer is {"a": 1}',
+        "plain text",
+    ],
+)
 def test_malformed_or_foreign_calls_are_plain_content(text: str) -> None:
     parsed = parse_tool_calls(text, NAMES)
     assert parsed.tool_calls == [] and parsed.content == text
 
 
-@pytest.mark.parametrize("text", [
-    'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
-    '{"name": "get_time", "parameters": {"tz": "UTC"}}',
-    "no call here, just <tool_ words",
-    '{"not": "a call"} at all',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+        '{"name": "get_time", "parameters": {"tz": "UTC"}}',
+        "no call here, just <tool_ words",
+        '{"not": "a call"} at all',
+    ],
+)
 def test_stream_never_leaks_call_text_and_ends_with_the_parse(text: str) -> None:
     stream = ToolCallStream(NAMES)
     streamed = "".join(stream.feed(text[i : i + 3]) for i in range(0, len(text), 3))
@@ -84,8 +97,10 @@ def test_stream_never_leaks_call_text_and_ends_with_the_parse(text: str) -> None
 
 # -------------------------------------------------------------------------------------- end to end
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
-WEATHER = {"type": "function",
-           "function": {"name": "get_weather", "description": "weather of a city", "parameters": CITY}}
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "weather of a city", "parameters": CITY},
+}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 LOOKUP = {"type": "function", "function": {"name": "lookup"}}
 ASK = [{"role": "user", "content": "weather in Paris"}]
@@ -105,8 +120,9 @@ def client(scripted: Server) -> openai.OpenAI:
 
 
 def chat(client: openai.OpenAI, tools: list[dict] | None, **kwargs):
-    return client.chat.completions.create(model="scripted", messages=ASK, temperature=0, max_tokens=20,
-                                          **({"tools": tools} if tools else {}), **kwargs)
+    return client.chat.completions.create(
+        model="scripted", messages=ASK, temperature=0, max_tokens=20, **({"tools": tools} if tools else {}), **kwargs
+    )
 
 
 def test_hermes_tool_call_end_to_end(client: openai.OpenAI) -> None:
@@ -124,7 +140,8 @@ def test_llama_json_tool_call_end_to_end(client: openai.OpenAI) -> None:
     choice = chat(client, [TIME], tool_choice="auto").choices[0]
     assert choice.finish_reason == "tool_calls"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
-        ("get_time", {"tz": "UTC"})]
+        ("get_time", {"tz": "UTC"})
+    ]
 
 
 def test_tool_call_streams_as_one_delta(client: openai.OpenAI) -> None:
@@ -150,8 +167,9 @@ def test_required_or_named_without_a_matching_call_is_plain_content(client: open
     assert ignored.finish_reason == "stop"
     other = chat(client, [TIME, WEATHER], tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert other.choices[0].message.content == f" {HERMES_TEXT}" and other.choices[0].finish_reason == "stop"
-    streamed = chat(client, [TIME, WEATHER], stream=True,
-                    tool_choice={"type": "function", "function": {"name": "get_time"}})
+    streamed = chat(
+        client, [TIME, WEATHER], stream=True, tool_choice={"type": "function", "function": {"name": "get_time"}}
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == f" {HERMES_TEXT}"
 
 
@@ -161,14 +179,27 @@ def test_tool_history_reaches_the_template(client: openai.OpenAI, scripted: Serv
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
-    reply = client.chat.completions.create(model="scripted", messages=history, tools=[WEATHER], max_tokens=20,
-                                           temperature=0)
-    expected = scripted.engine.tokenizer.apply_chat_template([
-        ASK[0],
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-    ], tools=[WEATHER])
+    reply = client.chat.completions.create(
+        model="scripted", messages=history, tools=[WEATHER], max_tokens=20, temperature=0
+    )
+    expected = scripted.engine.tokenizer.apply_chat_template(
+        [
+            ASK[0],
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+        tools=[WEATHER],
+    )
     decoded = scripted.engine.tokenizer.decode(expected, skip_special_tokens=False)
     assert "call get_weather Paris" in decoded and "tool : sunny" in decoded
     assert reply.usage.prompt_tokens == len(expected)

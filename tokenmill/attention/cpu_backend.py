@@ -51,8 +51,15 @@ class CpuBackend(TorchNativeBackend):
     ) -> torch.Tensor:
         if q.device.type != "cpu" or q.dtype != torch.float32:
             raise ValueError(f"the cpu attention backend supports fp32 CPU tensors, got {q.dtype} on {q.device}")
-        return self._decode_kernel(q.contiguous(), k_cache, v_cache, req_to_token, req_pool_indices.contiguous(),
-                                   seq_lens.contiguous(), self.scale)
+        return self._decode_kernel(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            req_to_token,
+            req_pool_indices.contiguous(),
+            seq_lens.contiguous(),
+            self.scale,
+        )
 
     def _attend_causal(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int) -> torch.Tensor:
         """Prefill rows of one request as two oneDNN matmuls per KV head around a fused

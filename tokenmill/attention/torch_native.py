@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.cache.views import DecodeKVCache, KVView, PrefillKVCache
 
-
 DECODE_GROUP = 16  # decode requests padded together (sorted by length) in one attention call
 
 
@@ -30,8 +29,15 @@ class TorchNativeBackend(AttentionBackend):
         k_cache.index_copy_(0, kv_view.out_cache_loc, k)  # index_copy_: far faster than index_put on CPU
         v_cache.index_copy_(0, kv_view.out_cache_loc, v)
         if isinstance(kv_view, DecodeKVCache):
-            return self._decode(q, k_cache, v_cache, kv_view.req_pool_indices, kv_view.seq_lens,
-                                kv_view.max_seq_len, kv_view.req_to_token)
+            return self._decode(
+                q,
+                k_cache,
+                v_cache,
+                kv_view.req_pool_indices,
+                kv_view.seq_lens,
+                kv_view.max_seq_len,
+                kv_view.req_to_token,
+            )
         return self._prefill(q, k, v, k_cache, v_cache, kv_view)
 
     def _prefill(
@@ -50,8 +56,9 @@ class TorchNativeBackend(AttentionBackend):
             idx = torch.tensor(single, device=q.device)
             rows = view.qo_indptr[idx]
             max_len = max(view.prefix_lens_cpu[i] + 1 for i in single)
-            out[rows] = self._decode(q[rows], k_cache, v_cache, view.req_pool_indices[idx], view.seq_lens[idx],
-                                     max_len, view.req_to_token)
+            out[rows] = self._decode(
+                q[rows], k_cache, v_cache, view.req_pool_indices[idx], view.seq_lens[idx], max_len, view.req_to_token
+            )
             done = set(single)
         else:
             done = set()
@@ -73,8 +80,10 @@ class TorchNativeBackend(AttentionBackend):
         n, group = q.shape[0], self.n_heads // self.n_kv_heads
         total = keys.shape[0]
         # [E, Hkv, G, D] -> [Hkv, G*E, D]: all query heads of a KV head share its keys
-        queries = q.view(n, self.n_kv_heads, group, self.head_dim).permute(1, 2, 0, 3).reshape(
-            self.n_kv_heads, group * n, self.head_dim
+        queries = (
+            q.view(n, self.n_kv_heads, group, self.head_dim)
+            .permute(1, 2, 0, 3)
+            .reshape(self.n_kv_heads, group * n, self.head_dim)
         )
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [Hkv, S, D]
         if prefix == 0:
@@ -90,8 +99,10 @@ class TorchNativeBackend(AttentionBackend):
             attn = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=mask.repeat(group, 1), scale=self.scale
             )
-        return attn.view(self.n_kv_heads, group, n, self.head_dim).permute(2, 0, 1, 3).reshape(
-            n, self.n_heads, self.head_dim
+        return (
+            attn.view(self.n_kv_heads, group, n, self.head_dim)
+            .permute(2, 0, 1, 3)
+            .reshape(n, self.n_heads, self.head_dim)
         )
 
     def _decode(
@@ -143,6 +154,7 @@ class TorchNativeBackend(AttentionBackend):
         keys = k_cache.index_select(0, slots).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
         values = v_cache.index_select(0, slots).view(shape).transpose(1, 2)
         queries = q.view(batch, self.n_kv_heads, group, self.head_dim)  # [B, Hkv, G, D]
-        attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=valid[:, None, None, :],
-                                              scale=self.scale)
+        attn = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=valid[:, None, None, :], scale=self.scale
+        )
         return attn.reshape(batch, self.n_heads, self.head_dim)

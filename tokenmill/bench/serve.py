@@ -47,8 +47,13 @@ class ServeResult:
 
 async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens: int) -> RequestRecord:
     body = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-        "ignore_eos": True, "stream_options": {"include_usage": True},
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
     record = RequestRecord(ok=False)
@@ -78,8 +83,15 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens:
     return record
 
 
-async def run_serve(url: str, work: Workload, model: str | None, request_rate: float, max_concurrency: int,
-                    timeout: float, seed: int = 0) -> ServeResult:
+async def run_serve(
+    url: str,
+    work: Workload,
+    model: str | None,
+    request_rate: float,
+    max_concurrency: int,
+    timeout: float,
+    seed: int = 0,
+) -> ServeResult:
     import httpx
 
     rng = random.Random(seed)
@@ -131,15 +143,19 @@ def add_arguments(parser: Any) -> None:
 
 
 def main(args: Any) -> int:
-    work = make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len),
-                         args.vocab_size or 1000, args.seed)
-    result = asyncio.run(run_serve(args.url, work, args.model_name, args.request_rate, args.max_concurrency,
-                                   args.timeout, args.seed))
+    work = make_workload(
+        args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), args.vocab_size or 1000, args.seed
+    )
+    result = asyncio.run(
+        run_serve(args.url, work, args.model_name, args.request_rate, args.max_concurrency, args.timeout, args.seed)
+    )
     if args.json:
         print(json.dumps(asdict(result)))
         return 0 if result.failed == 0 else 1
-    print(f"completed {result.completed}, failed {result.failed} in {result.elapsed_s:.1f} s: "
-          f"{result.requests_per_s:.2f} req/s, {result.output_tok_per_s:.1f} output tok/s")
+    print(
+        f"completed {result.completed}, failed {result.failed} in {result.elapsed_s:.1f} s: "
+        f"{result.requests_per_s:.2f} req/s, {result.output_tok_per_s:.1f} output tok/s"
+    )
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         s = getattr(result, name)
         print(f"{name[:-3].upper():5s} ms: mean {s['mean']:.1f}, p50 {s['p50']:.1f}, p99 {s['p99']:.1f}")

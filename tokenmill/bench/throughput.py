@@ -16,8 +16,8 @@ from typing import Any
 
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.workload import Workload, make_random_llama, make_workload
-from tokenmill.request import RequestOutput, SamplingParams
 from tokenmill.llm import LLM
+from tokenmill.request import RequestOutput, SamplingParams
 
 
 @dataclass
@@ -104,8 +104,13 @@ def plot(outputs: list[RequestOutput], result: ThroughputResult, path: Path) -> 
 
 
 def add_arguments(parser: Any) -> None:
-    parser.add_argument("--model", dest="bench_model", type=Path, default=None,
-                        help="checkpoint folder (default: a random ~100M llama, created once)")
+    parser.add_argument(
+        "--model",
+        dest="bench_model",
+        type=Path,
+        default=None,
+        help="checkpoint folder (default: a random ~100M llama, created once)",
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
@@ -120,8 +125,12 @@ def main(args: Any) -> int:
     path = args.bench_model or make_random_llama(Path(tempfile.gettempdir()) / "tokenmill-bench-llama")
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     work = make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), vocab, args.seed)
-    llm = LLM(model=str(path), skip_tokenizer_init=True, max_running_requests=args.max_running_requests,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(
+        model=str(path),
+        skip_tokenizer_init=True,
+        max_running_requests=args.max_running_requests,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     try:
         result, outputs = run_throughput(llm, work)
     finally:
@@ -131,11 +140,17 @@ def main(args: Any) -> int:
     if args.json:
         print(json.dumps(asdict(result)))
         return 0
-    print(f"requests: {result.n_requests}, prompt tokens: {result.prompt_tokens}, output tokens: {result.output_tokens}")
-    print(f"elapsed {result.elapsed_s:.1f} s: {result.requests_per_s:.2f} req/s, "
-          f"{result.input_tok_per_s:.1f} input tok/s, {result.output_tok_per_s:.1f} output tok/s")
+    print(
+        f"requests: {result.n_requests}, prompt tokens: {result.prompt_tokens}, output tokens: {result.output_tokens}"
+    )
+    print(
+        f"elapsed {result.elapsed_s:.1f} s: {result.requests_per_s:.2f} req/s, "
+        f"{result.input_tok_per_s:.1f} input tok/s, {result.output_tok_per_s:.1f} output tok/s"
+    )
     for name, s in (("TTFT", result.ttft_ms), ("TPOT", result.tpot_ms)):
         print(f"{name} ms: mean {s['mean']:.1f}, p50 {s['p50']:.1f}, p99 {s['p99']:.1f}")
-    print(f"peak KV usage {result.peak_kv_usage:.1%}, engine overhead {result.engine_overhead:.1%}, "
-          f"preemptions {result.preemptions}")
+    print(
+        f"peak KV usage {result.peak_kv_usage:.1%}, engine overhead {result.engine_overhead:.1%}, "
+        f"preemptions {result.preemptions}"
+    )
     return 0

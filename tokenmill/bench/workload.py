@@ -44,8 +44,9 @@ def make_workload(
     lens = [rng.randint(*prompt_range) for _ in range(num_prompts)]
     outs = [rng.randint(*output_range) for _ in range(num_prompts)]
     prompts = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lens]
-    return Workload(prompts, outs, dict(num_prompts=num_prompts, prompt_range=prompt_range,
-                                        output_range=output_range, seed=seed))
+    return Workload(
+        prompts, outs, dict(num_prompts=num_prompts, prompt_range=prompt_range, output_range=output_range, seed=seed)
+    )
 
 
 def make_random_llama(path: Path, seed: int = 0, **overrides: int) -> Path:

@@ -37,18 +37,14 @@ class PageAllocator:
         of two in ``[1, 256]``.
         """
         if isinstance(n_pages, bool) or not isinstance(n_pages, int) or n_pages < 2:
-            raise ValueError(
-                f"n_pages must be an int >= 2 (page 0 is reserved), got {n_pages!r}"
-            )
+            raise ValueError(f"n_pages must be an int >= 2 (page 0 is reserved), got {n_pages!r}")
         if (
             isinstance(page_size, bool)
             or not isinstance(page_size, int)
             or not 1 <= page_size <= MAX_PAGE_SIZE
             or page_size & (page_size - 1)
         ):
-            raise ValueError(
-                f"page_size must be a power of two in [1, {MAX_PAGE_SIZE}], got {page_size!r}"
-            )
+            raise ValueError(f"page_size must be a power of two in [1, {MAX_PAGE_SIZE}], got {page_size!r}")
         self._n_pages = n_pages
         self._page_size = page_size
         self._refcount = torch.zeros(n_pages, dtype=torch.int32)
@@ -166,22 +162,12 @@ class PageAllocator:
         """Validate a 1-D integer page tensor and return it as int64."""
         if not isinstance(pages, torch.Tensor):
             raise TypeError(f"pages must be a torch.Tensor, got {type(pages).__name__}")
-        if (
-            pages.dim() != 1
-            or pages.dtype == torch.bool
-            or pages.dtype.is_floating_point
-            or pages.dtype.is_complex
-        ):
-            raise ValueError(
-                f"pages must be a 1-D integer tensor, got shape {tuple(pages.shape)} "
-                f"dtype {pages.dtype}"
-            )
+        if pages.dim() != 1 or pages.dtype == torch.bool or pages.dtype.is_floating_point or pages.dtype.is_complex:
+            raise ValueError(f"pages must be a 1-D integer tensor, got shape {tuple(pages.shape)} dtype {pages.dtype}")
         pages = pages.to(device="cpu", dtype=torch.int64)
         if pages.numel():
             low = RESERVED_PAGE if allow_reserved else RESERVED_PAGE + 1
             lo, hi = (int(x) for x in torch.aminmax(pages))
             if lo < low or hi >= self._n_pages:
-                raise ValueError(
-                    f"page ids must lie in [{low}, {self._n_pages}), got range [{lo}, {hi}]"
-                )
+                raise ValueError(f"page ids must lie in [{low}, {self._n_pages}), got range [{lo}, {hi}]")
         return pages

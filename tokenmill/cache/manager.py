@@ -216,8 +216,13 @@ class CacheManager:
         self._last_decode = None
         prefix_lens = [s.n_kv - e for s, e in zip(kvs, extend_lens)]
         return make_prefill_view(
-            self.storage, self.req_pool.table, [s.row for s in kvs], prefix_lens, extend_lens,
-            out_cache_loc, self.config.prefill_q_tile,
+            self.storage,
+            self.req_pool.table,
+            [s.row for s in kvs],
+            prefix_lens,
+            extend_lens,
+            out_cache_loc,
+            self.config.prefill_q_tile,
         )
 
     def bind_decode(self, kvs: list[KVHandle], out_cache_loc: torch.Tensor) -> DecodeKVCache:
@@ -236,8 +241,14 @@ class CacheManager:
             self.stats.steady_state_steps += 1
         else:
             view = make_decode_view(
-                self.storage, self.req_pool.table, [s.row for s in kvs], seq_lens, out_cache_loc,
-                self.partial_out, self.partial_lse, self.config.decode_split_min_tokens,
+                self.storage,
+                self.req_pool.table,
+                [s.row for s in kvs],
+                seq_lens,
+                out_cache_loc,
+                self.partial_out,
+                self.partial_lse,
+                self.config.decode_split_min_tokens,
             )
             self.stats.rebuilt_decode_steps += 1
         self._last_decode = (signature, seq_lens, view)
@@ -253,5 +264,5 @@ class CacheManager:
 
     def _row_pages(self, row: int, n_tokens: int) -> torch.Tensor:
         """Distinct pages holding positions ``0 .. n_tokens-1`` of ``row``, in order."""
-        slots = self.req_pool.table[row, :n_tokens:self.page_size].long()
+        slots = self.req_pool.table[row, : n_tokens : self.page_size].long()
         return slots // self.page_size

@@ -159,10 +159,7 @@ class RadixCache:
         ps = self._page_size
         tokens = tuple(tokens)
         if pages.dim() != 1 or pages.dtype != torch.int64:
-            raise ValueError(
-                f"pages must be a 1-D int64 tensor, got shape {tuple(pages.shape)} "
-                f"dtype {pages.dtype}"
-            )
+            raise ValueError(f"pages must be a 1-D int64 tensor, got shape {tuple(pages.shape)} dtype {pages.dtype}")
         if len(tokens) != pages.numel() * ps:
             raise ValueError(
                 f"insert needs len(tokens) == len(pages) * page_size, got {len(tokens)} "
@@ -267,9 +264,7 @@ class RadixCache:
         self._clock += 1
         return self._clock
 
-    def _new_node(
-        self, key: tuple[int, ...], pages: torch.Tensor, parent: RadixNode | None
-    ) -> RadixNode:
+    def _new_node(self, key: tuple[int, ...], pages: torch.Tensor, parent: RadixNode | None) -> RadixNode:
         return RadixNode(key, pages, parent, self._epoch, next(self._serials))
 
     def _split(self, node: RadixNode, n_tokens: int) -> RadixNode:
@@ -302,11 +297,7 @@ class RadixCache:
         return out
 
     def _evictable_leaves(self) -> list[RadixNode]:
-        return [
-            node
-            for node in self._nodes()
-            if node is not self._root and not node.children and node.lock_count == 0
-        ]
+        return [node for node in self._nodes() if node is not self._root and not node.children and node.lock_count == 0]
 
 
 def _common_prefix_len(key: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:

@@ -15,9 +15,10 @@ import logging
 import queue
 import threading
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from tokenmill.attention.factory import make_backend
 from tokenmill.cache.manager import CacheManager
@@ -68,13 +69,18 @@ class Engine:
         req_pool = ReqToTokenPool(cfg.max_running_requests, self.max_context_len, self.device)
         self.cache = CacheManager(cfg, storage, req_pool, mc.num_heads, mc.head_dim)
         self.scheduler = Scheduler(cfg, self.cache)
-        self.runner = ModelRunner(self.model, self.cache, self.device, make_cuda_graph_runner(self.model, self.cache, cfg))
+        self.runner = ModelRunner(
+            self.model, self.cache, self.device, make_cuda_graph_runner(self.model, self.cache, cfg)
+        )
         self.sampler = Sampler(mc.vocab_size, cfg.max_running_requests, self.device, cfg.seed)
         self.weight_version = 0
         self.output = OutputProcessor(self.scheduler, self.eos_token_ids, lambda: self.weight_version)
         self.context_limit = min(self.max_context_len, self.cache.capacity_tokens)
         self._intake = Intake(
-            self.tokenizer, cfg.request_limits(mc.vocab_size), self.context_limit, self.device,
+            self.tokenizer,
+            cfg.request_limits(mc.vocab_size),
+            self.context_limit,
+            self.device,
             share_prompt=self.cache.radix is not None,
         )
         self.step_time = 0.0  # wall seconds in steps that ran a forward

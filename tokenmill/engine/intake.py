@@ -92,7 +92,9 @@ class Intake:
         if self.tokenizer is None and params.stop_strings:
             raise ParameterError("stop", "strings need a tokenizer; use stop_token_ids")
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        state = RequestState(rid, text, ids, params, callback, RequestMetrics(arrival_time=now()), len(ids) + max_tokens)
+        state = RequestState(
+            rid, text, ids, params, callback, RequestMetrics(arrival_time=now()), len(ids) + max_tokens
+        )
         for i in range(params.n):
             seq = Sequence(prompt_token_ids=ids, params=params, index=i, group=state)
             if params.seed is not None:

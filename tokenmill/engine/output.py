@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenmill.engine.intake import RequestState
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.sequence import Sequence, SeqStatus
+from tokenmill.engine.sequence import SeqStatus, Sequence
 from tokenmill.request import CompletionOutput, FinishReason, RequestOutput, now
 
 logger = logging.getLogger("tokenmill.engine")

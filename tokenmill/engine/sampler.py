@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.request import Logprob
 from tokenmill.engine.sequence import Sequence
+from tokenmill.request import Logprob
 
 
 @dataclass
@@ -56,9 +56,7 @@ def apply_penalties(
     return penalized - frequency[:, None] * counts - presence[:, None] * in_output.to(logits.dtype)
 
 
-def _filter_logits(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-) -> torch.Tensor:
+def _filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Return ``logits`` ``[R, V]`` with tokens outside min-p / top-k / top-p set to ``-inf``.
 
     ``top_k[i] <= 0``, ``top_p[i] == 1`` and ``min_p[i] == 0`` disable the filter for row ``i``.
@@ -203,7 +201,9 @@ class Sampler:
                 chosen.append(token)
                 self._n_counted[seq.row] = len(seq.output_token_ids) + 1
         index = (torch.tensor(rows, device=self.device), torch.tensor(chosen, device=self.device))
-        self.output_counts.index_put_(index, torch.ones(len(rows), dtype=torch.int32, device=self.device), accumulate=True)
+        self.output_counts.index_put_(
+            index, torch.ones(len(rows), dtype=torch.int32, device=self.device), accumulate=True
+        )
 
     def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Draw one token per row of ``logits`` ``[R, V]`` (modified in place) for non-greedy ``seqs``."""
@@ -240,9 +240,7 @@ def _banned_ids(seq: Sequence, eos_token_ids: set[int]) -> set[int]:
     return banned
 
 
-def _logprobs(
-    raw_logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]
-) -> list[dict[int, Logprob] | None]:
+def _logprobs(raw_logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list[dict[int, Logprob] | None]:
     """Chosen token plus the top ``params.logprobs`` tokens of the raw distribution, per sequence.
 
     A token's rank is 1 + the number of tokens with a strictly larger logprob (ties share a rank).

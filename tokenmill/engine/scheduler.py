@@ -19,7 +19,7 @@ import torch
 
 from tokenmill.cache.manager import CacheManager
 from tokenmill.config import EngineConfig
-from tokenmill.engine.sequence import Sequence, SeqStatus
+from tokenmill.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass

@@ -40,7 +40,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
-    wait_for: "Sequence | None" = None  # admitted only once this one's prompt is cached (n > 1)
+    wait_for: Sequence | None = None  # admitted only once this one's prompt is cached (n > 1)
     generator: torch.Generator | None = None  # per-request seed; None = the engine's generator
 
     kv: KVHandle = field(default_factory=KVHandle)

@@ -50,15 +50,24 @@ class WeightRoots:
         try:
             resolved = Path(path).resolve()
         except (OSError, ValueError, RuntimeError) as exc:  # NUL bytes, symlink loops, over-long names
-            raise APIError(400, f"model_path {str(path)!r} cannot be resolved: {exc}", param="model_path",
-                           code="invalid_weights") from exc
+            raise APIError(
+                400, f"model_path {str(path)!r} cannot be resolved: {exc}", param="model_path", code="invalid_weights"
+            ) from exc
         if not self.roots:
-            raise APIError(403, "loading weights from disk is disabled: the server has no allowed weight roots "
-                                "(start it with --allowed-weight-roots DIR)", param="model_path",
-                           code="weight_path_forbidden")
+            raise APIError(
+                403,
+                "loading weights from disk is disabled: the server has no allowed weight roots "
+                "(start it with --allowed-weight-roots DIR)",
+                param="model_path",
+                code="weight_path_forbidden",
+            )
         if not any(resolved.is_relative_to(root) for root in self.roots):
-            raise APIError(403, f"model_path {str(path)!r} is outside the allowed weight roots",
-                           param="model_path", code="weight_path_forbidden")
+            raise APIError(
+                403,
+                f"model_path {str(path)!r} is outside the allowed weight roots",
+                param="model_path",
+                code="weight_path_forbidden",
+            )
         return resolved
 
 
@@ -91,8 +100,9 @@ def build_router(allowed_weight_roots: Iterable[str | Path] = ()) -> APIRouter:
             version = await _engine_call(update)
         except (ValueError, OSError, SafetensorError) as exc:  # WeightError is a ValueError
             param = "version" if str(exc).startswith("version") else "model_path"
-            raise APIError(400, f"cannot update weights from {body.model_path!r}: {exc}", param=param,
-                           code="invalid_weights") from exc
+            raise APIError(
+                400, f"cannot update weights from {body.model_path!r}: {exc}", param=param, code="invalid_weights"
+            ) from exc
         return {"success": True, "weight_version": version}
 
     @router.post("/pause_generation")

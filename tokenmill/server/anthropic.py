@@ -80,8 +80,16 @@ def _block_text(block: AnthropicBlock) -> str:
 
 
 def _message(rid: str, model: str, input_tokens: int) -> dict[str, Any]:
-    return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
+    return {
+        "id": rid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+    }
 
 
 def _stop(out: CompletionOutput) -> dict[str, Any]:
@@ -112,8 +120,9 @@ async def _events(generation: Generation, rid: str, model: str) -> AsyncIterator
                 return
             output_tokens += len(out.token_ids)
             if out.text:
-                yield _event({"type": "content_block_delta", "index": 0,
-                              "delta": {"type": "text_delta", "text": out.text}})
+                yield _event(
+                    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": out.text}}
+                )
             if out.finish_reason is not None:
                 yield _event({"type": "content_block_stop", "index": 0})
                 yield _event({"type": "message_delta", "delta": _stop(out), "usage": {"output_tokens": output_tokens}})

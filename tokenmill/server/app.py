@@ -61,8 +61,9 @@ def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         offered = [request.headers.get("x-api-key", ""), token.strip() if scheme.lower() == "bearer" else ""]
         if not any(key and hmac.compare_digest(key.encode(), expected) for key in offered):
-            raise APIError(401, "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)", code="invalid_api_key"
+            )
 
     return check
 
@@ -211,8 +212,9 @@ def run_server(
     engine = Engine(config)
     try:
         gate = DrainGate(create_app(engine, served_model_name, api_key, max_body_bytes, allowed_weight_roots))
-        uvicorn_config = uvicorn.Config(gate, host=host, port=port,
-                                        timeout_graceful_shutdown=int(shutdown_grace_seconds + SHUTDOWN_BACKSTOP_S))
+        uvicorn_config = uvicorn.Config(
+            gate, host=host, port=port, timeout_graceful_shutdown=int(shutdown_grace_seconds + SHUTDOWN_BACKSTOP_S)
+        )
         with _exit_signals_consumed():
             GracefulServer(uvicorn_config, gate, engine, shutdown_grace_seconds).run()
     finally:

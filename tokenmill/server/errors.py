@@ -53,8 +53,10 @@ def error_response(request: Request, error: APIError) -> JSONResponse:
         body: dict = {"type": "error", "error": {"type": kind, "message": error.message}}
     else:
         kind = (
-            "server_error" if error.status >= 500
-            else "authentication_error" if error.status == 401
+            "server_error"
+            if error.status >= 500
+            else "authentication_error"
+            if error.status == 401
             else "invalid_request_error"
         )
         body = {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}}

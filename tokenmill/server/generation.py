@@ -20,8 +20,8 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from tokenmill.request import RequestOutput, SamplingParams, accumulate
 from tokenmill.metrics import RequestTracker
+from tokenmill.request import RequestOutput, SamplingParams, accumulate
 from tokenmill.server.errors import APIError
 from tokenmill.server.state import ServerState
 
@@ -30,8 +30,9 @@ DISCONNECT_POLL_S = 0.1
 
 
 class Generation:
-    def __init__(self, streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput],
-                 trackers: list[RequestTracker]) -> None:
+    def __init__(
+        self, streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput], trackers: list[RequestTracker]
+    ) -> None:
         self._queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
         self._pumps = [
             asyncio.create_task(self._pump(i, stream, first, tracker))
@@ -40,7 +41,11 @@ class Generation:
 
     @classmethod
     async def start(
-        cls, state: ServerState, prompts: list[list[int]], params: list[SamplingParams], request_id: str,
+        cls,
+        state: ServerState,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        request_id: str,
         arrival: float,
     ) -> Generation:
         """One engine request per prompt (``params[i]`` for ``prompts[i]``); raises the first refusal.

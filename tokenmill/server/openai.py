@@ -43,7 +43,10 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 @router.get("/v1/models")
 async def list_models(state: State) -> dict[str, Any]:
     model = {
-        "id": state.model_name, "object": "model", "created": state.started, "owned_by": "tokenmill",
+        "id": state.model_name,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "tokenmill",
         "max_model_len": state.engine.max_context_len,
     }
     return {"object": "list", "data": [model]}
@@ -91,8 +94,9 @@ def _tool_setup(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | Non
     if isinstance(choice, str):
         return tools, names
     if choice.function.name not in names:
-        raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
-                       param="tool_choice")
+        raise APIError(
+            400, f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice"
+        )
     return tools, {choice.function.name}
 
 
@@ -108,8 +112,11 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
         out["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
         out["tool_calls"] = [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.function.name, "arguments": _json_object_or_text(c.function.arguments)}}
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _json_object_or_text(c.function.arguments)},
+            }
             for c in message.tool_calls
         ]
     return out
@@ -141,8 +148,11 @@ def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _raise_on_error(output: RequestOutput) -> None:
@@ -152,8 +162,12 @@ def _raise_on_error(output: RequestOutput) -> None:
 
 
 def _stream_error(request_id: str, message: str) -> str:
-    error = {"message": f"generation failed (request {request_id}): {message}", "type": "server_error",
-             "param": None, "code": "engine_error"}
+    error = {
+        "message": f"generation failed (request {request_id}): {message}",
+        "type": "server_error",
+        "param": None,
+        "code": "engine_error",
+    }
     return sse_event({"error": error})
 
 
@@ -190,18 +204,33 @@ class _Chat:
             finish = out.finish_reason
             parsed = parse_tool_calls(out.text, self.tool_names) if self.tool_names is not None else None
             if parsed and parsed.tool_calls:
-                message = {"role": "assistant", "content": parsed.content.strip() or None,
-                           "tool_calls": [_tool_call_json(c) for c in parsed.tool_calls]}
+                message = {
+                    "role": "assistant",
+                    "content": parsed.content.strip() or None,
+                    "tool_calls": [_tool_call_json(c) for c in parsed.tool_calls],
+                }
                 finish = "tool_calls"
-            choices.append({"index": out.index, "message": message, "logprobs": await self._logprobs(out),
-                            "finish_reason": finish})
+            choices.append(
+                {"index": out.index, "message": message, "logprobs": await self._logprobs(out), "finish_reason": finish}
+            )
         usage = _usage(len(output.prompt_token_ids), sum(len(o.token_ids) for o in output.outputs))
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.state.model_name,
-                "choices": choices, "usage": usage}
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+            "usage": usage,
+        }
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        chunk: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                                 "model": self.state.model_name, "choices": choices}
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+        }
         if usage is not None:
             chunk["usage"] = usage
         return sse_event(chunk)
@@ -210,8 +239,16 @@ class _Chat:
         """The SSE stream: a role chunk per choice, content / tool-call deltas, usage, ``[DONE]``."""
         tool_streams = [ToolCallStream(self.tool_names) if self.tool_names is not None else None for _ in range(n)]
         for index in range(n):
-            yield self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}])
+            yield self._chunk(
+                [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
         prompt_tokens = completion_tokens = 0
         async for _, delta in generation:
             prompt_tokens = len(delta.prompt_token_ids)
@@ -224,8 +261,9 @@ class _Chat:
                 message, finish = self._delta(out, tool_streams[out.index])
                 logprobs = await self._logprobs(out)
                 if message or finish or logprobs:
-                    yield self._chunk([{"index": out.index, "delta": message, "logprobs": logprobs,
-                                        "finish_reason": finish}])
+                    yield self._chunk(
+                        [{"index": out.index, "delta": message, "logprobs": logprobs, "finish_reason": finish}]
+                    )
         if include_usage:
             yield self._chunk([], _usage(prompt_tokens, completion_tokens))
         yield sse_event("[DONE]")
@@ -322,12 +360,21 @@ class _Completion:
 
     async def _choice(self, prompt_index: int, out: CompletionOutput) -> dict[str, Any]:
         index = prompt_index * self.n + out.index
-        return {"index": index, "text": out.text, "logprobs": await self._logprobs(index, out),
-                "finish_reason": out.finish_reason}
+        return {
+            "index": index,
+            "text": out.text,
+            "logprobs": await self._logprobs(index, out),
+            "finish_reason": out.finish_reason,
+        }
 
     def _body(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": self.id, "object": "text_completion", "created": self.created,
-                                "model": self.state.model_name, "choices": choices}
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+        }
         if usage is not None:
             body["usage"] = usage
         return body
@@ -336,8 +383,9 @@ class _Completion:
         for output in outputs:
             _raise_on_error(output)
         choices = [await self._choice(i, out) for i, output in enumerate(outputs) for out in output.outputs]
-        usage = _usage(sum(len(o.prompt_token_ids) for o in outputs),
-                       sum(len(c.token_ids) for o in outputs for c in o.outputs))
+        usage = _usage(
+            sum(len(o.prompt_token_ids) for o in outputs), sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        )
         return self._body(choices, usage)
 
     async def events(self, generation: Generation, include_usage: bool) -> AsyncIterator[str]:

@@ -41,8 +41,12 @@ class ServerState:
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     async def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text; text that is not valid Unicode -> 400."""
@@ -82,8 +86,11 @@ def check_unicode(value: Any, param: str) -> None:
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError as exc:
-                raise APIError(400, f"{param} contains a lone surrogate ({exc.object[exc.start]!r}), which is not "
-                                    "valid Unicode text", param=param) from exc
+                raise APIError(
+                    400,
+                    f"{param} contains a lone surrogate ({exc.object[exc.start]!r}), which is not valid Unicode text",
+                    param=param,
+                ) from exc
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())

@@ -25,8 +25,23 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 @triton.jit
 def attend_kv_chunk(
-    q, m_i, l_i, acc, slots, visible, mask_n, offs_d, mask_d,
-    k_cache_ptr, v_cache_ptr, kvh, stride_kcs, stride_kch, stride_vcs, stride_vch, qk_scale,
+    q,
+    m_i,
+    l_i,
+    acc,
+    slots,
+    visible,
+    mask_n,
+    offs_d,
+    mask_d,
+    k_cache_ptr,
+    v_cache_ptr,
+    kvh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    qk_scale,
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step of rows ``q`` ``[M, D]`` over the KV slots ``slots`` ``[N]`` of
@@ -35,7 +50,8 @@ def attend_kv_chunk(
     Returns the updated ``(m_i, l_i, acc)``."""
     k = tl.load(  # [BLOCK_D, BLOCK_N]: K^T straight from the cache
         k_cache_ptr + slots[None, :] * stride_kcs + kvh * stride_kch + offs_d[:, None],
-        mask=mask_d[:, None] & mask_n[None, :], other=0.0,
+        mask=mask_d[:, None] & mask_n[None, :],
+        other=0.0,
     )
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(visible, s, float("-inf"))
@@ -45,7 +61,8 @@ def attend_kv_chunk(
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(
         v_cache_ptr + slots[:, None] * stride_vcs + kvh * stride_vch + offs_d[None, :],
-        mask=mask_n[:, None] & mask_d[None, :], other=0.0,
+        mask=mask_n[:, None] & mask_d[None, :],
+        other=0.0,
     )
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc

@@ -24,16 +24,35 @@ from tokenmill.cache.views import DecodeKVCache
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, num_splits_ptr,
-    part_out_ptr, part_lse_ptr,
-    stride_qb, stride_qh,
-    stride_kcs, stride_kch, stride_vcs, stride_vch,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    req_to_token_ptr,
+    req_pool_ptr,
+    seq_lens_ptr,
+    num_splits_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
     stride_rt,
-    stride_pob, stride_poh, stride_pos,
-    stride_plb, stride_plh,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
     qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -53,7 +72,9 @@ def _decode_split_kernel(
     mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
     mask_hd = mask_h[:, None] & mask_d[None, :]
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_hd, other=0.0)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_hd, other=0.0
+    )
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -63,8 +84,24 @@ def _decode_split_kernel(
         mask_n = pos < end
         slots = tl.load(table + pos, mask=mask_n, other=0).to(tl.int64)
         m_i, l_i, acc = attend_kv_chunk(
-            q, m_i, l_i, acc, slots, mask_n[None, :], mask_n, offs_d, mask_d,
-            k_cache_ptr, v_cache_ptr, kvh, stride_kcs, stride_kch, stride_vcs, stride_vch, qk_scale, DOT_PRECISION,
+            q,
+            m_i,
+            l_i,
+            acc,
+            slots,
+            mask_n[None, :],
+            mask_n,
+            offs_d,
+            mask_d,
+            k_cache_ptr,
+            v_cache_ptr,
+            kvh,
+            stride_kcs,
+            stride_kch,
+            stride_vcs,
+            stride_vch,
+            qk_scale,
+            DOT_PRECISION,
         )
 
     nonempty = l_i > 0
@@ -78,11 +115,21 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_combine_kernel(
-    part_out_ptr, part_lse_ptr, num_splits_ptr, o_ptr,
-    stride_pob, stride_poh, stride_pos,
-    stride_plb, stride_plh,
-    stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    num_splits_ptr,
+    o_ptr,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -95,7 +142,8 @@ def _decode_combine_kernel(
     w = tl.exp(lse - tl.max(lse, 0))  # empty splits (lse = -inf) weigh 0; split 0 is never empty
     part = tl.load(
         part_out_ptr + b * stride_pob + h * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
-        mask=mask_s[:, None] & mask_d[None, :], other=0.0,
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
     )
     out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
     tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d)
@@ -119,25 +167,53 @@ def decode_attention(
         return out
     block_d = dot_block(head_dim)
     _decode_split_kernel[(batch, n_kv_heads, max_splits)](
-        q, k_cache, v_cache, view.req_to_token, view.req_pool_indices, view.seq_lens, view.num_splits,
-        part_out, part_lse,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        q,
+        k_cache,
+        v_cache,
+        view.req_to_token,
+        view.req_pool_indices,
+        view.seq_lens,
+        view.num_splits,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
         view.req_to_token.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
         scale * LOG2E,
-        GROUP=group, HEAD_DIM=head_dim, MAX_SPLITS=max_splits,
-        BLOCK_H=dot_block(group), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        MAX_SPLITS=max_splits,
+        BLOCK_H=dot_block(group),
+        BLOCK_D=block_d,
+        BLOCK_N=BLOCK_N,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,
     )
     _decode_combine_kernel[(batch, n_heads)](
-        part_out, part_lse, view.num_splits, out,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, MAX_SPLITS=max_splits, BLOCK_S=triton.next_power_of_2(max_splits), BLOCK_D=block_d,
+        part_out,
+        part_lse,
+        view.num_splits,
+        out,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        MAX_SPLITS=max_splits,
+        BLOCK_S=triton.next_power_of_2(max_splits),
+        BLOCK_D=block_d,
         num_warps=1,
     )
     return out

@@ -19,17 +19,36 @@ from tokenmill.attention.triton.common import BLOCK_N, LOG2E, attend_kv_chunk, d
 from tokenmill.cache.views import PrefillKVCache
 
 
-
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
-    req_to_token_ptr, req_pool_ptr, prefix_lens_ptr, extend_lens_ptr, qo_indptr_ptr, tile_req_ptr, tile_q_start_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kcs, stride_kch, stride_vcs, stride_vch,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    o_ptr,
+    req_to_token_ptr,
+    req_pool_ptr,
+    prefix_lens_ptr,
+    extend_lens_ptr,
+    qo_indptr_ptr,
+    tile_req_ptr,
+    tile_q_start_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
     stride_rt,
-    qk_scale, q_tile,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    qk_scale,
+    q_tile,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -51,7 +70,8 @@ def _prefill_kernel(
     rows = (first_row + q_idx).to(tl.int64)
     q = tl.load(
         q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-        mask=mask_m[:, None] & mask_d[None, :], other=0.0,
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
     )
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -65,14 +85,31 @@ def _prefill_kernel(
         # causal; the running max is finite: every row sees position 0 in the first chunk
         visible = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
         m_i, l_i, acc = attend_kv_chunk(
-            q, m_i, l_i, acc, slots, visible, mask_n, offs_d, mask_d,
-            k_cache_ptr, v_cache_ptr, kvh, stride_kcs, stride_kch, stride_vcs, stride_vch, qk_scale, DOT_PRECISION,
+            q,
+            m_i,
+            l_i,
+            acc,
+            slots,
+            visible,
+            mask_n,
+            offs_d,
+            mask_d,
+            k_cache_ptr,
+            v_cache_ptr,
+            kvh,
+            stride_kcs,
+            stride_kch,
+            stride_vcs,
+            stride_vch,
+            qk_scale,
+            DOT_PRECISION,
         )
 
     out = acc / l_i[:, None]
     tl.store(
         o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-        out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
     )
 
 
@@ -91,15 +128,33 @@ def prefill_attention(
         return out
     block_m = dot_block(view.q_tile)
     _prefill_kernel[(n_tiles, n_heads)](
-        q, k_cache, v_cache, out,
-        view.req_to_token, view.req_pool_indices, view.prefix_lens, view.extend_lens, view.qo_indptr,
-        view.tile_req, view.tile_q_start,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        view.req_to_token,
+        view.req_pool_indices,
+        view.prefix_lens,
+        view.extend_lens,
+        view.qo_indptr,
+        view.tile_req,
+        view.tile_q_start,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
         view.req_to_token.stride(0),
-        scale * LOG2E, view.q_tile,
-        GROUP=n_heads // k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=dot_block(head_dim),
+        scale * LOG2E,
+        view.q_tile,
+        GROUP=n_heads // k_cache.shape[1],
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        BLOCK_D=dot_block(head_dim),
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=8 if block_m >= 128 else 4,
     )

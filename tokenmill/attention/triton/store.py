@@ -9,10 +9,21 @@ import triton.language as tl
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcs, stride_kch, stride_vcs, stride_vch,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    loc_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -36,9 +47,20 @@ def store_kv(
     if n_tokens == 0:
         return
     _store_kv_kernel[(n_tokens, n_kv_heads)](
-        k, v, k_cache, v_cache, out_cache_loc,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        out_cache_loc,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=1,
     )

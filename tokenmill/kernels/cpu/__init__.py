@@ -35,7 +35,11 @@ EXTENSION_NAME = "tokenmill_cpu_kernels"
 SOURCES = [
     Path(__file__).with_name(name)
     for name in (
-        "decode_attention.cpp", "decode_forward.cpp", "elementwise.cpp", "panel_linear.cpp", "skinny_linear.cpp"
+        "decode_attention.cpp",
+        "decode_forward.cpp",
+        "elementwise.cpp",
+        "panel_linear.cpp",
+        "skinny_linear.cpp",
     )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "linear_io.h", "simd.h")]
@@ -85,8 +89,14 @@ def _load() -> Any | None:
         load(
             name=EXTENSION_NAME,
             sources=[str(p) for p in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
-                          f"-DTOKENMILL_HEADERS_HASH={headers_hash}"],
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                "-fopenmp",
+                "-fno-math-errno",
+                "-fno-trapping-math",
+                f"-DTOKENMILL_HEADERS_HASH={headers_hash}",
+            ],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,  # the library registers its ops with torch (TORCH_LIBRARY)
         )
