@@ -113,7 +113,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tokenmill.server.app import run_server
+    from tokenmill.server.lifecycle import run_server
 
     grace = {} if args.shutdown_grace_seconds is None else {"shutdown_grace_seconds": args.shutdown_grace_seconds}
     run_server(

@@ -13,7 +13,7 @@ import torch
 
 from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import LLM, AsyncEngine, SamplingParams
-from tokenmill.request import RequestOutput
+from tokenmill.request import ParameterError, RequestOutput
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -90,8 +90,9 @@ def test_pool_returns_to_baseline_and_rows_are_free(llm: LLM) -> None:
     ],
 )
 def test_bad_parameters_are_rejected_and_engine_keeps_serving(llm: LLM, kwargs: dict, param: str) -> None:
-    with pytest.raises(ValueError, match=param):
+    with pytest.raises(ParameterError, match=param) as refused:
         llm.generate(["hello world"], SamplingParams(**kwargs), use_tqdm=False)
+    assert refused.value.param == param
     out = llm.generate(["hello world"], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
 
@@ -109,6 +110,37 @@ def test_bad_prompts_are_rejected_before_anything_runs(llm: LLM) -> None:
     with pytest.raises(ValueError, match="max_tokens"):  # second prompt bad: first must not run either
         llm.generate(["hello", "world"], [SamplingParams(), SamplingParams(max_tokens=-1)], use_tqdm=False)
     assert llm.engine.stats()["scheduler"]["steps"] == before["scheduler"]["steps"]
+
+
+def test_engine_caps_apply_to_the_python_api(checkpoint) -> None:
+    llm = LLM(model=str(checkpoint[0]), num_kv_slots=256, max_n=2, max_top_logprobs=1, max_tokens_cap=4)
+    try:
+        for params, param in [
+            (SamplingParams(n=3, max_tokens=2), "n"),
+            (SamplingParams(logprobs=2, max_tokens=2), "logprobs"),
+            (SamplingParams(max_tokens=5), "max_tokens"),
+        ]:
+            with pytest.raises(ParameterError) as refused:
+                llm.generate([[5, 6, 7]], params, use_tqdm=False)
+            assert refused.value.param == param
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=None, **GREEDY), use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 4  # no max_tokens: the cap
+    finally:
+        llm.shutdown()
+
+
+def test_a_text_prompt_is_tokenized_once(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = llm.engine.tokenizer
+    calls: list[str] = []
+    encode = tokenizer.encode
+
+    def counting_encode(text: str, *args, **kwargs) -> list[int]:
+        calls.append(text)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", counting_encode)
+    llm.generate(["hello world", "the cat"], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
+    assert calls == ["hello world", "the cat"]
 
 
 def test_stop_strings_cut_text_exactly(llm: LLM) -> None:

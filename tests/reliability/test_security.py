@@ -21,7 +21,8 @@ from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import Engine
 from tokenmill.cli import build_parser
 from tokenmill.model.loader import load_model
-from tokenmill.server.app import create_app, run_server
+from tokenmill.server.app import create_app
+from tokenmill.server.lifecycle import run_server
 
 KEY = "k3y"
 AUTH = {"x-api-key": KEY}

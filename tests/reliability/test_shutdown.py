@@ -28,7 +28,7 @@ from fastapi import FastAPI
 
 import tokenmill
 from tests.tiny_models import save_tiny_checkpoint
-from tokenmill.server.app import DrainGate
+from tokenmill.server.lifecycle import DrainGate
 
 MODEL = "tiny-llama"
 GRACE_S = 3.0

@@ -179,7 +179,7 @@ class Engine:
                 raise ValueError(f"version must increase: {new_version} <= current {self.weight_version}")
             if abort_running:
                 self._abort_all()
-            apply_update(self.model, planned)
+            apply_update(planned)
             if flush_cache:
                 self.cache.reset_prefix_cache()
             self.weight_version = new_version

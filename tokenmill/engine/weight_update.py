@@ -72,7 +72,7 @@ def _file_reader(file: Path, name: str) -> Callable[[], torch.Tensor]:
     return read
 
 
-def apply_update(model: CausalLM, planned: list[PlannedTensor]) -> None:
+def apply_update(planned: list[PlannedTensor]) -> None:
     """Copy validated tensors into the model (call only between forwards)."""
     for item in planned:
         item.target.load(item.read())

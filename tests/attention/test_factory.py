@@ -1,0 +1,27 @@
+"""The attention factory: every configurable backend name has a constructor, and "auto" resolves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.attention import factory
+from tokenmill.attention.torch_native import TorchNativeBackend
+from tokenmill.config import ATTENTION_BACKENDS, EngineConfig
+
+
+def test_every_configurable_name_has_a_backend() -> None:
+    assert set(factory._BACKENDS) == set(ATTENTION_BACKENDS)
+
+
+def test_explicit_choices_are_strict() -> None:
+    with pytest.raises(ValueError, match="needs fp32 on CPU"):
+        factory.make_backend(EngineConfig(attention_backend="cpu", device="cpu"), 4, 2, 8, torch.bfloat16)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(attention_backend="flash")
+
+
+def test_auto_is_the_reference_off_fp32_cpu() -> None:
+    backend = factory.make_backend(EngineConfig(device="cpu"), 4, 2, 8, torch.bfloat16)
+    assert type(backend) is TorchNativeBackend
+    assert factory.auto_backend_name(torch.device("cpu"), torch.float16) == "torch"
