@@ -1,6 +1,7 @@
 """The HTTP app: FastAPI app factory, API-key check, operational routes.
 
-Routes: OpenAI (:mod:`tokenmill.server.openai`), Anthropic (:mod:`tokenmill.server.anthropic`),
+Routes: OpenAI (:mod:`tokenmill.server.openai`, ``openai_chat``, ``openai_completions``),
+Anthropic (:mod:`tokenmill.server.anthropic`),
 ``GET /health`` (200 while the engine loop runs, else 503; never needs the API key),
 ``GET /metrics`` (Prometheus text), ``GET /version``, and the RL control routes of
 :mod:`tokenmill.server.admin` (weight updates from disk under ``allowed_weight_roots``,
@@ -26,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tokenmill import __version__
 from tokenmill.engine.engine import Engine
 from tokenmill.metrics import ServerMetrics
-from tokenmill.server import admin, anthropic, openai
+from tokenmill.server import admin, anthropic, openai, openai_chat, openai_completions
 from tokenmill.server.body_limit import BodySizeLimit
 from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.state import ServerState, State
@@ -70,6 +71,8 @@ def create_app(
     install_error_handlers(app, max_body_bytes)
     auth = [Depends(_api_key_check(api_key))]
     app.include_router(openai.router, dependencies=auth)
+    app.include_router(openai_chat.router, dependencies=auth)
+    app.include_router(openai_completions.router, dependencies=auth)
     app.include_router(anthropic.router, dependencies=auth)
     app.include_router(admin.build_router(allowed_weight_roots), dependencies=auth)
 

@@ -1,13 +1,8 @@
-"""OpenAI-compatible routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``.
+"""OpenAI-compatible API: ``GET /v1/models`` and what the chat and completions routes share.
 
-- Chat: messages go through the model's chat template (in a worker thread); ``tools`` are passed
-  to it unless ``tool_choice`` is "none", and the output is parsed for tool calls
-  (:mod:`tokenmill.server.tool_parser`). There is no constrained decoding: with ``tool_choice``
-  "required" or a named function, output that does not parse as a call to an allowed tool is
-  returned as plain content with the engine's finish reason.
-- Completions: ``prompt`` is a string, a list of strings, token ids or a list of token-id lists;
-  each prompt is one engine request with ``n`` choices (choice index = prompt index * n + i).
-  ``echo`` and ``suffix`` are refused.
+The routes: :mod:`tokenmill.server.openai_chat` (``POST /v1/chat/completions``) and
+:mod:`tokenmill.server.openai_completions` (``POST /v1/completions``).
+
 - ``max_tokens`` unset: chat runs to the context limit (or ``max_tokens_cap``), completions
   default to 16 as in OpenAI's API.
 - ``usage`` counts real tokens: each prompt once, completion tokens over all choices.
@@ -15,29 +10,16 @@
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter
 
-from tokenmill.request import CompletionOutput, Logprob, RequestOutput
-from tokenmill.server.errors import APIError, engine_errors
-from tokenmill.server.generation import Generation, until_disconnected
-from tokenmill.server.params import openai_params
-from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
-from tokenmill.server.sse import SSEResponse, sse_event
-from tokenmill.server.state import ServerState, State
-from tokenmill.server.tool_parser import ToolCall, ToolCallStream, parse_tool_calls
+from tokenmill.request import Logprob, RequestOutput
+from tokenmill.server.errors import APIError
+from tokenmill.server.sse import sse_event
+from tokenmill.server.state import State
 
 router = APIRouter()
-
-# engine parameter name -> this route's name for it (error ``param``)
-CHAT_ALIASES = {"prompt": "messages", "logprobs": "top_logprobs"}
-COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 @router.get("/v1/models")
@@ -52,102 +34,13 @@ async def list_models(state: State) -> dict[str, Any]:
     return {"object": "list", "data": [model]}
 
 
-# ------------------------------------------------------------------------------------------ chat
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request, state: State) -> Response:
-    arrival = time.monotonic()
-    state.check_model(body.model)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise APIError(400, "only response_format type 'text' is supported", param="response_format")
-    if body.top_logprobs is not None and not body.logprobs:
-        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-    tools, tool_names = _tool_setup(body)
-    prompt = await state.render_chat([_template_message(m) for m in body.messages], tools)
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    with engine_errors(CHAT_ALIASES):
-        params = openai_params(body, max_tokens, logprobs)
-        generation = await until_disconnected(request, Generation.start(state, [prompt], [params], rid, arrival))
-    chat = _Chat(state, rid, tool_names, logprobs)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(chat.events(generation, params.n, include_usage), on_close=generation.close)
-    try:
-        (output,) = await until_disconnected(request, generation.collect())
-    finally:
-        generation.close()
-    return JSONResponse(await chat.response(output))
-
-
-def _tool_setup(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, set[str] | None]:
-    """Tools to render in the prompt, and the names of the tools whose calls are parsed (None: no parsing)."""
-    choice = body.tool_choice or "auto"
-    if not body.tools:
-        if choice not in ("auto", "none"):
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        return None, None
-    if choice == "none":
-        return None, None
-    tools = [t.model_dump(exclude_none=True) for t in body.tools]
-    names = {t.function.name for t in body.tools}
-    if isinstance(choice, str):
-        return tools, names
-    if choice.function.name not in names:
-        raise APIError(
-            400, f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice"
-        )
-    return tools, {choice.function.name}
-
-
-def _template_message(message: ChatMessage) -> dict[str, Any]:
-    """The message as chat templates expect it (tool-call arguments as objects, as in HF's docs)."""
-    out: dict[str, Any] = {
-        "role": "system" if message.role == "developer" else message.role,
-        "content": _text_content(message.content),
-    }
-    if message.name is not None:
-        out["name"] = message.name
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
-    if message.tool_calls:
-        out["tool_calls"] = [
-            {
-                "id": c.id,
-                "type": "function",
-                "function": {"name": c.function.name, "arguments": _json_object_or_text(c.function.arguments)},
-            }
-            for c in message.tool_calls
-        ]
-    return out
-
-
-def _text_content(content: str | list[ContentPart] | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise APIError(400, f"content parts of type {part.type!r} are not supported, only text", param="messages")
-    return "\n".join(part.text or "" for part in content)
-
-
-def _json_object_or_text(arguments: str) -> Any:
-    try:
-        value = json.loads(arguments)
-    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested too deeply to parse: keep the text
-        return arguments
-    return value if isinstance(value, dict) else arguments
-
-
-def _tool_call_json(call: ToolCall) -> dict[str, Any]:
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+def top_logprobs(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The ``k`` most likely entries of one token's logprobs, most likely first."""
     return sorted(entry.items(), key=lambda item: -item[1].logprob)[:k]
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_json(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's ``usage`` object."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -155,13 +48,15 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def _raise_on_error(output: RequestOutput) -> None:
+def raise_on_error(output: RequestOutput) -> None:
+    """APIError(500) naming the engine's error if a choice of ``output`` failed."""
     failed = next((o.error for o in output.outputs if o.error), None)
     if failed:
         raise APIError(500, f"generation failed (request {output.request_id}): {failed}", code="engine_error")
 
 
-def _stream_error(request_id: str, message: str) -> str:
+def stream_error(request_id: str, message: str) -> str:
+    """The SSE event that reports a generation failure mid-stream."""
     error = {
         "message": f"generation failed (request {request_id}): {message}",
         "type": "server_error",
@@ -169,238 +64,3 @@ def _stream_error(request_id: str, message: str) -> str:
         "code": "engine_error",
     }
     return sse_event({"error": error})
-
-
-class _Chat:
-    """Formats one chat completion's output, as a whole or as chunks."""
-
-    def __init__(self, state: ServerState, request_id: str, tool_names: set[str] | None, logprobs: int | None) -> None:
-        self.state = state
-        self.id = request_id
-        self.tool_names = tool_names
-        self.top_logprobs = logprobs
-        self.created = int(time.time())
-
-    async def _logprobs(self, out: CompletionOutput) -> dict[str, Any] | None:
-        if self.top_logprobs is None or out.logprobs is None:
-            return None
-        strings = await self.state.token_strings([t for entry in out.logprobs for t in entry])
-
-        def item(token: int, lp: Logprob) -> dict[str, Any]:
-            text = strings[token]
-            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
-
-        content = [
-            {**item(token, entry[token]), "top_logprobs": [item(t, lp) for t, lp in _top(entry, self.top_logprobs)]}
-            for token, entry in zip(out.token_ids, out.logprobs)
-        ]
-        return {"content": content}
-
-    async def response(self, output: RequestOutput) -> dict[str, Any]:
-        _raise_on_error(output)
-        choices = []
-        for out in output.outputs:
-            message: dict[str, Any] = {"role": "assistant", "content": out.text}
-            finish = out.finish_reason
-            parsed = parse_tool_calls(out.text, self.tool_names) if self.tool_names is not None else None
-            if parsed and parsed.tool_calls:
-                message = {
-                    "role": "assistant",
-                    "content": parsed.content.strip() or None,
-                    "tool_calls": [_tool_call_json(c) for c in parsed.tool_calls],
-                }
-                finish = "tool_calls"
-            choices.append(
-                {"index": out.index, "message": message, "logprobs": await self._logprobs(out), "finish_reason": finish}
-            )
-        usage = _usage(len(output.prompt_token_ids), sum(len(o.token_ids) for o in output.outputs))
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": choices,
-            "usage": usage,
-        }
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": choices,
-        }
-        if usage is not None:
-            chunk["usage"] = usage
-        return sse_event(chunk)
-
-    async def events(self, generation: Generation, n: int, include_usage: bool) -> AsyncIterator[str]:
-        """The SSE stream: a role chunk per choice, content / tool-call deltas, usage, ``[DONE]``."""
-        tool_streams = [ToolCallStream(self.tool_names) if self.tool_names is not None else None for _ in range(n)]
-        for index in range(n):
-            yield self._chunk(
-                [
-                    {
-                        "index": index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
-            )
-        prompt_tokens = completion_tokens = 0
-        async for _, delta in generation:
-            prompt_tokens = len(delta.prompt_token_ids)
-            for out in delta.outputs:
-                if out.error:
-                    yield _stream_error(self.id, out.error)
-                    yield sse_event("[DONE]")
-                    return
-                completion_tokens += len(out.token_ids)
-                message, finish = self._delta(out, tool_streams[out.index])
-                logprobs = await self._logprobs(out)
-                if message or finish or logprobs:
-                    yield self._chunk(
-                        [{"index": out.index, "delta": message, "logprobs": logprobs, "finish_reason": finish}]
-                    )
-        if include_usage:
-            yield self._chunk([], _usage(prompt_tokens, completion_tokens))
-        yield sse_event("[DONE]")
-
-    @staticmethod
-    def _delta(out: CompletionOutput, tools: ToolCallStream | None) -> tuple[dict[str, Any], str | None]:
-        """The chunk's ``delta`` and ``finish_reason`` for one choice's output delta."""
-        if tools is None:
-            return ({"content": out.text} if out.text else {}), out.finish_reason
-        text, finish = tools.feed(out.text), out.finish_reason
-        message: dict[str, Any] = {}
-        if finish is not None:
-            rest, calls = tools.finish()
-            text += rest
-            if calls:
-                message["tool_calls"] = [{"index": i, **_tool_call_json(c)} for i, c in enumerate(calls)]
-                finish = "tool_calls"
-                text = text if text.strip() else ""  # as in a whole reply: no whitespace-only content
-        if text:
-            message["content"] = text
-        return message, finish
-
-
-# ----------------------------------------------------------------------------------- completions
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request, state: State) -> Response:
-    arrival = time.monotonic()
-    state.check_model(body.model)
-    if body.echo:
-        raise APIError(400, "echo is not supported", param="echo")
-    if body.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
-    prompts = await _completion_prompts(state, body.prompt)
-    config = state.engine.config
-    max_tokens = body.max_tokens
-    if max_tokens is None:
-        max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, config.max_tokens_cap or COMPLETION_DEFAULT_MAX_TOKENS)
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    with engine_errors({}):
-        params = openai_params(body, max_tokens, body.logprobs)
-        generation = await until_disconnected(
-            request, Generation.start(state, prompts, [params] * len(prompts), rid, arrival)
-        )
-    completion = _Completion(state, rid, params.n, len(prompts))
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(completion.events(generation, include_usage), on_close=generation.close)
-    try:
-        outputs = await until_disconnected(request, generation.collect())
-    finally:
-        generation.close()
-    return JSONResponse(await completion.response(outputs))
-
-
-async def _completion_prompts(
-    state: ServerState, prompt: str | list[str] | list[int] | list[list[int]]
-) -> list[list[int]]:
-    """Token ids of each prompt (strings are tokenized in a worker thread)."""
-    if isinstance(prompt, str):
-        return await state.encode([prompt])
-    if prompt and all(isinstance(p, str) for p in prompt):
-        return await state.encode(prompt)  # type: ignore[arg-type]
-    if prompt and isinstance(prompt[0], list):
-        return prompt  # type: ignore[return-value]
-    return [prompt]  # type: ignore[list-item]
-
-
-class _Completion:
-    """Formats one completions call's outputs, as a whole or as chunks."""
-
-    def __init__(self, state: ServerState, request_id: str, n: int, n_prompts: int) -> None:
-        self.state = state
-        self.id = request_id
-        self.n = n
-        self.created = int(time.time())
-        self._offsets = [0] * (n * n_prompts)  # text_offset reached so far, per choice
-
-    async def _logprobs(self, choice: int, out: CompletionOutput) -> dict[str, Any] | None:
-        """Legacy shape; ``text_offset`` is cumulative over the choice's token strings."""
-        if out.logprobs is None:
-            return None
-        strings = await self.state.token_strings([t for entry in out.logprobs for t in entry])
-        tokens = [strings[t] for t in out.token_ids]
-        offsets = []
-        for text in tokens:
-            offsets.append(self._offsets[choice])
-            self._offsets[choice] += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs)],
-            "top_logprobs": [{strings[t]: lp.logprob for t, lp in _top(entry, len(entry))} for entry in out.logprobs],
-            "text_offset": offsets,
-        }
-
-    async def _choice(self, prompt_index: int, out: CompletionOutput) -> dict[str, Any]:
-        index = prompt_index * self.n + out.index
-        return {
-            "index": index,
-            "text": out.text,
-            "logprobs": await self._logprobs(index, out),
-            "finish_reason": out.finish_reason,
-        }
-
-    def _body(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return body
-
-    async def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        for output in outputs:
-            _raise_on_error(output)
-        choices = [await self._choice(i, out) for i, output in enumerate(outputs) for out in output.outputs]
-        usage = _usage(
-            sum(len(o.prompt_token_ids) for o in outputs), sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        )
-        return self._body(choices, usage)
-
-    async def events(self, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
-        prompt_tokens: dict[int, int] = {}
-        completion_tokens = 0
-        async for prompt_index, delta in generation:
-            prompt_tokens[prompt_index] = len(delta.prompt_token_ids)
-            for out in delta.outputs:
-                if out.error:
-                    yield _stream_error(self.id, out.error)
-                    yield sse_event("[DONE]")
-                    return
-                completion_tokens += len(out.token_ids)
-                if out.text or out.finish_reason or out.logprobs:
-                    yield sse_event(self._body([await self._choice(prompt_index, out)], None))
-        if include_usage:
-            yield sse_event(self._body([], _usage(sum(prompt_tokens.values()), completion_tokens)))
-        yield sse_event("[DONE]")

@@ -1,0 +1,244 @@
+"""OpenAI chat completions: ``POST /v1/chat/completions``.
+
+Messages go through the model's chat template (in a worker thread); ``tools`` are passed to it
+unless ``tool_choice`` is "none", and the output is parsed for tool calls
+(:mod:`tokenmill.server.tool_parser`). There is no constrained decoding: with ``tool_choice``
+"required" or a named function, output that does not parse as a call to an allowed tool is
+returned as plain content with the engine's finish reason. Without ``max_tokens`` a reply runs to
+the context limit (or ``max_tokens_cap``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.request import CompletionOutput, Logprob, RequestOutput
+from tokenmill.server.errors import APIError, engine_errors
+from tokenmill.server.generation import Generation, until_disconnected
+from tokenmill.server.openai import raise_on_error, stream_error, top_logprobs, usage_json
+from tokenmill.server.params import openai_params
+from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, ContentPart
+from tokenmill.server.sse import SSEResponse, sse_event
+from tokenmill.server.state import ServerState, State
+from tokenmill.server.tool_parser import ToolCall, ToolCallStream, parse_tool_calls
+
+router = APIRouter()
+
+# engine parameter name -> this route's name for it (error ``param``)
+CHAT_ALIASES = {"prompt": "messages", "logprobs": "top_logprobs"}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, state: State) -> Response:
+    arrival = time.monotonic()
+    state.check_model(body.model)
+    if body.response_format is not None and body.response_format.type != "text":
+        raise APIError(400, "only response_format type 'text' is supported", param="response_format")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    tools, tool_names = _tool_setup(body)
+    prompt = await state.render_chat([_template_message(m) for m in body.messages], tools)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    with engine_errors(CHAT_ALIASES):
+        params = openai_params(body, max_tokens, logprobs)
+        generation = await until_disconnected(request, Generation.start(state, [prompt], [params], rid, arrival))
+    chat = _Chat(state, rid, tool_names, logprobs)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return SSEResponse(chat.events(generation, params.n, include_usage), on_close=generation.close)
+    try:
+        (output,) = await until_disconnected(request, generation.collect())
+    finally:
+        generation.close()
+    return JSONResponse(await chat.response(output))
+
+
+def _tool_setup(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, set[str] | None]:
+    """Tools to render in the prompt, and the names of the tools whose calls are parsed (None: no parsing)."""
+    choice = body.tool_choice or "auto"
+    if not body.tools:
+        if choice not in ("auto", "none"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return None, None
+    if choice == "none":
+        return None, None
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    names = {t.function.name for t in body.tools}
+    if isinstance(choice, str):
+        return tools, names
+    if choice.function.name not in names:
+        raise APIError(
+            400, f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice"
+        )
+    return tools, {choice.function.name}
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """The message as chat templates expect it (tool-call arguments as objects, as in HF's docs)."""
+    out: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": _text_content(message.content),
+    }
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _json_object_or_text(c.function.arguments)},
+            }
+            for c in message.tool_calls
+        ]
+    return out
+
+
+def _text_content(content: str | list[ContentPart] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"content parts of type {part.type!r} are not supported, only text", param="messages")
+    return "\n".join(part.text or "" for part in content)
+
+
+def _json_object_or_text(arguments: str) -> Any:
+    try:
+        value = json.loads(arguments)
+    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested too deeply to parse: keep the text
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+def _tool_call_json(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+class _Chat:
+    """Formats one chat completion's output, as a whole or as chunks."""
+
+    def __init__(self, state: ServerState, request_id: str, tool_names: set[str] | None, logprobs: int | None) -> None:
+        self.state = state
+        self.id = request_id
+        self.tool_names = tool_names
+        self.top_logprobs = logprobs
+        self.created = int(time.time())
+
+    async def _logprobs(self, out: CompletionOutput) -> dict[str, Any] | None:
+        if self.top_logprobs is None or out.logprobs is None:
+            return None
+        strings = await self.state.token_strings([t for entry in out.logprobs for t in entry])
+
+        def item(token: int, lp: Logprob) -> dict[str, Any]:
+            text = strings[token]
+            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+
+        content = [
+            {
+                **item(token, entry[token]),
+                "top_logprobs": [item(t, lp) for t, lp in top_logprobs(entry, self.top_logprobs)],
+            }
+            for token, entry in zip(out.token_ids, out.logprobs)
+        ]
+        return {"content": content}
+
+    async def response(self, output: RequestOutput) -> dict[str, Any]:
+        raise_on_error(output)
+        choices = []
+        for out in output.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": out.text}
+            finish = out.finish_reason
+            parsed = parse_tool_calls(out.text, self.tool_names) if self.tool_names is not None else None
+            if parsed and parsed.tool_calls:
+                message = {
+                    "role": "assistant",
+                    "content": parsed.content.strip() or None,
+                    "tool_calls": [_tool_call_json(c) for c in parsed.tool_calls],
+                }
+                finish = "tool_calls"
+            choices.append(
+                {"index": out.index, "message": message, "logprobs": await self._logprobs(out), "finish_reason": finish}
+            )
+        usage = usage_json(len(output.prompt_token_ids), sum(len(o.token_ids) for o in output.outputs))
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+            "usage": usage,
+        }
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return sse_event(chunk)
+
+    async def events(self, generation: Generation, n: int, include_usage: bool) -> AsyncIterator[str]:
+        """The SSE stream: a role chunk per choice, content / tool-call deltas, usage, ``[DONE]``."""
+        tool_streams = [ToolCallStream(self.tool_names) if self.tool_names is not None else None for _ in range(n)]
+        for index in range(n):
+            yield self._chunk(
+                [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+        prompt_tokens = completion_tokens = 0
+        async for _, delta in generation:
+            prompt_tokens = len(delta.prompt_token_ids)
+            for out in delta.outputs:
+                if out.error:
+                    yield stream_error(self.id, out.error)
+                    yield sse_event("[DONE]")
+                    return
+                completion_tokens += len(out.token_ids)
+                message, finish = self._delta(out, tool_streams[out.index])
+                logprobs = await self._logprobs(out)
+                if message or finish or logprobs:
+                    yield self._chunk(
+                        [{"index": out.index, "delta": message, "logprobs": logprobs, "finish_reason": finish}]
+                    )
+        if include_usage:
+            yield self._chunk([], usage_json(prompt_tokens, completion_tokens))
+        yield sse_event("[DONE]")
+
+    @staticmethod
+    def _delta(out: CompletionOutput, tools: ToolCallStream | None) -> tuple[dict[str, Any], str | None]:
+        """The chunk's ``delta`` and ``finish_reason`` for one choice's output delta."""
+        if tools is None:
+            return ({"content": out.text} if out.text else {}), out.finish_reason
+        text, finish = tools.feed(out.text), out.finish_reason
+        message: dict[str, Any] = {}
+        if finish is not None:
+            rest, calls = tools.finish()
+            text += rest
+            if calls:
+                message["tool_calls"] = [{"index": i, **_tool_call_json(c)} for i, c in enumerate(calls)]
+                finish = "tool_calls"
+                text = text if text.strip() else ""  # as in a whole reply: no whitespace-only content
+        if text:
+            message["content"] = text
+        return message, finish
