@@ -20,7 +20,7 @@ WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    engine = LLM(num_kv_slots=8192)  # no model: the bundled default
+    engine = LLM(dtype="float32", num_kv_slots=8192)  # no model: the bundled default
     yield engine
     engine.shutdown()
 

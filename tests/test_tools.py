@@ -76,7 +76,7 @@ def test_one_step_checkpoint_matches_bundled_layout_and_loads(trainer: ModuleTyp
     with torch.no_grad():
         torch.testing.assert_close(reloaded(batch).logits, model.eval()(batch).logits)
 
-    llm = LLM(model=str(tmp_path))
+    llm = LLM(dtype="float32", model=str(tmp_path))
     try:
         [out] = llm.generate(["def f("], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     finally:

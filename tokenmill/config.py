@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.hardware import native_bf16
 from tokenmill.request import RequestLimits
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default-model"
@@ -36,7 +37,8 @@ class EngineConfig:
     model: str | None = None
     """Path to a Hugging Face checkpoint folder; None means the bundled default model."""
     dtype: str = "auto"
-    """"auto" (fp32 on CPU, the checkpoint's dtype on GPU), "float32", "bfloat16" or "float16"."""
+    """"auto" (CPU: bf16 with native bf16 hardware, else fp32; GPU: the checkpoint's dtype), "float32",
+    "bfloat16" or "float16"."""
     device: str = "auto"
     """"auto" (cuda if available, else cpu), or any torch device string."""
     seed: int = 0
@@ -145,10 +147,10 @@ class EngineConfig:
         return torch.device(self.device)
 
     def resolved_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-        """fp32 on CPU for "auto" (bf16 matmuls are slow without native bf16; see the README); the
-        checkpoint's dtype on GPU."""
+        """ "auto": on CPU bf16 where the CPU multiplies bf16 natively (AMX or AVX512-BF16), else fp32
+        (emulated bf16 is far slower); on GPU the checkpoint's dtype."""
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         if self.resolved_device().type == "cpu":
-            return torch.float32
+            return torch.bfloat16 if native_bf16() else torch.float32
         return checkpoint_dtype or torch.bfloat16

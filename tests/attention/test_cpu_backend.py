@@ -148,17 +148,45 @@ def test_prefill_matches_torch(monkeypatch: pytest.MonkeyPatch, block_floats: in
     assert (cpu.forward(q, k, v, LAYER, view) - ref.forward(q, k, v, LAYER, view)).abs().max().item() <= 1e-5
 
 
-def test_refuses_non_fp32() -> None:
+def test_refuses_fp16() -> None:
     layout = PagedLayout(1, n_pages=8, rows=1, context=8)
-    storage = make_storage(2, 8, 2, 64, torch.bfloat16)
+    storage = make_storage(2, 8, 2, 64, torch.float16)
     row = layout.new_row()
     loc = layout.extend(row, 1)
     view = make_decode_view(
         storage, layout.pool.table, [row], [1], loc, torch.zeros(1, 2, 1, 64), torch.zeros(1, 2, 1), 64
     )
-    q, kv = torch.randn(1, 2, 64).bfloat16(), torch.randn(1, 2, 64).bfloat16()
-    with pytest.raises(ValueError, match="fp32"):
+    q, kv = torch.randn(1, 2, 64).half(), torch.randn(1, 2, 64).half()
+    with pytest.raises(ValueError, match="fp32/bf16"):
         CpuBackend(2, 2, 64).forward(q, kv, kv, 0, view)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "h{}-kv{}-d{}-p{}-b{}".format(*c))
+def test_bf16_decode_matches_fp32_math_on_the_same_values(case: tuple) -> None:
+    """A bf16 cache is read as the fp32 values it holds: the output equals the fp32 reference on
+    those values (and a bf16 query), rounded once to bf16."""
+    n_heads, n_kv, head_dim, page, batch = case
+    torch.manual_seed(3)
+    layout = PagedLayout(page, n_pages=2 + 250 * batch // page + batch, rows=batch, context=300)
+    bf16 = make_storage(2, layout.allocator.n_pages * page, n_kv, head_dim, torch.bfloat16)
+    fp32 = make_storage(2, layout.allocator.n_pages * page, n_kv, head_dim, torch.float32)
+    fp32.k_buffer.copy_(bf16.k_buffer)
+    fp32.v_buffer.copy_(bf16.v_buffer)
+    rows = [layout.new_row() for _ in range(batch)]
+    layout.extend_interleaved(rows, torch.randint(0, 250, (batch,)).tolist())  # one to two 128-key chunks
+    loc = torch.cat(layout.extend_interleaved(rows, [1] * batch))
+
+    def view(storage):
+        seq_lens = [layout.lens[r] for r in rows]
+        scratch = torch.zeros(batch, n_heads, 1, head_dim), torch.zeros(batch, n_heads, 1)
+        return make_decode_view(storage, layout.pool.table, rows, seq_lens, loc, *scratch, 64)
+
+    q = torch.randn(batch, n_heads, head_dim).bfloat16()
+    k, v = torch.randn(batch, n_kv, head_dim).bfloat16(), torch.randn(batch, n_kv, head_dim).bfloat16()
+    out = CpuBackend(n_heads, n_kv, head_dim).forward(q, k, v, LAYER, view(bf16))
+    expected = TorchNativeBackend(n_heads, n_kv, head_dim).forward(q.float(), k.float(), v.float(), LAYER, view(fp32))
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), expected.bfloat16().float(), rtol=2**-7, atol=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +202,7 @@ def test_engine_auto_picks_cpu_and_matches_torch(checkpoint: Path) -> None:
     options = dict(device="cpu", num_kv_slots=256, page_size=4, max_running_requests=4, max_num_batched_tokens=24)
     results = {}
     for backend in ("auto", "torch"):
-        llm = LLM(model=str(checkpoint), attention_backend=backend, **options)
+        llm = LLM(dtype="float32", model=str(checkpoint), attention_backend=backend, **options)
         try:
             results[llm.engine.model.backend.name] = [
                 o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)

@@ -15,13 +15,13 @@ def test_every_configurable_name_has_a_backend() -> None:
 
 
 def test_explicit_choices_are_strict() -> None:
-    with pytest.raises(ValueError, match="needs fp32 on CPU"):
-        factory.make_backend(EngineConfig(attention_backend="cpu", device="cpu"), 4, 2, 8, torch.bfloat16)
+    with pytest.raises(ValueError, match="needs fp32 or bf16 on CPU"):
+        factory.make_backend(EngineConfig(attention_backend="cpu", device="cpu"), 4, 2, 8, torch.float16)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         EngineConfig(attention_backend="flash")
 
 
-def test_auto_is_the_reference_off_fp32_cpu() -> None:
-    backend = factory.make_backend(EngineConfig(device="cpu"), 4, 2, 8, torch.bfloat16)
+def test_auto_is_the_reference_for_fp16_on_cpu() -> None:
+    backend = factory.make_backend(EngineConfig(device="cpu"), 4, 2, 8, torch.float16)
     assert type(backend) is TorchNativeBackend
     assert factory.auto_backend_name(torch.device("cpu"), torch.float16) == "torch"

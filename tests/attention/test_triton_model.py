@@ -47,7 +47,7 @@ def test_engine_greedy_tokens_match_torch_backend(checkpoint: Path) -> None:
     )
     results = {}
     for backend in ("torch", "triton"):
-        llm = LLM(model=str(checkpoint), attention_backend=backend, **options)
+        llm = LLM(dtype="float32", model=str(checkpoint), attention_backend=backend, **options)
         try:
             assert llm.engine.model.backend.name == backend
             first = llm.generate(prompts, SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)

@@ -28,7 +28,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
 
 @pytest.fixture(scope="module")
 def llm(checkpoint) -> LLM:
-    engine = LLM(model=str(checkpoint[0]), num_kv_slots=2048, max_num_batched_tokens=128)
+    engine = LLM(dtype="float32", model=str(checkpoint[0]), num_kv_slots=2048, max_num_batched_tokens=128)
     yield engine
     engine.shutdown()
 
@@ -49,7 +49,7 @@ def test_batch_with_preemption_and_chunking_equals_alone_and_transformers(checkp
     prompts = [[rng.randrange(4, 97) for _ in range(n)] for n in lengths]
     max_tokens = [1, 64] + [rng.randint(1, 64) for _ in range(18)]
     params = [SamplingParams(max_tokens=m, **GREEDY) for m in max_tokens]
-    llm = LLM(model=str(path), num_kv_slots=1024, max_num_batched_tokens=96, page_size=4)
+    llm = LLM(dtype="float32", model=str(path), num_kv_slots=1024, max_num_batched_tokens=96, page_size=4)
     try:
         batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         stats = llm.engine.stats()
@@ -113,7 +113,9 @@ def test_bad_prompts_are_rejected_before_anything_runs(llm: LLM) -> None:
 
 
 def test_engine_caps_apply_to_the_python_api(checkpoint) -> None:
-    llm = LLM(model=str(checkpoint[0]), num_kv_slots=256, max_n=2, max_top_logprobs=1, max_tokens_cap=4)
+    llm = LLM(
+        dtype="float32", model=str(checkpoint[0]), num_kv_slots=256, max_n=2, max_top_logprobs=1, max_tokens_cap=4
+    )
     try:
         for params, param in [
             (SamplingParams(n=3, max_tokens=2), "n"),
@@ -223,7 +225,7 @@ def test_logit_bias_and_logprobs_through_the_engine(llm: LLM) -> None:
 
 
 def test_abort_mid_decode_releases_pages(checkpoint) -> None:
-    llm = LLM(model=str(checkpoint[0]), num_kv_slots=2048, enable_prefix_caching=False)
+    llm = LLM(dtype="float32", model=str(checkpoint[0]), num_kv_slots=2048, enable_prefix_caching=False)
     engine = llm.engine
     try:
         got_tokens = threading.Event()
@@ -250,7 +252,7 @@ def test_abort_mid_decode_releases_pages(checkpoint) -> None:
 
 
 def test_unbounded_max_tokens_stops_at_the_kv_limit(checkpoint) -> None:
-    llm = LLM(model=str(checkpoint[0]), num_kv_slots=64, enable_prefix_caching=False)
+    llm = LLM(dtype="float32", model=str(checkpoint[0]), num_kv_slots=64, enable_prefix_caching=False)
     try:
         out = llm.generate([list(range(5, 15))], SamplingParams(max_tokens=None, **GREEDY), use_tqdm=False)[0]
         assert out.outputs[0].finish_reason == "length"

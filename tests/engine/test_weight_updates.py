@@ -35,7 +35,7 @@ def weights_for(base: dict[str, torch.Tensor], version: int) -> list[tuple[str, 
 
 def test_concurrent_generation_and_twenty_updates(checkpoint: Path) -> None:
     base = load_file(checkpoint / "model.safetensors")
-    llm = LLM(model=str(checkpoint), num_kv_slots=4096)
+    llm = LLM(dtype="float32", model=str(checkpoint), num_kv_slots=4096)
     engine = llm.engine
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
     records: list[tuple[int, list[int], RequestOutput]] = []
@@ -100,7 +100,7 @@ def test_concurrent_generation_and_twenty_updates(checkpoint: Path) -> None:
 )
 def test_invalid_update_changes_nothing(checkpoint: Path, bad: tuple, message: str) -> None:
     # no prefix cache: both runs take the same computation path, so outputs must be bit-identical
-    llm = LLM(model=str(checkpoint), num_kv_slots=1024, enable_prefix_caching=False)
+    llm = LLM(dtype="float32", model=str(checkpoint), num_kv_slots=1024, enable_prefix_caching=False)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
         before = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0]
@@ -122,8 +122,8 @@ def test_flush_recomputes_cached_prompts_with_new_weights(checkpoint: Path, tmp_
     save_tiny_model(new, "llama", seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)
     prompt = list(range(10, 30))
-    llm = LLM(model=str(checkpoint), num_kv_slots=1024)
-    fresh = LLM(model=str(checkpoint), num_kv_slots=1024)
+    llm = LLM(dtype="float32", model=str(checkpoint), num_kv_slots=1024)
+    fresh = LLM(dtype="float32", model=str(checkpoint), num_kv_slots=1024)
     try:
         fresh.update_weights(new)  # reference: new weights, never saw the old ones' KV
         expected = fresh.generate([prompt], params, use_tqdm=False)[0].outputs[0]
@@ -146,7 +146,7 @@ def test_flush_recomputes_cached_prompts_with_new_weights(checkpoint: Path, tmp_
 
 
 def test_pause_holds_steps_and_resume_continues(checkpoint: Path) -> None:
-    llm = LLM(model=str(checkpoint), num_kv_slots=1024)
+    llm = LLM(dtype="float32", model=str(checkpoint), num_kv_slots=1024)
     engine = llm.engine
     try:
         engine.pause_generation()

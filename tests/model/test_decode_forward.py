@@ -103,7 +103,14 @@ def test_engine_runs_it_on_every_decode_step(llama: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(CpuDecodeForward, "__call__", fused)
     prompts = [[5, 6, 7], [(7 * i) % 90 + 4 for i in range(19)], [8, 9, 10, 11]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
-    llm = LLM(model=str(llama), device="cpu", attention_backend="cpu", num_kv_slots=512, enable_prefix_caching=False)
+    llm = LLM(
+        dtype="float32",
+        model=str(llama),
+        device="cpu",
+        attention_backend="cpu",
+        num_kv_slots=512,
+        enable_prefix_caching=False,
+    )
     try:
         assert llm.engine.runner.cpu_decode is not None
         with_fused = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]

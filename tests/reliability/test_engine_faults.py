@@ -19,7 +19,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
     path = tmp_path_factory.mktemp("faulty")
     save_tiny_checkpoint(path, "llama")
-    engine = LLM(model=str(path), num_kv_slots=2048)
+    engine = LLM(dtype="float32", model=str(path), num_kv_slots=2048)
     yield engine
     engine.shutdown()
 
@@ -108,7 +108,7 @@ def test_fault_in_detokenization_fails_only_that_request(llm: LLM) -> None:
 
 def test_dead_loop_is_visible_and_calls_fail_fast(tmp_path: Path) -> None:
     save_tiny_checkpoint(tmp_path, "llama")
-    llm = LLM(model=str(tmp_path), num_kv_slots=512)
+    llm = LLM(dtype="float32", model=str(tmp_path), num_kv_slots=512)
     engine = llm.engine
 
     def boom() -> None:

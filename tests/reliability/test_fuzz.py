@@ -196,7 +196,7 @@ CONTENT_TYPES = st.sampled_from(["application/json", "text/plain", "application/
 def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     path = tmp_path_factory.mktemp("fuzz") / MODEL
     save_tiny_checkpoint(path, "llama", max_position_embeddings=512)
-    engine = Engine(model=str(path), num_kv_slots=1024, max_tokens_cap=8, max_n=2)
+    engine = Engine(dtype="float32", model=str(path), num_kv_slots=1024, max_tokens_cap=8, max_n=2)
     with serve(engine) as live:
         yield live
 

@@ -52,7 +52,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def guarded(models: dict[str, Path]) -> Iterator[Server]:
-    engine = Engine(model=str(models["good"]), num_kv_slots=1024, **CAPS)
+    engine = Engine(dtype="float32", model=str(models["good"]), num_kv_slots=1024, **CAPS)
     with serve(engine, api_key=KEY, max_body_bytes=BODY_LIMIT, allowed_weight_roots=[models["roots"]]) as live:
         yield live
 
@@ -146,7 +146,7 @@ def test_weights_are_read_from_safetensors_only_never_unpickled(
     with pytest.raises(FileNotFoundError, match="safetensors checkpoints only"):
         load_model(models["pickled"], torch.float32, "cpu")
     with pytest.raises(FileNotFoundError, match="safetensors"):
-        Engine(model=str(models["pickled"]), num_kv_slots=64)
+        Engine(dtype="float32", model=str(models["pickled"]), num_kv_slots=64)
     response = client.post("/update_weights_from_disk", json={"model_path": str(models["pickled"])}, headers=AUTH)
     assert response.status_code == 400 and "safetensors checkpoints only" in response.json()["error"]["message"]
     assert not models["marker"].exists()
@@ -189,10 +189,10 @@ def test_no_remote_code_from_a_model_folder(models: dict[str, Path], tokenizer_c
         config = json.loads((folder / name).read_text())
         (folder / name).write_text(json.dumps({**config, "auto_map": auto_map, **extra}))
     if tokenizer_class is None:
-        engine = Engine(model=str(folder), num_kv_slots=64)
+        engine = Engine(dtype="float32", model=str(folder), num_kv_slots=64)
         assert type(engine.tokenizer.hf).__module__.startswith("transformers.")
         engine.shutdown()
     else:
         with pytest.raises(FileNotFoundError, match="cannot load a tokenizer"):
-            Engine(model=str(folder), num_kv_slots=64)
+            Engine(dtype="float32", model=str(folder), num_kv_slots=64)
     assert not marker.exists()

@@ -21,7 +21,7 @@ RSS_GROWTH_LIMIT_MB = 50
 def test_soak_leaves_nothing_behind(tmp_path: Path) -> None:
     save_tiny_checkpoint(tmp_path, "llama", max_position_embeddings=512)
     # few KV slots for 16 clients x up to 3 choices: exercises preemption and prefix-cache eviction
-    engine = Engine(model=str(tmp_path), num_kv_slots=256, max_running_requests=32)
+    engine = Engine(dtype="float32", model=str(tmp_path), num_kv_slots=256, max_running_requests=32)
     model = tmp_path.name
     with serve(engine) as server:
         baseline = leaks(engine)

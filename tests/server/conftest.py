@@ -48,7 +48,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path) -> Iterator[Server]:
-    with serve(Engine(model=str(checkpoint), num_kv_slots=8192, max_tokens_cap=400)) as live:
+    with serve(Engine(dtype="float32", model=str(checkpoint), num_kv_slots=8192, max_tokens_cap=400)) as live:
         yield live
 
 

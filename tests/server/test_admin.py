@@ -50,7 +50,7 @@ def layout(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def admin_server(checkpoint: Path, layout: dict[str, Path]) -> Iterator[Server]:
-    engine = Engine(model=str(checkpoint), num_kv_slots=2048)
+    engine = Engine(dtype="float32", model=str(checkpoint), num_kv_slots=2048)
     with serve(engine, api_key=KEY, allowed_weight_roots=[layout["root"]]) as live:
         yield live
 
@@ -85,7 +85,7 @@ def error_of(response: httpx.Response, status: int) -> dict:
 def test_update_from_disk_switches_to_the_new_model_and_bumps_the_version(
     admin_server: Server, layout: dict[str, Path]
 ) -> None:
-    second = Engine(model=str(layout["root"] / "second"), num_kv_slots=256)
+    second = Engine(dtype="float32", model=str(layout["root"] / "second"), num_kv_slots=256)
     try:
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         expected = engine_generate(second, PROMPT, params).outputs[0].text
@@ -196,7 +196,7 @@ def test_admin_routes_need_the_api_key(admin_server: Server, layout: dict[str, P
 
 
 def test_without_allowed_roots_every_path_is_403(checkpoint: Path, layout: dict[str, Path]) -> None:
-    with serve(Engine(model=str(checkpoint), num_kv_slots=256)) as live:
+    with serve(Engine(dtype="float32", model=str(checkpoint), num_kv_slots=256)) as live:
         error = error_of(update(live, layout["root"] / "second", headers=None), 403)
         assert "--allowed-weight-roots" in error["message"]
         assert httpx.get(f"{live.url}/weight_version").json() == {"weight_version": 0}

@@ -174,7 +174,9 @@ def test_failed_generation_is_500_or_a_stream_error(server: Server, monkeypatch:
 @pytest.fixture(scope="module")
 def guarded(checkpoint: Path) -> Server:
     """A second server: API key required, 2 KiB body limit."""
-    with serve(Engine(model=str(checkpoint), num_kv_slots=1024), api_key=KEY, max_body_bytes=2048) as live:
+    with serve(
+        Engine(dtype="float32", model=str(checkpoint), num_kv_slots=1024), api_key=KEY, max_body_bytes=2048
+    ) as live:
         yield live
 
 
@@ -218,7 +220,7 @@ def test_oversized_body_is_413(guarded: Server) -> None:
 
 
 def test_dead_engine_fails_fast_with_503(checkpoint: Path) -> None:
-    with serve(Engine(model=str(checkpoint), num_kv_slots=256)) as live:
+    with serve(Engine(dtype="float32", model=str(checkpoint), num_kv_slots=256)) as live:
         assert httpx.get(f"{live.url}/health").status_code == 200
         live.engine.shutdown()
         assert httpx.get(f"{live.url}/health").status_code == 503

@@ -110,7 +110,7 @@ ASK = [{"role": "user", "content": "weather in Paris"}]
 def scripted(tmp_path_factory: pytest.TempPathFactory) -> Server:
     path = tmp_path_factory.mktemp("models") / "scripted"
     save_scripted_checkpoint(path)
-    with serve(Engine(model=str(path), num_kv_slots=1024)) as live:
+    with serve(Engine(dtype="float32", model=str(path), num_kv_slots=1024)) as live:
         yield live
 
 

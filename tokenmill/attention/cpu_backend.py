@@ -5,7 +5,7 @@ Decode rows (a decode step, or the one-token rows of a mixed step) are attended 
 request-to-token table (the torch path gathers them into padded batches for SDPA). Prefill rows
 of at least ``MIN_KERNEL_QUERY_ROWS`` are two matmuls around the fused ``causal_softmax_`` kernel.
 Outputs equal the torch backend's to fp32 rounding.
-Strict like every explicit backend: fp32 CPU tensors only, and the kernels must build.
+Strict like every explicit backend: fp32 or bf16 CPU tensors only, and the kernels must build.
 """
 
 from __future__ import annotations
@@ -18,12 +18,15 @@ from tokenmill.kernels.linear import linear
 
 SCORE_BUFFER_FLOATS = 4 * 1024 * 1024
 """Cap on one prefill score block (16 MB): long contexts are processed in more query blocks."""
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+"""The model and KV dtypes this backend runs (decode attention converts bf16 keys/values to fp32 as
+it reads them; its output is rounded back to the model's dtype)."""
 MIN_KERNEL_QUERY_ROWS = 32
 """Below this many query rows the torch path is faster (it needs fewer op calls)."""
 
 
 class CpuBackend(TorchNativeBackend):
-    """fp32 on CPU; needs a C++ compiler and ninja the first time (see ``tokenmill.kernels.cpu``)."""
+    """fp32 or bf16 on CPU; needs a C++ compiler and ninja the first time (see ``tokenmill.kernels.cpu``)."""
 
     name = "cpu"
     supports_cpu_decode_forward = True
@@ -49,10 +52,10 @@ class CpuBackend(TorchNativeBackend):
         max_len: int,
         req_to_token: torch.Tensor,
     ) -> torch.Tensor:
-        if q.device.type != "cpu" or q.dtype != torch.float32:
-            raise ValueError(f"the cpu attention backend supports fp32 CPU tensors, got {q.dtype} on {q.device}")
-        return self._decode_kernel(
-            q.contiguous(),
+        if q.device.type != "cpu" or q.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"the cpu attention backend supports fp32/bf16 CPU tensors, got {q.dtype} on {q.device}")
+        out = self._decode_kernel(
+            q.float().contiguous(),
             k_cache,
             v_cache,
             req_to_token,
@@ -60,13 +63,14 @@ class CpuBackend(TorchNativeBackend):
             seq_lens.contiguous(),
             self.scale,
         )
+        return out.to(q.dtype)
 
     def _attend_causal(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int) -> torch.Tensor:
         """Prefill rows of one request as two oneDNN matmuls per KV head around a fused
         scale + causal mask + softmax, over query blocks small enough to bound the score buffer.
-        Short query blocks keep the torch path, which needs fewer op calls."""
+        Short query blocks and bf16 keep the torch path (fewer op calls; SDPA's own bf16 kernel)."""
         n, group, dim = q.shape[0], self.n_heads // self.n_kv_heads, self.head_dim
-        if n < MIN_KERNEL_QUERY_ROWS:
+        if n < MIN_KERNEL_QUERY_ROWS or q.dtype != torch.float32:
             return super()._attend_causal(q, keys, values, prefix)
         queries = q.view(n, self.n_kv_heads, group, dim).permute(1, 2, 0, 3).contiguous()  # [Hkv, G, n, D]
         keys, values = keys.transpose(0, 1).contiguous(), values.transpose(0, 1).contiguous()  # [Hkv, S, D]

@@ -1,6 +1,6 @@
 """make_backend: the attention backend for an engine, from ``EngineConfig.attention_backend``.
 
-"auto": triton on CUDA when installed; for fp32 on CPU "cpu" (C++ kernels) when they build;
+"auto": triton on CUDA when installed; for fp32 or bf16 on CPU "cpu" (C++ kernels) when they build;
 else the torch reference. An explicit choice is strict: it raises instead of falling back.
 Adding a backend: its module, one entry in ``_BACKENDS`` (and the name in ``config.ATTENTION_BACKENDS``).
 """
@@ -24,11 +24,11 @@ def _triton(n_heads: int, n_kv_heads: int, head_dim: int, config: EngineConfig, 
 
 
 def _cpu(n_heads: int, n_kv_heads: int, head_dim: int, config: EngineConfig, dtype: torch.dtype) -> AttentionBackend:
-    from tokenmill.attention.cpu_backend import CpuBackend
+    from tokenmill.attention.cpu_backend import SUPPORTED_DTYPES, CpuBackend
 
     device = config.resolved_device()
-    if device.type != "cpu" or dtype != torch.float32:
-        raise ValueError(f"attention_backend='cpu' needs fp32 on CPU, got {dtype} on {device}")
+    if device.type != "cpu" or dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"attention_backend='cpu' needs fp32 or bf16 on CPU, got {dtype} on {device}")
     return CpuBackend(n_heads, n_kv_heads, head_dim)
 
 
@@ -49,7 +49,7 @@ def auto_backend_name(device: torch.device, dtype: torch.dtype) -> str:
         from tokenmill.attention.triton import TRITON_AVAILABLE
 
         return "triton" if TRITON_AVAILABLE else "torch"
-    if device.type == "cpu" and dtype == torch.float32:
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         return "cpu" if load_cpu_kernels() is not None else "torch"
     return "torch"
 

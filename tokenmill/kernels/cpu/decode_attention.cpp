@@ -1,5 +1,5 @@
-// Paged decode attention for fp32 CPU tensors: one query token per request; keys and values are
-// read in place from the token-slot KV storage through the request-to-token table (no gather
+// Paged decode attention on CPU: one fp32 query token per request; keys and values (fp32 or bf16,
+// converted to fp32 as they are read) are read in place from the token-slot KV storage through the request-to-token table (no gather
 // copies, no padding to the longest request).
 //
 // A request's context is split into chunks of at most kChunkTokens keys, merged afterwards with
@@ -33,8 +33,8 @@ constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the slot row in us
 constexpr int64_t kChunkTokens = 128;  // keys per work item at most (see run)
 
 // kHeadDim > 0 fixes head_dim at compile time (unrolled loops); 0 reads it at run time.
-template <int64_t kHeadDim>
-inline float dot(const float* a, const float* b, int64_t n) {
+template <int64_t kHeadDim, typename KV>
+inline float dot(const float* a, const KV* b, int64_t n) {
   const int64_t dim = kHeadDim > 0 ? kHeadDim : n;
   const int64_t vec_end = dim - dim % 8;
   vec8 acc0 = {}, acc1 = {};
@@ -45,16 +45,16 @@ inline float dot(const float* a, const float* b, int64_t n) {
   }
   if (i < vec_end) acc0 += load8(a + i) * load8(b + i);
   float s = horizontal_sum(acc0 + acc1);
-  for (i = vec_end; i < dim; ++i) s += a[i] * b[i];
+  for (i = vec_end; i < dim; ++i) s += a[i] * tokenmill_simd::to_float(b[i]);
   return s;
 }
 
-template <int64_t kHeadDim>
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+template <int64_t kHeadDim, typename KV>
+inline void axpy(float alpha, const KV* x, float* y, int64_t n) {
   const int64_t dim = kHeadDim > 0 ? kHeadDim : n;
   const int64_t vec_end = dim - dim % 8;
   for (int64_t i = 0; i < vec_end; i += 8) store8(y + i, load8(y + i) + alpha * load8(x + i));
-  for (int64_t i = vec_end; i < dim; ++i) y[i] += alpha * x[i];
+  for (int64_t i = vec_end; i < dim; ++i) y[i] += alpha * tokenmill_simd::to_float(x[i]);
 }
 
 // In place: s[0:n] = exp(s - max(s)); returns the sum, and the maximum in max_score.
@@ -72,10 +72,11 @@ inline float exp_shifted(float* s, int64_t n, float& max_score) {
   return sum;
 }
 
+template <typename KV>
 struct Problem {
   const float* q;  // [batch, n_heads, head_dim]
-  const float* k_cache;  // [n_slots, n_kv_heads, head_dim]
-  const float* v_cache;
+  const KV* k_cache;  // [n_slots, n_kv_heads, head_dim]
+  const KV* v_cache;
   float* out;  // like q
   const int32_t* table;  // req_to_token rows
   int64_t table_stride;
@@ -100,14 +101,14 @@ struct Partials {
 // Attention of one chunk's query heads of KV heads [kv_begin, kv_end). A request in one chunk
 // gets its normalized output; otherwise the chunk's unnormalized output, score maximum and exp sum
 // per query row go to `partials` (row c of them for chunk c) for merge_chunks.
-template <int64_t kHeadDim>
-void attend(const Problem& p, const Chunk& chunk, int64_t c, bool whole, Partials& partials, int64_t kv_begin,
+template <int64_t kHeadDim, typename KV>
+void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Partials& partials, int64_t kv_begin,
             int64_t kv_end, std::vector<float>& scores) {
   const int64_t dim = kHeadDim > 0 ? kHeadDim : p.head_dim;
   const int64_t b = chunk.request, len = chunk.end - chunk.begin;
   const int32_t* slots = p.table + p.rows[b] * p.table_stride + chunk.begin;
   const int64_t slot_stride = p.n_kv_heads * dim, offset = kv_begin * dim;
-  const int64_t row_bytes = (kv_end - kv_begin) * dim * static_cast<int64_t>(sizeof(float));
+  const int64_t row_bytes = (kv_end - kv_begin) * dim * static_cast<int64_t>(sizeof(KV));
   const int64_t first_head = kv_begin * p.group, n_rows = (kv_end - kv_begin) * p.group;
   const float* queries = p.q + (b * p.n_heads + first_head) * dim;
   float* out = whole ? p.out + (b * p.n_heads + first_head) * dim
@@ -120,7 +121,7 @@ void attend(const Problem& p, const Chunk& chunk, int64_t c, bool whole, Partial
     if (l + ahead < len) {
       tokenmill_simd::prefetch_range(p.k_cache + slots[l + ahead] * slot_stride + offset, row_bytes);
     }
-    const float* keys = p.k_cache + slots[l] * slot_stride + offset;
+    const KV* keys = p.k_cache + slots[l] * slot_stride + offset;
     for (int64_t r = 0; r < n_rows; ++r) {
       s[r * len + l] = dot<kHeadDim>(queries + r * dim, keys + (r / p.group) * dim, dim) * p.scale;
     }
@@ -139,7 +140,7 @@ void attend(const Problem& p, const Chunk& chunk, int64_t c, bool whole, Partial
     if (l + ahead < len) {
       tokenmill_simd::prefetch_range(p.v_cache + slots[l + ahead] * slot_stride + offset, row_bytes);
     }
-    const float* values = p.v_cache + slots[l] * slot_stride + offset;
+    const KV* values = p.v_cache + slots[l] * slot_stride + offset;
     for (int64_t r = 0; r < n_rows; ++r) {
       axpy<kHeadDim>(s[r * len + l], values + (r / p.group) * dim, out + r * dim, dim);
     }
@@ -153,7 +154,8 @@ void attend(const Problem& p, const Chunk& chunk, int64_t c, bool whole, Partial
 
 // Request b's output from its chunks [first, first + n): each chunk's rows rescaled to the
 // overall score maximum, summed in chunk order, divided by the rescaled exp sums.
-void merge_chunks(const Problem& p, int64_t b, int64_t first, int64_t n, const Partials& partials) {
+template <typename KV>
+void merge_chunks(const Problem<KV>& p, int64_t b, int64_t first, int64_t n, const Partials& partials) {
   const int64_t dim = p.head_dim;
   for (int64_t h = 0; h < p.n_heads; ++h) {
     float max_score = partials.max[first * p.n_heads + h];
@@ -172,8 +174,8 @@ void merge_chunks(const Problem& p, int64_t b, int64_t first, int64_t n, const P
   }
 }
 
-template <int64_t kHeadDim>
-void run(const Problem& p, int64_t batch) {
+template <int64_t kHeadDim, typename KV>
+void run(const Problem<KV>& p, int64_t batch) {
   // Requests' contexts in chunks of kChunkTokens keys (fixed, so that a request's result never
   // depends on the rest of the batch); a work item is one chunk and all its KV heads when there
   // are enough chunks to keep every thread busy, else one KV head of a chunk.
@@ -216,33 +218,30 @@ void run(const Problem& p, int64_t batch) {
   }
 }
 
-}  // namespace
+template <typename KV>
+void run_for_head_dim(const Problem<KV>& p, int64_t batch) {
+  switch (p.head_dim) {
+    case 64: run<64>(p, batch); break;
+    case 128: run<128>(p, batch); break;
+    default: run<0>(p, batch);
+  }
+}
 
-// q [B, H, D]; k_cache/v_cache [S, Hkv, D]; req_to_token [R, C] int32; req_pool_indices [B] and
-// seq_lens [B] int64. Request b attends to slots req_to_token[req_pool_indices[b], 0:seq_lens[b]].
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                                  const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "bad q/k/v ranks");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat, "fp32 only");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "q/k/v must be contiguous");
-  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
-              "req_to_token: int32 rows");
-  TORCH_CHECK(req_pool_indices.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
-                  req_pool_indices.is_contiguous() && seq_lens.is_contiguous(), "indices: contiguous int64");
+template <typename KV>
+void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                double scale, at::Tensor& out) {
   const int64_t batch = q.size(0);
-  Problem p{};
+  Problem<KV> p{};
   p.n_heads = q.size(1);
   p.head_dim = q.size(2);
   p.n_kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == p.head_dim && p.n_heads % p.n_kv_heads == 0, "head shapes disagree");
   TORCH_CHECK(req_pool_indices.numel() == batch && seq_lens.numel() == batch, "one row and length per request");
   p.group = p.n_heads / p.n_kv_heads;
-  auto out = at::empty_like(q);
   p.q = q.data_ptr<float>();
-  p.k_cache = k_cache.data_ptr<float>();
-  p.v_cache = v_cache.data_ptr<float>();
+  p.k_cache = static_cast<const KV*>(k_cache.data_ptr());
+  p.v_cache = static_cast<const KV*>(v_cache.data_ptr());
   p.out = out.data_ptr<float>();
   p.table = req_to_token.data_ptr<int32_t>();
   p.table_stride = req_to_token.stride(0);
@@ -253,10 +252,31 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     TORCH_CHECK(p.lens[b] >= 1 && p.lens[b] <= req_to_token.size(1), "seq_len out of range for request ", b);
     TORCH_CHECK(p.rows[b] >= 0 && p.rows[b] < req_to_token.size(0), "req_pool_index out of range for request ", b);
   }
-  switch (p.head_dim) {
-    case 64: run<64>(p, batch); break;
-    case 128: run<128>(p, batch); break;
-    default: run<0>(p, batch);
+  run_for_head_dim(p, batch);
+}
+
+}  // namespace
+
+// q [B, H, D] fp32; k_cache/v_cache [S, Hkv, D], both fp32 or both bf16; req_to_token [R, C] int32;
+// req_pool_indices [B] and seq_lens [B] int64. Request b attends to slots
+// req_to_token[req_pool_indices[b], 0:seq_lens[b]]. The output is fp32, like q.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                                  const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "bad q/k/v ranks");
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && v_cache.scalar_type() == kv_type &&
+                  (kv_type == at::kFloat || kv_type == at::kBFloat16), "q fp32; k/v caches both fp32 or both bf16");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "q/k/v must be contiguous");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
+              "req_to_token: int32 rows");
+  TORCH_CHECK(req_pool_indices.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  req_pool_indices.is_contiguous() && seq_lens.is_contiguous(), "indices: contiguous int64");
+  auto out = at::empty_like(q);
+  if (kv_type == at::kFloat) {
+    attend_all<float>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
+  } else {
+    attend_all<tokenmill_simd::bf16_t>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
   }
   return out;
 }

@@ -1,5 +1,5 @@
 // Helpers shared by the CPU kernels: 8-wide fp32 vectors (GCC/Clang vector extensions, so any
-// x86/ARM target compiles them), a vectorizable exp, and a software prefetch of a byte range.
+// x86/ARM target compiles them), loads of bf16 into them, a vectorizable exp, and a software prefetch of a byte range.
 // torch's rebuild check hashes only the listed .cpp sources, so kernels/cpu/__init__.py adds this
 // header's content hash to the compile flags: an edit here rebuilds the extension too.
 #pragma once
@@ -19,6 +19,29 @@ inline vec8 load8(const float* p) {
 }
 
 inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// bf16 values are handled as their raw 16 bits: the upper half of the fp32 with the same value.
+typedef uint16_t bf16_t;
+
+inline vec8 load8(const bf16_t* p) {
+  typedef uint16_t u16x8 __attribute__((vector_size(16)));
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  u16x8 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x8 bits = __builtin_convertvector(h, u32x8) << 16;
+  vec8 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(bf16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 inline float horizontal_sum(vec8 v) {
   typedef float vec4 __attribute__((vector_size(16)));
