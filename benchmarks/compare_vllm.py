@@ -90,7 +90,7 @@ def child_run(engine: str, model: str, work_file: str, dtype: str) -> dict:
     env = {**os.environ, **(VLLM_ENV if engine == "vllm" else {})}
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [str(python), __file__, "--run", engine, "--model", model, "--work", work_file, "--dtype", dtype]
-        subprocess.run([*command, "--out", out.name], env=env, check=True)
+        subprocess.run([*command, "--out", out.name], env=env, check=True, stdout=sys.stderr)  # logs: not stdout
         return json.loads(Path(out.name).read_text())
 
 

@@ -25,6 +25,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def avx512() -> bool:
+    """True when the CPU has AVX-512 (16-wide fp32 vectors)."""
+    return "avx512f" in cpu_flags()
+
+
 def native_bf16() -> bool:
     """True when the CPU multiplies bf16 in hardware (AMX-BF16 or AVX512-BF16)."""
     return bool(NATIVE_BF16_FLAGS & cpu_flags())

@@ -77,3 +77,47 @@ def test_rotary_split_qkv(reference, rows: int, heads: int, kv_heads: int, dim: 
     for g, w in zip(got, want):
         assert g.is_contiguous() and close(g, w)
     assert got[0].shape == (rows, heads, dim) and got[2].shape == (rows, kv_heads, dim)
+
+
+def close_bf16(ours: torch.Tensor, ref: torch.Tensor, scale: float) -> bool:
+    """bf16 kernel output vs the torch bf16 chain: the kernel rounds once where torch rounds every
+    op, so they may differ by a few bf16 steps (2**-8 relative) of the operands' ``scale``."""
+    return (
+        ours.dtype == ref.dtype == torch.bfloat16
+        and ours.shape == ref.shape
+        and torch.allclose(ours.float(), ref.float(), rtol=2**-6, atol=4 * 2**-8 * scale)
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_bf16_norms(reference, rows: int) -> None:
+    x, residual, w = (
+        (torch.randn(rows, 96) * 3).bfloat16(),
+        torch.randn(rows, 96).bfloat16(),
+        torch.randn(96).bfloat16(),
+    )
+    assert close_bf16(fused.rms_norm(x, w, 1e-5), reference(fused.rms_norm, x, w, 1e-5), scale=3)
+    expected_out, expected_sum = reference(fused.add_rms_norm, x, residual.clone(), w, 1e-6)
+    owned = residual.clone()
+    out, total = fused.add_rms_norm(x, owned, w, 1e-6)
+    assert total is owned and torch.equal(total, expected_sum)  # one bf16 add: identical roundings
+    assert close_bf16(out, expected_out, scale=3)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_bf16_silu_and_mul(reference, rows: int) -> None:
+    gate_up = (torch.randn(rows, 2 * 83) * 6).bfloat16()
+    assert close_bf16(fused.silu_and_mul(gate_up), reference(fused.silu_and_mul, gate_up), scale=36)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_bf16_rotary_split_qkv(reference, rows: int) -> None:
+    heads, kv_heads, dim = 4, 2, 64
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim).bfloat16()
+    angles = torch.rand(rows, dim // 2) * 50
+    cos, sin = (torch.cat([f(angles)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
+    got = fused.rotary_split_qkv(qkv, cos, sin, heads, kv_heads, dim)
+    want = reference(fused.rotary_split_qkv, qkv, cos, sin, heads, kv_heads, dim)
+    for g, w in zip(got, want):
+        assert g.is_contiguous() and close_bf16(g, w, scale=4)
+    assert torch.equal(got[2], want[2])  # values are copied, not computed

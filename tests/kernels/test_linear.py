@@ -70,3 +70,35 @@ def test_other_dtypes_and_module() -> None:
     assert set(dict(module.named_parameters())) == {"weight", "bias"}
     with torch.inference_mode():
         assert torch.allclose(module(x.float()), F.linear(x.float(), module.weight, module.bias), atol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_skinny_bf16_is_fp32_math_rounded_once(rows: int) -> None:
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(70, 33).bfloat16(), torch.randn(70).bfloat16()
+    x = torch.randn(rows, 33).bfloat16()
+    out = _kernels().skinny_linear(x, weight, bias)
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), expected.bfloat16().float(), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_module_follows_in_place_weight_changes(dtype: torch.dtype) -> None:
+    """Where the module keeps a blocked copy of its weight for oneDNN, an in-place change of the
+    weight (loading, a weight update) is seen by the next forward."""
+    torch.manual_seed(0)
+    module = Linear(32, 48).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows in (1, 2, 8, 200):
+        x = torch.randn(rows, 32).to(dtype)
+        with torch.inference_mode():
+            before = module(x)
+        with torch.no_grad():
+            module.weight.mul_(-2.0)
+        with torch.inference_mode():
+            after = module(x)
+        expected = F.linear(x.float(), module.weight.float(), module.bias.float())
+        assert torch.allclose(after.float(), expected, atol=tol, rtol=tol)
+        assert not torch.allclose(after, before)

@@ -18,7 +18,9 @@ from tokenmill.attention.cpu_backend import CpuBackend
 from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.cache.storage import ReqToTokenPool
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.kernels.linear import PANEL_MAX_ROWS, SKINNY_MAX_ROWS
+from tokenmill.kernels import linear as linear_module
+from tokenmill.kernels.linear import CPU_DECODE_MAX_ROWS, PANEL_MAX_ROWS, SKINNY_MAX_ROWS
+from tokenmill.model import decode_forward
 from tokenmill.model.blocks import Attention, DecoderLayer, GatedMLP
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig
@@ -30,6 +32,15 @@ from tokenmill.model.registry import load_model_config
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler to build the CPU kernels")
 
 MAX_ROWS = 16
+
+
+@pytest.fixture
+def all_batches_on_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of every size through the C++ decode forward, and the eager forward on the same
+    linear kernels (skinny, panel) where this CPU would otherwise pick blocked oneDNN products: the
+    kernel is checked at every size it can run, whichever sizes the dispatch gives it here."""
+    monkeypatch.setattr(decode_forward, "CPU_DECODE_MAX_ROWS", PANEL_MAX_ROWS)
+    monkeypatch.setattr(linear_module, "BLOCKED_MIN_ROWS", {})
 
 
 def cpu_harness(model: CausalLM) -> KVHarness:
@@ -73,6 +84,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("n_requests", [1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 3])
+@pytest.mark.usefixtures("all_batches_on_the_kernel")
 def test_matches_python_layers(llama: Path, n_requests: int) -> None:
     model = load_model(llama, torch.float32, "cpu")
     fused, fused_cache = greedy_decode(model, n_requests, steps=5, fused=True)
@@ -82,6 +94,7 @@ def test_matches_python_layers(llama: Path, n_requests: int) -> None:
     assert torch.equal(fused_cache, python_cache)
 
 
+@pytest.mark.usefixtures("all_batches_on_the_kernel")
 def test_engine_runs_it_on_every_decode_step(llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every pure decode step of an engine run goes through the C++ decode forward, no other step
     does, and the tokens and logprobs equal those of the same run on the Python forward."""
@@ -130,8 +143,8 @@ def test_can_run(llama: Path) -> None:
     model = load_model(llama, torch.float32, "cpu")
     cfg = model.config
     decode = CpuDecodeForward.build(model, CpuBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
-    assert decode is not None and decode.can_run(1) and decode.can_run(PANEL_MAX_ROWS)
-    assert not decode.can_run(0) and not decode.can_run(PANEL_MAX_ROWS + 1)
+    assert decode is not None and decode.can_run(1) and decode.can_run(CPU_DECODE_MAX_ROWS)
+    assert not decode.can_run(0) and not decode.can_run(CPU_DECODE_MAX_ROWS + 1)
 
 
 @pytest.mark.parametrize(

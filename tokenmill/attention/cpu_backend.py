@@ -14,7 +14,6 @@ import torch
 
 from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.kernels.cpu import load_cpu_kernels
-from tokenmill.kernels.linear import linear
 
 SCORE_BUFFER_FLOATS = 4 * 1024 * 1024
 """Cap on one prefill score block (16 MB): long contexts are processed in more query blocks."""
@@ -66,21 +65,24 @@ class CpuBackend(TorchNativeBackend):
         return out.to(q.dtype)
 
     def _attend_causal(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int) -> torch.Tensor:
-        """Prefill rows of one request as two oneDNN matmuls per KV head around a fused
+        """Prefill rows of one request as two matmuls batched over the KV heads around a fused
         scale + causal mask + softmax, over query blocks small enough to bound the score buffer.
-        Short query blocks and bf16 keep the torch path (fewer op calls; SDPA's own bf16 kernel)."""
+        Short query blocks keep the torch path, which needs fewer op calls. In bf16 the matmuls run
+        in bf16 (AMX where the CPU has it) and the softmax in fp32 on the bf16 scores, as
+        transformers' eager attention does."""
         n, group, dim = q.shape[0], self.n_heads // self.n_kv_heads, self.head_dim
-        if n < MIN_KERNEL_QUERY_ROWS or q.dtype != torch.float32:
+        if n < MIN_KERNEL_QUERY_ROWS:
             return super()._attend_causal(q, keys, values, prefix)
         queries = q.view(n, self.n_kv_heads, group, dim).permute(1, 2, 0, 3).contiguous()  # [Hkv, G, n, D]
         keys, values = keys.transpose(0, 1).contiguous(), values.transpose(0, 1).contiguous()  # [Hkv, S, D]
         out = torch.empty_like(queries)
-        block = max(1, SCORE_BUFFER_FLOATS // (group * keys.shape[1]))
+        block = max(1, SCORE_BUFFER_FLOATS // (self.n_heads * keys.shape[1]))
         for start in range(0, n, block):
             stop = min(n, start + block)
-            visible = prefix + stop  # keys the block's last row sees; later keys are never needed
-            for h in range(self.n_kv_heads):
-                scores = linear(queries[h, :, start:stop].reshape(-1, dim), keys[h, :visible])
-                self._causal_softmax(scores.view(group, stop - start, visible), prefix + start, self.scale)
-                out[h, :, start:stop] = torch.matmul(scores, values[h, :visible]).view(group, stop - start, dim)
+            rows, visible = stop - start, prefix + stop  # the block's last row sees `visible` keys
+            block_queries = queries[:, :, start:stop].reshape(self.n_kv_heads, group * rows, dim)
+            scores = torch.matmul(block_queries, keys[:, :visible].transpose(1, 2)).float()
+            self._causal_softmax(scores.view(self.n_heads, rows, visible), prefix + start, self.scale)
+            probs = scores.to(q.dtype)
+            out[:, :, start:stop] = torch.matmul(probs, values[:, :visible]).view(self.n_kv_heads, group, rows, dim)
         return out.permute(2, 0, 1, 3).reshape(n, self.n_heads, dim)

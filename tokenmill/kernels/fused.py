@@ -1,8 +1,10 @@
-"""Fused decoder-layer ops: the C++ kernels (``tokenmill.kernels.cpu``) for fp32 CPU tensors, the
-torch code below (the reference they are tested against) for everything else.
+"""Fused decoder-layer ops: the C++ kernels (``tokenmill.kernels.cpu``) for fp32 and bf16 CPU
+tensors, the torch code below (the reference they are tested against) for everything else.
 
 Each function replaces a chain of torch ops (per-op overhead dominates a small model's CPU decode
-step; intermediates' memory traffic a prefill chunk) and returns what its torch code returns.
+step; intermediates' memory traffic a prefill chunk) and returns what its torch code returns: the
+same values in fp32, and in bf16 values within one rounding of them (the kernels compute in fp32
+and round each result once where torch rounds every intermediate op).
 """
 
 from __future__ import annotations
@@ -14,15 +16,18 @@ import torch.nn.functional as F
 
 from tokenmill.kernels.cpu import load_cpu_kernels
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""CPU dtypes the C++ kernels take (bf16: fp32 math, each result rounded once)."""
+
 
 def _kernels(x: torch.Tensor) -> Any | None:
-    return load_cpu_kernels() if x.is_cpu and x.dtype == torch.float32 else None
+    return load_cpu_kernels() if x.is_cpu and x.dtype in KERNEL_DTYPES else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, computed in fp32."""
     ops = _kernels(x)
-    if ops is not None and x.dim() == 2:
+    if ops is not None and x.dim() == 2 and weight.dtype == x.dtype:
         return ops.rms_norm(x.contiguous(), weight, eps)
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -34,7 +39,7 @@ def add_rms_norm(
     """``residual + x`` and its rms_norm. The kernel updates ``residual`` in place and returns it;
     callers must own ``residual`` and use only the returned tensors afterwards."""
     ops = _kernels(x)
-    if ops is not None and x.dim() == 2 and residual.is_contiguous():
+    if ops is not None and x.dim() == 2 and residual.is_contiguous() and x.dtype == residual.dtype == weight.dtype:
         return ops.add_rms_norm(x.contiguous(), residual, weight, eps), residual
     residual = residual + x
     return rms_norm(residual, weight, eps), residual
@@ -62,7 +67,7 @@ def rotary_split_qkv(
     """Split fused q/k/v projection rows ``[T, (H + 2 Hkv) D]`` into contiguous ``q [T, H, D]``,
     ``k``/``v`` ``[T, Hkv, D]``, with RoPE applied to q and k."""
     ops = _kernels(qkv)
-    if ops is not None and cos.dtype == torch.float32:
+    if ops is not None and cos.dtype == sin.dtype == qkv.dtype:
         return ops.rotary_split_qkv(qkv.contiguous(), cos.contiguous(), sin.contiguous(), n_heads, n_kv_heads, head_dim)
     n_tokens = qkv.shape[0]
     q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)

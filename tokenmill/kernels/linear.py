@@ -3,7 +3,9 @@
 fp32 CPU products with at most ``SKINNY_MAX_ROWS`` rows use the C++ ``skinny_linear`` (a pure
 weight stream), up to ``PANEL_MAX_ROWS`` the C++ ``panel_linear`` (register-tiled, weight packed
 on the fly in L1-sized panels), larger ones oneDNN's matmul (``mkldnn._linear_pointwise``, the
-kernel ``torch.compile`` uses for CPU linears). Everything else (GPU; bf16/fp16) uses
+kernel ``torch.compile`` uses for CPU linears). bf16 CPU products with at most
+``SKINNY_MAX_ROWS_BF16`` rows use ``skinny_linear`` too (bf16 weights widened as they stream), larger
+ones ``F.linear`` (oneDNN; AMX tiles where the CPU has them). Everything else (GPU; fp16) uses
 ``F.linear``. The thresholds come from the per-row-count timings in the README's performance
 section. Weights are read as stored, never re-packed ahead of time, so in-place weight updates
 need no extra step. Every path computes ``x @ weight.T + bias`` (same contract as ``F.linear``).
@@ -15,15 +17,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.hardware import avx512, native_bf16
 from tokenmill.kernels.cpu import load_cpu_kernels
 
 SKINNY_MAX_ROWS = 8
+SKINNY_MAX_ROWS_BF16 = 1
+BLOCKED_MAX_ROWS = 1024
+BLOCKED_BATCH_HINT = 64  # oneDNN picks the blocking for this many rows; it serves every row count
 PANEL_MAX_ROWS = 128
 _ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_BLOCKED_AVAILABLE = _ONEDNN_AVAILABLE and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+BLOCKED_MIN_ROWS: dict[torch.dtype, int] = {
+    **({torch.bfloat16: 1} if _BLOCKED_AVAILABLE and native_bf16() else {}),
+    **({torch.float32: 2} if _BLOCKED_AVAILABLE and avx512() else {}),
+}
+"""dtypes whose projections use oneDNN with a blocked weight copy (where measured faster: bf16 on
+CPUs with native bf16, fp32 on AVX-512), from how many rows (a single fp32 row streams faster)."""
+CPU_DECODE_MAX_ROWS = BLOCKED_MIN_ROWS.get(torch.float32, PANEL_MAX_ROWS + 1) - 1
+"""Largest fp32 decode batch for the C++ decode forward: its linears are those of the eager forward
+(skinny, panel) up to here, so both give the same logits; beyond, the eager forward's blocked oneDNN
+products are faster."""
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[..., in]`` and ``weight`` ``[out, in]`` (same as ``F.linear``)."""
+    if x.is_cpu and x.dtype == weight.dtype == torch.bfloat16:
+        return _bf16_linear(x, weight, bias)
     if not (x.is_cpu and x.dtype == torch.float32 and weight.dtype == torch.float32):
         return F.linear(x, weight, bias)
     rows = x.numel() // max(x.shape[-1], 1)
@@ -38,8 +57,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def _bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """bf16 on CPU: a weight stream for few rows, else ``F.linear`` (oneDNN; AMX where the CPU has it)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows <= SKINNY_MAX_ROWS_BF16 and weight.is_contiguous():
+        kernels = load_cpu_kernels()
+        if kernels is not None:
+            out = kernels.skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
+            return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and names) whose forward uses :func:`linear`."""
+    """``nn.Linear`` (same parameters and names) whose forward uses :func:`linear`.
+
+    For the dtypes in ``BLOCKED_MIN_ROWS``, products of ``BLOCKED_MIN_ROWS[dtype]`` to
+    ``BLOCKED_MAX_ROWS`` rows use a copy of the weight in oneDNN's blocked layout, made on first use
+    and remade whenever the weight changes in place (its version counter moves: loading, weight
+    updates), so the weight is not re-laid-out on every call. The copy doubles the projection's
+    weight memory.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self._blocked: tuple[int, torch.Tensor] | None = None  # (weight version, oneDNN blocked copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        weight = self.weight
+        min_rows = BLOCKED_MIN_ROWS.get(x.dtype)
+        if min_rows is not None and x.is_cpu and weight.dtype == x.dtype:
+            rows = x.numel() // max(x.shape[-1], 1)
+            if min_rows <= rows <= BLOCKED_MAX_ROWS:
+                rows_2d = x.reshape(rows, x.shape[-1]).contiguous()
+                out = torch.ops.mkldnn._linear_pointwise(rows_2d, self._blocked_weight(), self.bias, "none", [], "")
+                return out.view(*x.shape[:-1], weight.shape[0])
+        return linear(x, weight, self.bias)
+
+    def _blocked_weight(self) -> torch.Tensor:
+        version = self.weight._version
+        if self._blocked is None or self._blocked[0] != version:
+            blocked = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), BLOCKED_BATCH_HINT)
+            self._blocked = (version, blocked)
+        return self._blocked[1]

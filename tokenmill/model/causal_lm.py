@@ -150,7 +150,7 @@ class CausalLM(nn.Module, ABC):
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]
         h, _ = self.model.norm.add_and_norm(h, residual)
-        return linear(h, self.lm_head_weight)
+        return linear(h, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
 
     @staticmethod
     def _dynamic_rope_lens(kv_view: KVView) -> torch.Tensor:

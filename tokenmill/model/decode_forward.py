@@ -17,7 +17,7 @@ import torch
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.cache.views import DecodeKVCache
 from tokenmill.kernels.cpu import load_cpu_kernels
-from tokenmill.kernels.linear import PANEL_MAX_ROWS, SKINNY_MAX_ROWS
+from tokenmill.kernels.linear import CPU_DECODE_MAX_ROWS, SKINNY_MAX_ROWS
 from tokenmill.model.causal_lm import CausalLM, CpuDecodeWeights
 
 
@@ -43,10 +43,10 @@ class CpuDecodeForward:
         return cls(weights, ops.decode_forward, backend.scale)
 
     def can_run(self, batch_size: int) -> bool:
-        """Whether a decode step of ``batch_size`` requests fits the kernel (fp32 CPU weights,
-        at most ``PANEL_MAX_ROWS`` requests)."""
+        """Whether a decode step of ``batch_size`` requests fits the kernel (fp32 CPU weights, at
+        most ``CPU_DECODE_MAX_ROWS`` requests: where its own linears beat the eager forward's)."""
         embed = self.weights.embed
-        return 1 <= batch_size <= PANEL_MAX_ROWS and embed.is_cpu and embed.dtype == torch.float32
+        return 1 <= batch_size <= CPU_DECODE_MAX_ROWS and embed.is_cpu and embed.dtype == torch.float32
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, view: DecodeKVCache) -> torch.Tensor:

@@ -25,8 +25,11 @@
 namespace {
 
 using tokenmill_simd::horizontal_sum;
+using tokenmill_simd::load16;
 using tokenmill_simd::load8;
+using tokenmill_simd::store16;
 using tokenmill_simd::store8;
+using tokenmill_simd::vec16;
 using tokenmill_simd::vec8;
 
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the slot row in use to prefetch
@@ -122,8 +125,21 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
       tokenmill_simd::prefetch_range(p.k_cache + slots[l + ahead] * slot_stride + offset, row_bytes);
     }
     const KV* keys = p.k_cache + slots[l] * slot_stride + offset;
-    for (int64_t r = 0; r < n_rows; ++r) {
-      s[r * len + l] = dot<kHeadDim>(queries + r * dim, keys + (r / p.group) * dim, dim) * p.scale;
+    if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {  // each key head widened once, for its whole group
+      for (int64_t h = 0, r = 0; h < kv_end - kv_begin; ++h) {
+        vec16 k[kHeadDim / 16];
+        for (int64_t i = 0; i < kHeadDim / 16; ++i) k[i] = load16(keys + h * kHeadDim + 16 * i);
+        for (int64_t g = 0; g < p.group; ++g, ++r) {
+          const float* q = queries + r * kHeadDim;
+          vec16 acc = load16(q) * k[0];
+          for (int64_t i = 1; i < kHeadDim / 16; ++i) acc += load16(q + 16 * i) * k[i];
+          s[r * len + l] = horizontal_sum(acc) * p.scale;
+        }
+      }
+    } else {
+      for (int64_t r = 0; r < n_rows; ++r) {
+        s[r * len + l] = dot<kHeadDim>(queries + r * dim, keys + (r / p.group) * dim, dim) * p.scale;
+      }
     }
   }
   for (int64_t r = 0; r < n_rows; ++r) {
@@ -141,8 +157,20 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
       tokenmill_simd::prefetch_range(p.v_cache + slots[l + ahead] * slot_stride + offset, row_bytes);
     }
     const KV* values = p.v_cache + slots[l] * slot_stride + offset;
-    for (int64_t r = 0; r < n_rows; ++r) {
-      axpy<kHeadDim>(s[r * len + l], values + (r / p.group) * dim, out + r * dim, dim);
+    if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {  // each value head widened once, for its whole group
+      for (int64_t h = 0, r = 0; h < kv_end - kv_begin; ++h) {
+        vec16 v[kHeadDim / 16];
+        for (int64_t i = 0; i < kHeadDim / 16; ++i) v[i] = load16(values + h * kHeadDim + 16 * i);
+        for (int64_t g = 0; g < p.group; ++g, ++r) {
+          const float weight = s[r * len + l];
+          float* o = out + r * kHeadDim;
+          for (int64_t i = 0; i < kHeadDim / 16; ++i) store16(o + 16 * i, load16(o + 16 * i) + weight * v[i]);
+        }
+      }
+    } else {
+      for (int64_t r = 0; r < n_rows; ++r) {
+        axpy<kHeadDim>(s[r * len + l], values + (r / p.group) * dim, out + r * dim, dim);
+      }
     }
   }
   if (whole) {

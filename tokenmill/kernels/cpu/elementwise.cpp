@@ -1,11 +1,12 @@
-// Fused row-wise kernels for fp32 CPU tensors, each replacing a chain of small torch ops (and
-// their intermediate tensors) in a decoder layer:
+// Fused row-wise kernels for CPU tensors, each replacing a chain of small torch ops (and their
+// intermediate tensors) in a decoder layer; fp32 or bf16 in and out (bf16: math in fp32, each
+// result rounded to nearest even once):
 //   rms_norm          out = weight * x / sqrt(mean(x^2) + eps)
 //   add_rms_norm      residual += x (in place); out = rms_norm(residual)
 //   silu_and_mul      [T, 2I] -> [T, I]: silu(gate) * up
 //   rotary_split_qkv  fused qkv rows [T, (H + 2 Hkv) D] -> contiguous q, k (rotate_half RoPE) and v
-//   rotary_store_kv   the same, with k and v written to their KV-cache slots (decode_forward.cpp)
-//   causal_softmax_   in place over attention scores: scale, causal mask, softmax
+//   rotary_store_kv   the same, with k and v written to their KV-cache slots (decode_forward.cpp; fp32)
+//   causal_softmax_   in place over fp32 attention scores: scale, causal mask, softmax
 // Rows are split over torch's intra-op threads. Loops are written for the compiler to vectorize
 // (exp is a polynomial, so silu vectorizes too).
 #include <ATen/ATen.h>
@@ -25,37 +26,64 @@ namespace {
 
 constexpr int64_t kRowGrain = 8;
 
+using tokenmill_simd::bf16_t;
+using tokenmill_simd::fast_exp;
+using tokenmill_simd::store_as;
+using tokenmill_simd::to_float;
+
 void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.is_contiguous(), name,
-              " must be a contiguous 2-d fp32 tensor");
+  TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && t.dim() == 2 &&
+                  t.is_contiguous(), name, " must be a contiguous 2-d fp32 or bf16 tensor");
 }
 
-using tokenmill_simd::fast_exp;
+void check_same_dtype(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have the dtype of the rows it goes with");
+}
 
-inline void normalize_row(const float* x, const float* weight, float* out, int64_t dim, float eps) {
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+
+// body(T{}) with T = float or bf16_t by the dtype of `t` (a generic lambda takes the element type
+// from its argument: `using T = decltype(tag);`).
+template <typename Body>
+auto dispatch(const at::Tensor& t, Body body) {
+  return t.scalar_type() == at::kFloat ? body(float{}) : body(bf16_t{});
+}
+
+// out = weight * (x * inv_rms); for bf16 as torch's bf16 ops round: the normalized row, then the product.
+template <typename T>
+inline void normalize_row(const T* x, const T* weight, T* out, int64_t dim, float eps) {
   float sum_sq = 0.f;
 #pragma omp simd reduction(+ : sum_sq)
-  for (int64_t i = 0; i < dim; ++i) sum_sq += x[i] * x[i];
+  for (int64_t i = 0; i < dim; ++i) sum_sq += to_float(x[i]) * to_float(x[i]);
   const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(dim) + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < dim; ++i) out[i] = weight[i] * (x[i] * inv);
+  for (int64_t i = 0; i < dim; ++i) {
+    T normalized;
+    store_as(&normalized, to_float(x[i]) * inv);
+    store_as(out + i, to_float(weight[i]) * to_float(normalized));
+  }
 }
 
 // One token of fused qkv [(H + 2 Hkv) D]: rotate_half RoPE of its H query heads into q_out [H, D]
 // and of its Hkv key heads into k_out [Hkv, D]; its values copied to v_out [Hkv, D].
-void rotate_token(const float* row, const float* c, const float* s, float* q_out, float* k_out, float* v_out,
-                  int64_t n_heads, int64_t n_kv_heads, int64_t head_dim) {
+template <typename T>
+void rotate_token(const T* row, const T* c, const T* s, T* q_out, T* k_out, T* v_out, int64_t n_heads,
+                  int64_t n_kv_heads, int64_t head_dim) {
   const int64_t half = head_dim / 2;
   for (int64_t h = 0; h < n_heads + n_kv_heads; ++h) {
-    const float* x = row + h * head_dim;
-    float* o = h < n_heads ? q_out + h * head_dim : k_out + (h - n_heads) * head_dim;
+    const T* x = row + h * head_dim;
+    T* o = h < n_heads ? q_out + h * head_dim : k_out + (h - n_heads) * head_dim;
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i) {
-      o[i] = x[i] * c[i] - x[i + half] * s[i];
-      o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+      const float lo = to_float(x[i]), hi = to_float(x[i + half]);
+      store_as(o + i, lo * to_float(c[i]) - hi * to_float(s[i]));
+      store_as(o + i + half, hi * to_float(c[i + half]) + lo * to_float(s[i + half]));
     }
   }
-  std::memcpy(v_out, row + (n_heads + n_kv_heads) * head_dim, n_kv_heads * head_dim * sizeof(float));
+  std::memcpy(v_out, row + (n_heads + n_kv_heads) * head_dim, n_kv_heads * head_dim * sizeof(T));
 }
 
 void check_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t n_heads,
@@ -63,6 +91,8 @@ void check_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   check_rows(qkv, "qkv");
   check_rows(cos, "cos");
   check_rows(sin, "sin");
+  check_same_dtype(cos, qkv, "cos");
+  check_same_dtype(sin, qkv, "sin");
   TORCH_CHECK(head_dim % 2 == 0 && qkv.size(1) == (n_heads + 2 * n_kv_heads) * head_dim,
               "qkv must be [T, (H + 2 Hkv) * D] with even D");
   TORCH_CHECK(cos.size(0) == qkv.size(0) && cos.size(1) == head_dim && sin.sizes() == cos.sizes(), "cos/sin: [T, D]");
@@ -70,16 +100,16 @@ void check_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
 
 // Every token t of qkv rotated into q [T, H, D] (returned), its keys and values into row
 // kv_row(t) of k_dst / v_dst ([rows, Hkv, D] buffers).
-template <typename KvRow>
-at::Tensor rotate_tokens(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, float* k_dst,
-                         float* v_dst, KvRow kv_row, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim) {
+template <typename T, typename KvRow>
+at::Tensor rotate_tokens(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, T* k_dst, T* v_dst,
+                         KvRow kv_row, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim) {
   const int64_t tokens = qkv.size(0), width = qkv.size(1), q_width = n_heads * head_dim;
   const int64_t kv_width = n_kv_heads * head_dim;
   auto q = at::empty({tokens, n_heads, head_dim}, qkv.options());
-  const float* src = qkv.data_ptr<float>();
-  const float* cos_ptr = cos.data_ptr<float>();
-  const float* sin_ptr = sin.data_ptr<float>();
-  float* q_ptr = q.data_ptr<float>();
+  const T* src = ptr<T>(qkv);
+  const T* cos_ptr = ptr<T>(cos);
+  const T* sin_ptr = ptr<T>(sin);
+  T* q_ptr = ptr<T>(q);
   at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       rotate_token(src + t * width, cos_ptr + t * head_dim, sin_ptr + t * head_dim, q_ptr + t * q_width,
@@ -91,17 +121,26 @@ at::Tensor rotate_tokens(const at::Tensor& qkv, const at::Tensor& cos, const at:
 
 }  // namespace
 
+void check_weight(const at::Tensor& weight, const at::Tensor& x) {
+  check_same_dtype(weight, x, "weight");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be [hidden]");
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1),
-              "weight must be fp32 [hidden]");
+  check_weight(weight, x);
   auto out = at::empty_like(x);
   const int64_t dim = x.size(1);
-  const float* src = x.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) normalize_row(src + t * dim, w, dst + t * dim, dim, static_cast<float>(eps));
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* src = ptr<T>(x);
+    const T* w = ptr<T>(weight);
+    T* dst = ptr<T>(out);
+    at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        normalize_row(src + t * dim, w, dst + t * dim, dim, static_cast<float>(eps));
+      }
+    });
   });
   return out;
 }
@@ -109,23 +148,26 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
+  check_same_dtype(residual, x, "residual");
   TORCH_CHECK(residual.sizes() == x.sizes(), "residual must have x's shape");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1),
-              "weight must be fp32 [hidden]");
+  check_weight(weight, x);
   auto out = at::empty_like(x);
   const int64_t dim = x.size(1);
-  const float* src = x.data_ptr<float>();
-  float* res = residual.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* r = res + t * dim;
-      const float* s = src + t * dim;
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* src = ptr<T>(x);
+    T* res = ptr<T>(residual);
+    const T* w = ptr<T>(weight);
+    T* dst = ptr<T>(out);
+    at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        T* r = res + t * dim;
+        const T* s = src + t * dim;
 #pragma omp simd
-      for (int64_t i = 0; i < dim; ++i) r[i] += s[i];
-      normalize_row(r, w, dst + t * dim, dim, static_cast<float>(eps));
-    }
+        for (int64_t i = 0; i < dim; ++i) store_as(r + i, to_float(r[i]) + to_float(s[i]));
+        normalize_row(r, w, dst + t * dim, dim, static_cast<float>(eps));
+      }
+    });
   });
   return out;
 }
@@ -135,16 +177,24 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
   const int64_t half = gate_up.size(1) / 2;
   auto out = at::empty({gate_up.size(0), half}, gate_up.options());
-  const float* src = gate_up.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, gate_up.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* gate = src + t * 2 * half;
-      const float* up = gate + half;
-      float* o = dst + t * half;
+  dispatch(gate_up, [&](auto tag) {
+    using T = decltype(tag);
+    const T* src = ptr<T>(gate_up);
+    T* dst = ptr<T>(out);
+    at::parallel_for(0, gate_up.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const T* gate = src + t * 2 * half;
+        const T* up = gate + half;
+        T* o = dst + t * half;
 #pragma omp simd
-      for (int64_t i = 0; i < half; ++i) o[i] = gate[i] / (1.f + fast_exp(-gate[i])) * up[i];
-    }
+        for (int64_t i = 0; i < half; ++i) {
+          const float g = to_float(gate[i]);
+          T silu;  // rounded as torch's bf16 silu is, before the product
+          store_as(&silu, g / (1.f + fast_exp(-g)));
+          store_as(o + i, to_float(silu) * to_float(up[i]));
+        }
+      }
+    });
   });
   return out;
 }
@@ -156,8 +206,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split_qkv(const at::Tensor
   check_qkv(qkv, cos, sin, n_heads, n_kv_heads, head_dim);
   auto k = at::empty({qkv.size(0), n_kv_heads, head_dim}, qkv.options());
   auto v = at::empty_like(k);
-  auto q = rotate_tokens(qkv, cos, sin, k.data_ptr<float>(), v.data_ptr<float>(), [](int64_t t) { return t; },
-                         n_heads, n_kv_heads, head_dim);
+  auto q = dispatch(qkv, [&](auto tag) {
+    using T = decltype(tag);
+    return rotate_tokens(qkv, cos, sin, ptr<T>(k), ptr<T>(v), [](int64_t t) { return t; }, n_heads, n_kv_heads,
+                         head_dim);
+  });
   return {q, k, v};
 }
 
@@ -168,6 +221,7 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
                            at::Tensor& v_cache, const at::Tensor& out_cache_loc, int64_t n_heads,
                            int64_t n_kv_heads, int64_t head_dim) {
   check_qkv(qkv, cos, sin, n_heads, n_kv_heads, head_dim);
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat, "rotary_store_kv: fp32 only");
   const int64_t n_slots = k_cache.size(0);
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.numel() == n_slots * n_kv_heads * head_dim,

@@ -43,6 +43,20 @@ inline float to_float(bf16_t x) {
   return f;
 }
 
+// Store an fp32 result as T: as is for float; rounded to nearest even for bf16 (as torch rounds).
+inline void store_as(float* p, float v) { *p = v; }
+
+inline void store_as(bf16_t* p, float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays a (quiet) NaN
+    *p = static_cast<bf16_t>((bits >> 16) | 0x40u);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *p = static_cast<bf16_t>(bits >> 16);
+}
+
 inline float horizontal_sum(vec8 v) {
   typedef float vec4 __attribute__((vector_size(16)));
   vec4 lo, hi;
@@ -50,6 +64,35 @@ inline float horizontal_sum(vec8 v) {
   std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
   const vec4 s = lo + hi;
   return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+// 16-wide fp32 vectors: one AVX-512 register, or two AVX2 ones where the CPU has no AVX-512.
+typedef float vec16 __attribute__((vector_size(64)));
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vec16 load16(const bf16_t* p) {
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
+  vec16 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float horizontal_sum(vec16 v) {
+  vec8 lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  return horizontal_sum(lo + hi);
 }
 
 // exp(x) with x clamped to [-87, 88] (enough for silu and for softmax, where x <= 0);

@@ -1,4 +1,5 @@
-// y = x @ weight^T (+ bias) for fp32 CPU tensors with few rows in x (decode batches): a
+// y = x @ weight^T (+ bias) for CPU tensors with few rows in x (decode batches), fp32 or bf16 (bf16:
+// x widened to fp32 once, weights widened as they stream, fp32 sums, y rounded to bf16 once): a
 // bandwidth-bound product, so the kernel streams each weight row from memory exactly once.
 // Threads split the output columns (weight rows) in blocks of 4; each block keeps 4 weight
 // rows in L1 while every row of x is multiplied against them with 4 independent 8-wide
@@ -13,18 +14,21 @@
 
 namespace {
 
+using tokenmill_simd::bf16_t;
 using tokenmill_simd::horizontal_sum;
 using tokenmill_simd::load8;
+using tokenmill_simd::to_float;
 using tokenmill_simd::vec8;
 
 constexpr int64_t kRowsPerBlock = 4;
 
 // out[m * n_out + n] for n in [n0, n0 + 4): four weight rows against every row of x.
-void four_rows(const float* x, const float* w, float* out, int64_t m_rows, int64_t k_dim, int64_t n_out, int64_t n0) {
-  const float* w0 = w + n0 * k_dim;
-  const float* w1 = w0 + k_dim;
-  const float* w2 = w1 + k_dim;
-  const float* w3 = w2 + k_dim;
+template <typename W>
+void four_rows(const float* x, const W* w, float* out, int64_t m_rows, int64_t k_dim, int64_t n_out, int64_t n0) {
+  const W* w0 = w + n0 * k_dim;
+  const W* w1 = w0 + k_dim;
+  const W* w2 = w1 + k_dim;
+  const W* w3 = w2 + k_dim;
   const int64_t vec_end = k_dim - k_dim % 8;
   for (int64_t m = 0; m < m_rows; ++m) {
     const float* xr = x + m * k_dim;
@@ -38,10 +42,10 @@ void four_rows(const float* x, const float* w, float* out, int64_t m_rows, int64
     }
     float s0 = horizontal_sum(a0), s1 = horizontal_sum(a1), s2 = horizontal_sum(a2), s3 = horizontal_sum(a3);
     for (int64_t k = vec_end; k < k_dim; ++k) {
-      s0 += w0[k] * xr[k];
-      s1 += w1[k] * xr[k];
-      s2 += w2[k] * xr[k];
-      s3 += w3[k] * xr[k];
+      s0 += to_float(w0[k]) * xr[k];
+      s1 += to_float(w1[k]) * xr[k];
+      s2 += to_float(w2[k]) * xr[k];
+      s3 += to_float(w3[k]) * xr[k];
     }
     float* o = out + m * n_out + n0;
     o[0] = s0;
@@ -51,26 +55,46 @@ void four_rows(const float* x, const float* w, float* out, int64_t m_rows, int64
   }
 }
 
-void one_row(const float* x, const float* w, float* out, int64_t m_rows, int64_t k_dim, int64_t n_out, int64_t n) {
-  const float* wr = w + n * k_dim;
+template <typename W>
+void one_row(const float* x, const W* w, float* out, int64_t m_rows, int64_t k_dim, int64_t n_out, int64_t n) {
+  const W* wr = w + n * k_dim;
   for (int64_t m = 0; m < m_rows; ++m) {
     float s = 0.f;
-    for (int64_t k = 0; k < k_dim; ++k) s += wr[k] * x[m * k_dim + k];
+    for (int64_t k = 0; k < k_dim; ++k) s += to_float(wr[k]) * x[m * k_dim + k];
     out[m * n_out + n] = s;
   }
+}
+
+// y [M, N] (fp32) = x [M, K] (fp32) @ w [N, K]^T.
+template <typename W>
+void product(const float* x, const W* w, float* y, int64_t m_rows, int64_t k_dim, int64_t n_out) {
+  const int64_t full_blocks = n_out / kRowsPerBlock;
+  at::parallel_for(0, full_blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) four_rows(x, w, y, m_rows, k_dim, n_out, b * kRowsPerBlock);
+  });
+  for (int64_t n = full_blocks * kRowsPerBlock; n < n_out; ++n) one_row(x, w, y, m_rows, k_dim, n_out, n);
 }
 
 }  // namespace
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  LinearIO io = linear_io(x, weight);
-  const int64_t full_blocks = io.n_out / kRowsPerBlock;
-  at::parallel_for(0, full_blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) four_rows(io.x, io.w, io.y, io.m_rows, io.k_dim, io.n_out, b * kRowsPerBlock);
-  });
-  for (int64_t n = full_blocks * kRowsPerBlock; n < io.n_out; ++n) {
-    one_row(io.x, io.w, io.y, io.m_rows, io.k_dim, io.n_out, n);
+  if (weight.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bf16 like the weight");
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 && weight.is_contiguous(),
+                "x [M, K] and weight [N, K] must be contiguous");
+    TORCH_CHECK(x.size(1) == weight.size(1), "x and weight disagree on K");
+    const at::Tensor x32 = x.to(at::kFloat);
+    at::Tensor y = at::empty({x.size(0), weight.size(0)}, x32.options());
+    product(x32.data_ptr<float>(), static_cast<const bf16_t*>(weight.data_ptr()), y.data_ptr<float>(), x.size(0),
+            x.size(1), weight.size(0));
+    if (bias.has_value() && bias->defined()) {
+      TORCH_CHECK(bias->numel() == y.size(1), "bias must be [N]");
+      y.add_(*bias);
+    }
+    return y.to(at::kBFloat16);
   }
+  LinearIO io = linear_io(x, weight);
+  product(io.x, io.w, io.y, io.m_rows, io.k_dim, io.n_out);
   add_bias(io.out, bias);
   return io.out;
 }
