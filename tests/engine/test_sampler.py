@@ -336,3 +336,12 @@ def test_logprob_ranks_share_ties() -> None:
 def test_rejects_mismatched_logits() -> None:
     with pytest.raises(ValueError, match="logits must be"):
         sampler().sample(torch.randn(2, V), [seq()], EOS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ties_go_to_the_lowest_token_id(dtype: torch.dtype) -> None:
+    logits = torch.zeros(3, V, dtype=dtype)
+    logits[0, [7, 3, 11]] = 5.0
+    logits[1, [V - 1, 1]] = 2.0
+    result = sampler().sample(logits, [seq(row=i, temperature=0.0) for i in range(3)], EOS)
+    assert result.token_ids == [3, 1, 0]

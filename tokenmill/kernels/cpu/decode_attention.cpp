@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -120,7 +121,45 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
   scores.resize(n_rows * len + n_rows);  // scores[r * len + l] for query row r and key l; then 1 / sums
   float* s = scores.data();
   float* inv_sum = s + n_rows * len;
-  for (int64_t l = 0; l < len; ++l) {
+  int64_t l = 0;
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {  // four keys at a time: one reduction tree per four scores
+    constexpr int64_t kVecs = kHeadDim / 16;
+    for (; l + 4 <= len; l += 4) {
+      for (int64_t j = 0; j < 4 && l + ahead + j < len; ++j) {
+        tokenmill_simd::prefetch_range(p.k_cache + slots[l + ahead + j] * slot_stride + offset, row_bytes);
+      }
+      const KV* key_rows[4];
+      for (int64_t j = 0; j < 4; ++j) key_rows[j] = p.k_cache + slots[l + j] * slot_stride + offset;
+      for (int64_t h = 0, r = 0; h < kv_end - kv_begin; ++h) {
+        // bf16 keys of this head are widened once for the whole group (fp32 ones read directly:
+        // holding them too would spill registers)
+        constexpr bool kWiden = !std::is_same_v<KV, float>;
+        vec16 k[kWiden ? 4 : 1][kWiden ? kVecs : 1];
+        if constexpr (kWiden) {
+          for (int64_t j = 0; j < 4; ++j) {
+            for (int64_t i = 0; i < kVecs; ++i) k[j][i] = load16(key_rows[j] + h * kHeadDim + 16 * i);
+          }
+        }
+        for (int64_t g = 0; g < p.group; ++g, ++r) {
+          const float* q = queries + r * kHeadDim;
+          vec16 acc[4] = {};
+          for (int64_t i = 0; i < kVecs; ++i) {
+            const vec16 qi = load16(q + 16 * i);
+            for (int64_t j = 0; j < 4; ++j) {
+              if constexpr (kWiden) {
+                acc[j] += qi * k[j][i];
+              } else {
+                acc[j] += qi * load16(key_rows[j] + h * kHeadDim + 16 * i);
+              }
+            }
+          }
+          const tokenmill_simd::vec4 sums = tokenmill_simd::horizontal_sum4(acc[0], acc[1], acc[2], acc[3]);
+          for (int64_t j = 0; j < 4; ++j) s[r * len + l + j] = sums[j] * p.scale;
+        }
+      }
+    }
+  }
+  for (; l < len; ++l) {
     if (l + ahead < len) {
       tokenmill_simd::prefetch_range(p.k_cache + slots[l + ahead] * slot_stride + offset, row_bytes);
     }

@@ -88,6 +88,29 @@ inline vec16 load16(const bf16_t* p) {
 
 inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+typedef float vec4 __attribute__((vector_size(16)));
+
+// {sum(a), sum(b), sum(c), sum(d)}: four horizontal sums sharing one reduction tree.
+inline vec4 horizontal_sum4(vec16 a, vec16 b, vec16 c, vec16 d) {
+  const vec8 a8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vec8 b8 = __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vec8 c8 = __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vec8 d8 = __builtin_shufflevector(d, d, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(d, d, 8, 9, 10, 11, 12, 13, 14, 15);
+  // ab: a's partial sums in lanes 0-3, b's in 4-7; cd likewise
+  const vec8 ab = __builtin_shufflevector(a8, b8, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(a8, b8, 4, 5, 6, 7, 12, 13, 14, 15);
+  const vec8 cd = __builtin_shufflevector(c8, d8, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(c8, d8, 4, 5, 6, 7, 12, 13, 14, 15);
+  // pairs: lanes 0-1 a, 2-3 b, 4-5 c, 6-7 d
+  const vec8 pairs = __builtin_shufflevector(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13) +
+                     __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(pairs, pairs, 0, 2, 4, 6) + __builtin_shufflevector(pairs, pairs, 1, 3, 5, 7);
+}
+
 inline float horizontal_sum(vec16 v) {
   vec8 lo, hi;
   std::memcpy(&lo, &v, sizeof(lo));
