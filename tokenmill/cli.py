@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import sys
 import types
 import typing
@@ -189,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(format="%(name)s: %(message)s")  # warnings from everyone, on stderr
+    logging.getLogger("tokenmill").setLevel(logging.INFO)  # and tokenmill's start-up facts
     return args.func(args)
 
 

@@ -53,8 +53,8 @@ class CpuBackend(TorchNativeBackend):
     ) -> torch.Tensor:
         if q.device.type != "cpu" or q.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"the cpu attention backend supports fp32/bf16 CPU tensors, got {q.dtype} on {q.device}")
-        out = self._decode_kernel(
-            q.float().contiguous(),
+        return self._decode_kernel(
+            q,
             k_cache,
             v_cache,
             req_to_token,
@@ -62,7 +62,6 @@ class CpuBackend(TorchNativeBackend):
             seq_lens.contiguous(),
             self.scale,
         )
-        return out.to(q.dtype)
 
     def _attend_causal(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int) -> torch.Tensor:
         """Prefill rows of one request as two matmuls batched over the KV heads around a fused

@@ -34,6 +34,8 @@ class ThroughputResult:
     n_requests: int
     prompt_tokens: int
     output_tokens: int
+    dtype: str  # what the engine runs (dtype "auto" resolved for this machine)
+    attention_backend: str
 
 
 def _watch_kv(llm: LLM, stop: threading.Event, peak: list[float]) -> None:
@@ -76,6 +78,8 @@ def run_throughput(llm: LLM, work: Workload) -> tuple[ThroughputResult, list[Req
         n_requests=len(outputs),
         prompt_tokens=work.n_prompt_tokens,
         output_tokens=work.n_output_tokens,
+        dtype=str(llm.engine.dtype).removeprefix("torch."),
+        attention_backend=llm.engine.model.backend.name,
     )
     return result, outputs
 
@@ -142,6 +146,7 @@ def main(args: Any) -> int:
         return 0
     print(
         f"requests: {result.n_requests}, prompt tokens: {result.prompt_tokens}, output tokens: {result.output_tokens}"
+        f" ({result.dtype}, attention backend {result.attention_backend})"
     )
     print(
         f"elapsed {result.elapsed_s:.1f} s: {result.requests_per_s:.2f} req/s, "

@@ -63,6 +63,8 @@ class Engine:
         self.eos_token_ids = tokenizer_eos | set(mc.eos_token_ids)
         self.model = load_model(path, self.dtype, self.device)
         self.model.backend = make_backend(cfg, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.dtype)
+        dtype = str(self.dtype).removeprefix("torch.") + (" (auto)" if cfg.dtype == "auto" else "")
+        logger.info("%s on %s in %s, attention %s", mc.architecture, self.device, dtype, self.model.backend.name)
         self.max_context_len = min(cfg.max_context_len or mc.max_context_len, mc.max_context_len)
         n_slots = kv_cache_slots(cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         storage = KVStorage(mc.num_layers, n_slots, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)

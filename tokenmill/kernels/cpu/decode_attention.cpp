@@ -324,17 +324,19 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 
 }  // namespace
 
-// q [B, H, D] fp32; k_cache/v_cache [S, Hkv, D], both fp32 or both bf16; req_to_token [R, C] int32;
-// req_pool_indices [B] and seq_lens [B] int64. Request b attends to slots
-// req_to_token[req_pool_indices[b], 0:seq_lens[b]]. The output is fp32, like q.
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+// q [B, H, D] fp32 or bf16; k_cache/v_cache [S, Hkv, D], both fp32 or both bf16; req_to_token [R, C]
+// int32; req_pool_indices [B] and seq_lens [B] int64. Request b attends to slots
+// req_to_token[req_pool_indices[b], 0:seq_lens[b]]. The math is fp32; the output has q's dtype.
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                                   const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "bad q/k/v ranks");
+  TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "bad q/k/v ranks");
   const auto kv_type = k_cache.scalar_type();
-  TORCH_CHECK(q.scalar_type() == at::kFloat && v_cache.scalar_type() == kv_type &&
-                  (kv_type == at::kFloat || kv_type == at::kBFloat16), "q fp32; k/v caches both fp32 or both bf16");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "q/k/v must be contiguous");
+  TORCH_CHECK((q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16) &&
+                  v_cache.scalar_type() == kv_type && (kv_type == at::kFloat || kv_type == at::kBFloat16),
+              "q fp32 or bf16; k/v caches both fp32 or both bf16");
+  const at::Tensor q = q_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k/v caches must be contiguous");
   TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
               "req_to_token: int32 rows");
   TORCH_CHECK(req_pool_indices.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
@@ -345,7 +347,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   } else {
     attend_all<tokenmill_simd::bf16_t>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
   }
-  return out;
+  return out.to(q_in.scalar_type());
 }
 
 TORCH_LIBRARY(tokenmill_cpu, m) {
