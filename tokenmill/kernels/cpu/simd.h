@@ -43,18 +43,16 @@ inline float to_float(bf16_t x) {
   return f;
 }
 
-// Store an fp32 result as T: as is for float; rounded to nearest even for bf16 (as torch rounds).
+// Store an fp32 result as T: as is for float; rounded to nearest even for bf16 (as torch rounds),
+// a NaN staying a (quiet) NaN. Branch-free, so loops over it vectorize.
 inline void store_as(float* p, float v) { *p = v; }
 
 inline void store_as(bf16_t* p, float v) {
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays a (quiet) NaN
-    *p = static_cast<bf16_t>((bits >> 16) | 0x40u);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *p = static_cast<bf16_t>(bits >> 16);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+  *p = static_cast<bf16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 inline float horizontal_sum(vec8 v) {
