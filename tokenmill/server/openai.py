@@ -64,3 +64,13 @@ def stream_error(request_id: str, message: str) -> str:
         "code": "engine_error",
     }
     return sse_event({"error": error})
+
+
+def completion_object(
+    kind: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, int] | None
+) -> dict[str, Any]:
+    """A (chat) completion or chunk object: ``kind`` is its ``object`` field; ``usage`` only when given."""
+    body: dict[str, Any] = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body

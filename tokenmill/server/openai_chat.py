@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.request import CompletionOutput, Logprob, RequestOutput
 from tokenmill.server.errors import APIError, engine_errors
 from tokenmill.server.generation import Generation, until_disconnected
-from tokenmill.server.openai import raise_on_error, stream_error, top_logprobs, usage_json
+from tokenmill.server.openai import completion_object, raise_on_error, stream_error, top_logprobs, usage_json
 from tokenmill.server.params import openai_params
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, ContentPart
 from tokenmill.server.sse import SSEResponse, sse_event
@@ -171,26 +171,11 @@ class _Chat:
                 {"index": out.index, "message": message, "logprobs": await self._logprobs(out), "finish_reason": finish}
             )
         usage = usage_json(len(output.prompt_token_ids), sum(len(o.token_ids) for o in output.outputs))
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": choices,
-            "usage": usage,
-        }
+        return completion_object("chat.completion", self.id, self.created, self.state.model_name, choices, usage)
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": choices,
-        }
-        if usage is not None:
-            chunk["usage"] = usage
-        return sse_event(chunk)
+        model = self.state.model_name
+        return sse_event(completion_object("chat.completion.chunk", self.id, self.created, model, choices, usage))
 
     async def events(self, generation: Generation, n: int, include_usage: bool) -> AsyncIterator[str]:
         """The SSE stream: a role chunk per choice, content / tool-call deltas, usage, ``[DONE]``."""

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.request import CompletionOutput, RequestOutput
 from tokenmill.server.errors import APIError, engine_errors
 from tokenmill.server.generation import Generation, until_disconnected
-from tokenmill.server.openai import raise_on_error, stream_error, top_logprobs, usage_json
+from tokenmill.server.openai import completion_object, raise_on_error, stream_error, top_logprobs, usage_json
 from tokenmill.server.params import openai_params
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.sse import SSEResponse, sse_event
@@ -111,16 +111,7 @@ class _Completion:
         }
 
     def _body(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return body
+        return completion_object("text_completion", self.id, self.created, self.state.model_name, choices, usage)
 
     async def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         for output in outputs:
