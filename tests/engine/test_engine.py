@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,26 @@ def test_a_text_prompt_is_tokenized_once(llm: LLM, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(tokenizer, "encode", counting_encode)
     llm.generate(["hello world", "the cat"], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
     assert calls == ["hello world", "the cat"]
+
+
+def test_a_state_runs_once_and_ids_stay_unique_until_finished(llm: LLM) -> None:
+    engine = llm.engine
+    done: list[RequestOutput] = []
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    state = engine.intake([5, 6, 7], params, done.append, request_id="same-id")
+    engine.submit(state)
+    with pytest.raises(ValueError, match="already submitted"):
+        engine.submit(state)
+    twin = engine.intake([5, 6, 7], params, done.append, request_id="same-id")  # before the first finished
+    with pytest.raises(ValueError, match="already in use"):
+        engine.submit(twin)
+    out = llm.generate([[8, 9]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0]  # still serving
+    assert len(out.outputs[0].token_ids) == 2
+    deadline = time.monotonic() + 30
+    while not (done and done[-1].finished) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert done[-1].finished and done[-1].request_id == "same-id"
+    engine.submit(engine.intake([5, 6], params, lambda _: None, request_id="same-id"))  # free again
 
 
 def test_stop_strings_cut_text_exactly(llm: LLM) -> None:

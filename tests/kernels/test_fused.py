@@ -79,13 +79,14 @@ def test_rotary_split_qkv(reference, rows: int, heads: int, kv_heads: int, dim: 
     assert got[0].shape == (rows, heads, dim) and got[2].shape == (rows, kv_heads, dim)
 
 
-def close_bf16(ours: torch.Tensor, ref: torch.Tensor, scale: float) -> bool:
-    """bf16 kernel output vs the torch bf16 chain: the kernel rounds once where torch rounds every
-    op, so they may differ by a few bf16 steps (2**-8 relative) of the operands' ``scale``."""
+def close_bf16(ours: torch.Tensor, ref: torch.Tensor, atol: float) -> bool:
+    """bf16 kernel output vs the torch bf16 chain: within two bf16 steps (2**-7 relative), plus
+    ``atol`` where torch's per-op roundings of larger intermediates (the RoPE products, the norm's
+    scaled row) can move a result that cancels or shrinks by more than its own steps."""
     return (
         ours.dtype == ref.dtype == torch.bfloat16
         and ours.shape == ref.shape
-        and torch.allclose(ours.float(), ref.float(), rtol=2**-6, atol=4 * 2**-8 * scale)
+        and torch.allclose(ours.float(), ref.float(), rtol=2**-7, atol=atol)
     )
 
 
@@ -96,18 +97,18 @@ def test_bf16_norms(reference, rows: int) -> None:
         torch.randn(rows, 96).bfloat16(),
         torch.randn(96).bfloat16(),
     )
-    assert close_bf16(fused.rms_norm(x, w, 1e-5), reference(fused.rms_norm, x, w, 1e-5), scale=3)
+    assert close_bf16(fused.rms_norm(x, w, 1e-5), reference(fused.rms_norm, x, w, 1e-5), atol=1e-6)
     expected_out, expected_sum = reference(fused.add_rms_norm, x, residual.clone(), w, 1e-6)
     owned = residual.clone()
     out, total = fused.add_rms_norm(x, owned, w, 1e-6)
     assert total is owned and torch.equal(total, expected_sum)  # one bf16 add: identical roundings
-    assert close_bf16(out, expected_out, scale=3)
+    assert close_bf16(out, expected_out, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 130])
 def test_bf16_silu_and_mul(reference, rows: int) -> None:
     gate_up = (torch.randn(rows, 2 * 83) * 6).bfloat16()
-    assert close_bf16(fused.silu_and_mul(gate_up), reference(fused.silu_and_mul, gate_up), scale=36)
+    assert close_bf16(fused.silu_and_mul(gate_up), reference(fused.silu_and_mul, gate_up), atol=1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 130])
@@ -119,5 +120,5 @@ def test_bf16_rotary_split_qkv(reference, rows: int) -> None:
     got = fused.rotary_split_qkv(qkv, cos, sin, heads, kv_heads, dim)
     want = reference(fused.rotary_split_qkv, qkv, cos, sin, heads, kv_heads, dim)
     for g, w in zip(got, want):
-        assert g.is_contiguous() and close_bf16(g, w, scale=4)
+        assert g.is_contiguous() and close_bf16(g, w, atol=2 * 2**-8 * 4)  # terms up to ~4: two of their steps
     assert torch.equal(got[2], want[2])  # values are copied, not computed

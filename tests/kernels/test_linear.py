@@ -65,7 +65,7 @@ def test_kernel_choice_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_other_dtypes_and_module() -> None:
     weight = torch.randn(40, 16).bfloat16()
     x = torch.randn(3, 16).bfloat16()
-    assert torch.equal(linear(x, weight), F.linear(x, weight))  # bf16 goes to F.linear
+    assert torch.equal(linear(x, weight), F.linear(x, weight))  # bf16 of more than one row: F.linear
     module = Linear(16, 40)
     assert set(dict(module.named_parameters())) == {"weight", "bias"}
     with torch.inference_mode():
@@ -102,3 +102,23 @@ def test_module_follows_in_place_weight_changes(dtype: torch.dtype) -> None:
         expected = F.linear(x.float(), module.weight.float(), module.bias.float())
         assert torch.allclose(after.float(), expected, atol=tol, rtol=tol)
         assert not torch.allclose(after, before)
+
+
+def test_module_follows_dtype_changes_and_swapped_weights() -> None:
+    """``Module.to`` and ``weight.data = ...`` replace the weight without moving its version
+    counter; a blocked copy of the old weight must not be used."""
+    torch.manual_seed(1)
+    module = Linear(32, 48, bias=False)
+    x = torch.randn(8, 32)
+    with torch.inference_mode():
+        module(x)
+    module.to(torch.bfloat16)
+    with torch.inference_mode():
+        out = module(x.bfloat16())
+    assert torch.allclose(out.float(), F.linear(x.bfloat16().float(), module.weight.float()), atol=2e-2, rtol=2e-2)
+    module.to(torch.float32)
+    with torch.inference_mode():
+        module(x)
+    module.weight.data = torch.randn(48, 32)
+    with torch.inference_mode():
+        assert torch.allclose(module(x), F.linear(x, module.weight), atol=1e-5)

@@ -1,10 +1,11 @@
-"""CpuBackend: the torch-native backend with its hot paths replaced by C++ kernels (fp32 CPU).
+"""CpuBackend: the torch-native backend with its hot paths replaced by C++ kernels (fp32 or bf16 CPU).
 
 Decode rows (a decode step, or the one-token rows of a mixed step) are attended by
 ``paged_decode_attention``, which reads each request's keys and values in place through the
 request-to-token table (the torch path gathers them into padded batches for SDPA). Prefill rows
 of at least ``MIN_KERNEL_QUERY_ROWS`` are two matmuls around the fused ``causal_softmax_`` kernel.
-Outputs equal the torch backend's to fp32 rounding.
+In fp32 outputs equal the torch backend's to fp32 rounding; in bf16 the kernels compute in fp32
+from the bf16 values (decode) or round as transformers' eager bf16 attention does (prefill).
 Strict like every explicit backend: fp32 or bf16 CPU tensors only, and the kernels must build.
 """
 

@@ -112,15 +112,14 @@ class Engine:
         """Queue a validated request; ``state.callback`` receives its deltas on the engine thread.
 
         Raises EngineOverloadedError when the queue is full, EngineDeadError when the loop is
-        gone, ValueError when the request id is already in use.
+        gone, ValueError when the state was submitted before or its request id is in use.
         """
         self._check_alive()
-        if state.request_id in self.output.requests:
-            raise ValueError(f"request_id {state.request_id!r} is already in use")
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
             raise EngineOverloadedError(
                 f"too many waiting requests (max_waiting_requests={self.config.max_waiting_requests})"
             )
+        self.output.reserve(state)
         self._commands.put(lambda: self.output.admit(state))
         return state.request_id
 

@@ -46,6 +46,7 @@ class RequestState:
     detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)  # empty without a tokenizer
     emitted_tokens: list[int] = field(default_factory=list)  # per sequence: tokens already sent
     final_sent: list[bool] = field(default_factory=list)  # per sequence: its last delta was sent
+    submitted: bool = False  # set once by Engine.submit: a state runs at most once
 
     @property
     def finished(self) -> bool:

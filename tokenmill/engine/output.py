@@ -10,6 +10,7 @@ request leaves the table when its last sequence has finished and its final delta
 from __future__ import annotations
 
 import logging
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,24 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.finished_requests = 0
         self.failed_requests = 0
+        self._live_ids: set[str] = set()  # ids from reserve() until the request's final delta
+        self._ids_lock = threading.Lock()
+
+    def reserve(self, state: RequestState) -> None:
+        """Claim ``state``'s request id for it (any thread); ValueError if the state was submitted
+        before or the id belongs to a request that has not finished."""
+        with self._ids_lock:
+            if state.submitted:
+                raise ValueError(f"request {state.request_id!r} was already submitted")
+            if state.request_id in self._live_ids:
+                raise ValueError(f"request_id {state.request_id!r} is already in use")
+            state.submitted = True
+            self._live_ids.add(state.request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free a reserved id (the request finished, or was never queued)."""
+        with self._ids_lock:
+            self._live_ids.discard(request_id)
 
     def admit(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
@@ -148,6 +167,7 @@ class OutputProcessor:
         if finished:
             state.metrics.finished_time = now()
             self.requests.pop(state.request_id, None)
+            self.release(state.request_id)
             if any(s.finish_reason == FinishReason.ERROR.value for s in state.seqs):
                 self.failed_requests += 1
             else:

@@ -6,9 +6,11 @@ on the fly in L1-sized panels), larger ones oneDNN's matmul (``mkldnn._linear_po
 kernel ``torch.compile`` uses for CPU linears). bf16 CPU products with at most
 ``SKINNY_MAX_ROWS_BF16`` rows use ``skinny_linear`` too (bf16 weights widened as they stream), larger
 ones ``F.linear`` (oneDNN; AMX tiles where the CPU has them). Everything else (GPU; fp16) uses
-``F.linear``. The thresholds come from the per-row-count timings in the README's performance
-section. Weights are read as stored, never re-packed ahead of time, so in-place weight updates
-need no extra step. Every path computes ``x @ weight.T + bias`` (same contract as ``F.linear``).
+``F.linear``. On CPUs where oneDNN is faster with its own weight layout (``BLOCKED_MIN_ROWS``:
+bf16 with native bf16, fp32 on AVX-512), the :class:`Linear` module keeps a blocked copy of its
+weight (see there); the functional :func:`linear` always reads the weight as stored. The thresholds
+come from the timings in the README's performance section. Every path computes
+``x @ weight.T + bias`` (same contract as ``F.linear``).
 """
 
 from __future__ import annotations
@@ -73,29 +75,36 @@ class Linear(nn.Linear):
 
     For the dtypes in ``BLOCKED_MIN_ROWS``, products of ``BLOCKED_MIN_ROWS[dtype]`` to
     ``BLOCKED_MAX_ROWS`` rows use a copy of the weight in oneDNN's blocked layout, made on first use
-    and remade whenever the weight changes in place (its version counter moves: loading, weight
-    updates), so the weight is not re-laid-out on every call. The copy doubles the projection's
-    weight memory.
+    and remade whenever the weight is not the one it was made from: another storage, dtype or shape
+    (``Module.to``, ``weight.data = ...``) or an in-place change (its version counter moves:
+    loading, weight updates). So the weight is not re-laid-out on every call; the copy doubles the
+    projection's weight memory.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self._blocked: tuple[int, torch.Tensor] | None = None  # (weight version, oneDNN blocked copy)
+        self._blocked: tuple[tuple, torch.Tensor] | None = None  # (what it was made from, blocked copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         min_rows = BLOCKED_MIN_ROWS.get(x.dtype)
         if min_rows is not None and x.is_cpu and weight.dtype == x.dtype:
             rows = x.numel() // max(x.shape[-1], 1)
-            if min_rows <= rows <= BLOCKED_MAX_ROWS:
+            blocked = self._blocked_weight() if min_rows <= rows <= BLOCKED_MAX_ROWS else None
+            if blocked is not None:
                 rows_2d = x.reshape(rows, x.shape[-1]).contiguous()
-                out = torch.ops.mkldnn._linear_pointwise(rows_2d, self._blocked_weight(), self.bias, "none", [], "")
+                out = torch.ops.mkldnn._linear_pointwise(rows_2d, blocked, self.bias, "none", [], "")
                 return out.view(*x.shape[:-1], weight.shape[0])
         return linear(x, weight, self.bias)
 
-    def _blocked_weight(self) -> torch.Tensor:
-        version = self.weight._version
-        if self._blocked is None or self._blocked[0] != version:
-            blocked = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), BLOCKED_BATCH_HINT)
-            self._blocked = (version, blocked)
+    def _blocked_weight(self) -> torch.Tensor | None:
+        """The blocked copy of the current weight; None for a weight without a version counter
+        (created under ``torch.inference_mode``), whose changes could not be seen."""
+        weight = self.weight
+        try:
+            source = (weight.data_ptr(), weight.dtype, tuple(weight.shape), weight._version)
+        except RuntimeError:
+            return None
+        if self._blocked is None or self._blocked[0] != source:
+            self._blocked = (source, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BLOCKED_BATCH_HINT))
         return self._blocked[1]

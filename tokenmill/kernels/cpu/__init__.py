@@ -1,4 +1,4 @@
-"""C++ kernels for fp32 on CPU, built once per machine and registered as ``torch.ops.tokenmill_cpu``.
+"""C++ kernels for CPU (fp32; bf16 where noted), built once per machine as ``torch.ops.tokenmill_cpu``.
 
 ``decode_attention.cpp``: paged decode attention over the token-slot KV storage (CpuBackend).
 ``elementwise.cpp``: rms_norm, add_rms_norm, silu_and_mul, rotary_split_qkv (``kernels/fused.py``),

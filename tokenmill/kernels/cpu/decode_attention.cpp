@@ -1,6 +1,7 @@
-// Paged decode attention on CPU: one fp32 query token per request; keys and values (fp32 or bf16,
-// converted to fp32 as they are read) are read in place from the token-slot KV storage through the request-to-token table (no gather
-// copies, no padding to the longest request).
+// Paged decode attention on CPU: one query token (fp32 or bf16) per request; keys and values (fp32
+// or bf16, widened to fp32 as they are read) are read in place from the token-slot KV storage
+// through the request-to-token table (no gather copies, no padding to the longest request). The
+// math is fp32; the output has the query's dtype.
 //
 // A request's context is split into chunks of at most kChunkTokens keys, merged afterwards with
 // their softmax statistics (a fixed size, so a request's output never depends on the rest of the
@@ -96,7 +97,7 @@ struct Chunk {
 };
 
 // Unnormalized outputs, row maxima and exp sums by chunk; only the chunks of requests with more
-// than one are written. ~H / (256 Hkv) of the KV bytes those chunks cover.
+// than one are written: fp32 sums, ~H / (256 Hkv) of the bytes fp32 KV of those chunks would take.
 struct Partials {
   std::vector<float> out;  // [chunk][n_heads][head_dim]
   std::vector<float> max, sum;  // [chunk][n_heads]
@@ -131,9 +132,9 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
       const KV* key_rows[4];
       for (int64_t j = 0; j < 4; ++j) key_rows[j] = p.k_cache + slots[l + j] * slot_stride + offset;
       for (int64_t h = 0, r = 0; h < kv_end - kv_begin; ++h) {
-        // bf16 keys of this head are widened once for the whole group (fp32 ones read directly:
-        // holding them too would spill registers)
-        constexpr bool kWiden = !std::is_same_v<KV, float>;
+        // bf16 keys of this head are widened once for the whole group where the four fit in
+        // registers (head_dim 64); fp32 ones, and longer heads, are read directly
+        constexpr bool kWiden = !std::is_same_v<KV, float> && kHeadDim <= 64;
         vec16 k[kWiden ? 4 : 1][kWiden ? kVecs : 1];
         if constexpr (kWiden) {
           for (int64_t j = 0; j < 4; ++j) {

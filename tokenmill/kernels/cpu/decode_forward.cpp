@@ -1,9 +1,8 @@
 // The forward of a pure decode step in one call, for fp32 CPU Llama-family models without
 // projection biases or q/k norms: token embedding, cos/sin rows, the decoder layers, final norm
-// and LM head, with the same kernels in the same order as model/transformer.py and
-// model/layers.py run them for such a step (so the logits are identical). What goes away is the
-// Python and dispatcher work between the kernels: ~10 op calls per layer, and around the layers
-// ~8 more whose code a step's 400 MB weight stream has evicted from the caches each time.
+// and LM head, with the same kernels in the same order as model/causal_lm.py and model/blocks.py
+// run them for such a step (so the logits are identical). What goes away is the Python and
+// dispatcher work between the kernels: ~10 op calls per layer, and ~8 more around the layers.
 // Keys and values of the step are written to the cache as the attention backend does.
 #include <ATen/ATen.h>
 #include <torch/library.h>

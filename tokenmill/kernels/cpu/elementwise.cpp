@@ -119,12 +119,12 @@ at::Tensor rotate_tokens(const at::Tensor& qkv, const at::Tensor& cos, const at:
   return q;
 }
 
-}  // namespace
-
 void check_weight(const at::Tensor& weight, const at::Tensor& x) {
   check_same_dtype(weight, x, "weight");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be [hidden]");
 }
+
+}  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");

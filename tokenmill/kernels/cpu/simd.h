@@ -88,7 +88,9 @@ inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 typedef float vec4 __attribute__((vector_size(16)));
 
-// {sum(a), sum(b), sum(c), sum(d)}: four horizontal sums sharing one reduction tree.
+// {sum(a), sum(b), sum(c), sum(d)}: four horizontal sums sharing one reduction tree (one each
+// where the compiler lacks __builtin_shufflevector: GCC before 12).
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
 inline vec4 horizontal_sum4(vec16 a, vec16 b, vec16 c, vec16 d) {
   const vec8 a8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
                   __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -108,6 +110,11 @@ inline vec4 horizontal_sum4(vec16 a, vec16 b, vec16 c, vec16 d) {
                      __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);
   return __builtin_shufflevector(pairs, pairs, 0, 2, 4, 6) + __builtin_shufflevector(pairs, pairs, 1, 3, 5, 7);
 }
+#else
+inline vec4 horizontal_sum4(vec16 a, vec16 b, vec16 c, vec16 d) {
+  return vec4{horizontal_sum(a), horizontal_sum(b), horizontal_sum(c), horizontal_sum(d)};
+}
+#endif
 
 inline float horizontal_sum(vec16 v) {
   vec8 lo, hi;
