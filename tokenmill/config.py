@@ -46,7 +46,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     """Run without a tokenizer: prompts must be token ids, outputs carry token ids and no text."""
 
-    # KV cache sizing
+    # KV cache
+    kv_cache_dtype: str = "auto"
+    """"auto" (the model's dtype), "float32", "bfloat16" or "float16" (CPU backends: fp32 or bf16)."""
     page_size: int = 1
     """Slots per KV page (power of two, 1..256). 1 = token-level allocation."""
     num_kv_slots: int | None = None
@@ -100,8 +102,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size > 256 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two in [1, 256], got {self.page_size}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) != "auto" and getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be 'auto' or one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
         if self.attention_backend != "auto" and self.attention_backend not in ATTENTION_BACKENDS:
             choices = ", ".join(repr(name) for name in ("auto", *ATTENTION_BACKENDS))
             raise ValueError(f"attention_backend must be one of {choices}, got {self.attention_backend!r}")
@@ -145,6 +148,10 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolved_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype: the model's for "auto"."""
+        return model_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
 
     def resolved_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """ "auto": on CPU bf16 where the CPU multiplies bf16 natively (AMX or AVX512-BF16), else fp32

@@ -24,4 +24,14 @@ def test_explicit_choices_are_strict() -> None:
 def test_auto_is_the_reference_for_fp16_on_cpu() -> None:
     backend = factory.make_backend(EngineConfig(device="cpu"), 4, 2, 8, torch.float16)
     assert type(backend) is TorchNativeBackend
-    assert factory.auto_backend_name(torch.device("cpu"), torch.float16) == "torch"
+    assert factory.auto_backend_name(torch.device("cpu"), torch.float16, torch.float16) == "torch"
+    assert factory.auto_backend_name(torch.device("cpu"), torch.bfloat16, torch.float16) == "torch"
+
+
+def test_kv_cache_dtype_is_checked() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype must be"):
+        EngineConfig(kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="needs fp32 or bf16"):
+        factory.make_backend(
+            EngineConfig(attention_backend="cpu", device="cpu", kv_cache_dtype="float16"), 4, 2, 8, torch.float32
+        )

@@ -81,6 +81,12 @@ def greedy(path: Path, dtype: str, prompts: list[list[int]]) -> list[CompletionO
         llm.shutdown()
 
 
+def candidate_prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    lengths = (5, 9, 14, 20, 27, 33, 41, 50) * 6
+    return [torch.randint(3, GREEDY_VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
 def min_margin(output: CompletionOutput) -> float:
     """Smallest gap, in nats, between the chosen (greedy) token and the runner-up over the output."""
     return min(
@@ -94,11 +100,32 @@ def test_bf16_greedy_tokens_equal_the_fp32_reference(kind: str, tmp_path: Path) 
     """Prompts are kept when the fp32 run's top-2 margins stay above MIN_MARGIN for all
     GREEDY_TOKENS steps (chosen from the fp32 reference alone); bf16 must then agree on every token."""
     save_tiny_model(tmp_path, kind, vocab_size=GREEDY_VOCAB, **FAMILIES[kind])
-    gen = torch.Generator().manual_seed(5)
-    lengths = (5, 9, 14, 20, 27, 33, 41, 50) * 6
-    candidates = [torch.randint(3, GREEDY_VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    candidates = candidate_prompts()
     reference = greedy(tmp_path, "float32", candidates)
     clear = [i for i, out in enumerate(reference) if min_margin(out) >= MIN_MARGIN]
     assert len(clear) >= 4, "too few prompts with clear margins for a meaningful check"
     ours = greedy(tmp_path, "bfloat16", [candidates[i] for i in clear])
     assert [o.token_ids for o in ours] == [reference[i].token_ids for i in clear]
+
+
+@pytest.mark.parametrize(("dtype", "kv_dtype"), [("bfloat16", "float32"), ("float32", "bfloat16")])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_kv_cache_in_another_dtype(tmp_path: Path, dtype: str, kv_dtype: str, backend: str) -> None:
+    """``kv_cache_dtype``: keys and values stored in the cache's dtype and read back converted; greedy
+    tokens equal the fp32 reference where its margins are clear (as above)."""
+    save_tiny_model(tmp_path, "llama", vocab_size=GREEDY_VOCAB)
+    candidates = candidate_prompts()
+    reference = greedy(tmp_path, "float32", candidates)
+    clear = [i for i, out in enumerate(reference) if min_margin(out) >= MIN_MARGIN]
+    assert len(clear) >= 4, "too few prompts with clear margins for a meaningful check"
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
+    options = dict(device="cpu", num_kv_slots=4096, skip_tokenizer_init=True, attention_backend=backend)
+    llm = LLM(model=str(tmp_path), dtype=dtype, kv_cache_dtype=kv_dtype, **options)
+    try:
+        assert llm.engine.cache.storage.k_buffer.dtype == getattr(torch, kv_dtype)
+        fused = llm.engine.runner.cpu_decode  # the C++ decode forward: fp32 weights and cache only
+        assert fused is None or not fused.can_run(1)
+        ours = llm.generate([candidates[i] for i in clear], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in ours] == [reference[i].token_ids for i in clear]

@@ -61,7 +61,7 @@ def greedy_decode(model: CausalLM, n_requests: int, steps: int, fused: bool) -> 
     prompts = [[(7 * r + 3 * i) % 90 + 4 for i in range(3 + 2 * r)] for r in rows]
     logits = harness.extend(rows, prompts, [0] * n_requests)
     if fused:  # the harness calls model(input_ids, positions, view): the decode forward's signature
-        decode = CpuDecodeForward.build(model, model.backend)
+        decode = CpuDecodeForward.build(model, model.backend, torch.float32)
         assert decode is not None and decode.can_run(n_requests)
         harness.model = decode
     ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
@@ -142,9 +142,13 @@ def test_engine_runs_it_on_every_decode_step(llama: Path, monkeypatch: pytest.Mo
 def test_can_run(llama: Path) -> None:
     model = load_model(llama, torch.float32, "cpu")
     cfg = model.config
-    decode = CpuDecodeForward.build(model, CpuBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
+    decode = CpuDecodeForward.build(model, CpuBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), torch.float32)
     assert decode is not None and decode.can_run(1) and decode.can_run(CPU_DECODE_MAX_ROWS)
     assert not decode.can_run(0) and not decode.can_run(CPU_DECODE_MAX_ROWS + 1)
+    bf16_cache = CpuDecodeForward.build(
+        model, CpuBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), torch.bfloat16
+    )
+    assert bf16_cache is None  # the kernel stores and reads an fp32 cache
 
 
 @pytest.mark.parametrize(
@@ -163,14 +167,19 @@ def test_declines_what_it_does_not_cover(tmp_path: Path, kind: str, overrides: d
     model = load_model(tmp_path, torch.float32, "cpu")
     cfg = model.config
     assert model.cpu_decode_weights() is None
-    assert CpuDecodeForward.build(model, CpuBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)) is None
+    assert (
+        CpuDecodeForward.build(model, CpuBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), torch.float32) is None
+    )
 
 
 def test_declines_the_torch_backend(llama: Path) -> None:
     model = load_model(llama, torch.float32, "cpu")
     cfg = model.config
     assert model.cpu_decode_weights() is not None
-    assert CpuDecodeForward.build(model, TorchNativeBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)) is None
+    assert (
+        CpuDecodeForward.build(model, TorchNativeBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), torch.float32)
+        is None
+    )
 
 
 class _LlamaWithQKNorm(LlamaForCausalLM):

@@ -23,6 +23,8 @@ class AttentionBackend(ABC):
     """Decode forward capturable in a CUDA graph (fixed grid, no host sync)."""
     supports_cpu_decode_forward: bool = False
     """The C++ decode forward (``model/decode_forward.py``) computes exactly this backend's decode attention."""
+    converts_kv_dtype: bool = False
+    """The KV cache may hold another dtype than q/k/v (``kv_cache_dtype``): stored and read converted."""
 
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
         if n_heads % n_kv_heads:
@@ -55,8 +57,10 @@ class AttentionBackend(ABC):
             raise ValueError(f"layer_id {layer_id} out of range [0, {buffer.shape[0]})")
         if buffer.shape[2:] != (self.n_kv_heads, self.head_dim):
             raise ValueError(f"KV buffer heads/dim {tuple(buffer.shape[2:])} do not match the backend's")
-        if q.dtype != buffer.dtype or k.dtype != buffer.dtype or v.dtype != buffer.dtype:
-            raise ValueError(f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype} must equal the KV buffer's {buffer.dtype}")
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise ValueError(f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype} must be equal")
+        if buffer.dtype != q.dtype and not self.converts_kv_dtype:
+            raise ValueError(f"the {self.name} backend needs a KV cache of q's dtype {q.dtype}, got {buffer.dtype}")
         if kv_view.out_cache_loc.numel() != n_tokens:
             raise ValueError(f"out_cache_loc has {kv_view.out_cache_loc.numel()} entries for {n_tokens} tokens")
         n_reqs = kv_view.req_pool_indices.numel()

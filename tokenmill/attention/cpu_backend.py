@@ -52,8 +52,11 @@ class CpuBackend(TorchNativeBackend):
         max_len: int,
         req_to_token: torch.Tensor,
     ) -> torch.Tensor:
-        if q.device.type != "cpu" or q.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"the cpu attention backend supports fp32/bf16 CPU tensors, got {q.dtype} on {q.device}")
+        if q.device.type != "cpu" or q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"the cpu attention backend supports fp32/bf16 CPU tensors, got {q.dtype} q and "
+                f"{k_cache.dtype} KV on {q.device}"
+            )
         return self._decode_kernel(
             q,
             k_cache,

@@ -20,6 +20,8 @@ from tokenmill.kernels.cpu import load_cpu_kernels
 def _triton(n_heads: int, n_kv_heads: int, head_dim: int, config: EngineConfig, dtype: torch.dtype) -> AttentionBackend:
     from tokenmill.attention.triton import TritonBackend  # imported on use: TRITON_INTERPRET is read at import
 
+    if config.resolved_kv_dtype(dtype) != dtype:
+        raise ValueError(f"attention_backend='triton' needs kv_cache_dtype 'auto' (the model's {dtype})")
     return TritonBackend(n_heads, n_kv_heads, head_dim, config)
 
 
@@ -27,8 +29,11 @@ def _cpu(n_heads: int, n_kv_heads: int, head_dim: int, config: EngineConfig, dty
     from tokenmill.attention.cpu_backend import SUPPORTED_DTYPES, CpuBackend
 
     device = config.resolved_device()
-    if device.type != "cpu" or dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"attention_backend='cpu' needs fp32 or bf16 on CPU, got {dtype} on {device}")
+    kv_dtype = config.resolved_kv_dtype(dtype)
+    if device.type != "cpu" or dtype not in SUPPORTED_DTYPES or kv_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"attention_backend='cpu' needs fp32 or bf16 on CPU, got a {dtype} model and {kv_dtype} KV on {device}"
+        )
     return CpuBackend(n_heads, n_kv_heads, head_dim)
 
 
@@ -43,13 +48,14 @@ _BACKENDS: dict[str, Callable[[int, int, int, EngineConfig, torch.dtype], Attent
 }
 
 
-def auto_backend_name(device: torch.device, dtype: torch.dtype) -> str:
-    """What "auto" resolves to on ``device`` for ``dtype``."""
+def auto_backend_name(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
+    """What "auto" resolves to on ``device`` for a ``dtype`` model with a ``kv_dtype`` cache."""
     if device.type == "cuda":
         from tokenmill.attention.triton import TRITON_AVAILABLE
 
-        return "triton" if TRITON_AVAILABLE else "torch"
-    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        return "triton" if TRITON_AVAILABLE and kv_dtype == dtype else "torch"
+    supported = (torch.float32, torch.bfloat16)
+    if device.type == "cpu" and dtype in supported and kv_dtype in supported:
         return "cpu" if load_cpu_kernels() is not None else "torch"
     return "torch"
 
@@ -60,5 +66,5 @@ def make_backend(
     """The backend ``config.attention_backend`` names (resolving "auto") for a model of that shape."""
     name = config.attention_backend
     if name == "auto":
-        name = auto_backend_name(config.resolved_device(), dtype)
+        name = auto_backend_name(config.resolved_device(), dtype, config.resolved_kv_dtype(dtype))
     return _BACKENDS[name](n_heads, n_kv_heads, head_dim, config, dtype)

@@ -19,6 +19,7 @@ DECODE_GROUP = 16  # decode requests padded together (sorted by length) in one a
 
 class TorchNativeBackend(AttentionBackend):
     name = "torch"
+    converts_kv_dtype = True
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_view: KVView
@@ -26,8 +27,9 @@ class TorchNativeBackend(AttentionBackend):
         self._check_fwd(q, k, v, layer_id, kv_view)
         k_cache = kv_view.k_buffer[layer_id]
         v_cache = kv_view.v_buffer[layer_id]
-        k_cache.index_copy_(0, kv_view.out_cache_loc, k)  # index_copy_: far faster than index_put on CPU
-        v_cache.index_copy_(0, kv_view.out_cache_loc, v)
+        # index_copy_: far faster than index_put on CPU; .to: the cache may hold another dtype
+        k_cache.index_copy_(0, kv_view.out_cache_loc, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, kv_view.out_cache_loc, v.to(v_cache.dtype))
         if isinstance(kv_view, DecodeKVCache):
             return self._decode(
                 q,
@@ -70,7 +72,8 @@ class TorchNativeBackend(AttentionBackend):
                     keys, values = k[start : start + n], v[start : start + n]
                 else:
                     slots = view.req_to_token[row, : prefix + n].long()
-                    keys, values = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
+                    keys = k_cache.index_select(0, slots).to(q.dtype)
+                    values = v_cache.index_select(0, slots).to(q.dtype)
                 out[start : start + n] = self._attend_causal(q[start : start + n], keys, values, prefix)
             start += n
         return out
@@ -151,8 +154,8 @@ class TorchNativeBackend(AttentionBackend):
         valid = positions[None, :] < seq_lens[:, None]  # [B, L]
         slots = torch.where(valid, req_to_token[req_pool_indices, :max_len], 0).long().view(-1)
         shape = (batch, max_len, self.n_kv_heads, self.head_dim)
-        keys = k_cache.index_select(0, slots).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_cache.index_select(0, slots).view(shape).transpose(1, 2)
+        keys = k_cache.index_select(0, slots).to(q.dtype).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_cache.index_select(0, slots).to(q.dtype).view(shape).transpose(1, 2)
         queries = q.view(batch, self.n_kv_heads, group, self.head_dim)  # [B, Hkv, G, D]
         attn = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=valid[:, None, None, :], scale=self.scale

@@ -39,7 +39,8 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.graphs = graphs  # CUDA-graph replay of pure decode steps (GPU only)
-        self.cpu_decode = CpuDecodeForward.build(model, model.backend)  # None where unsupported
+        kv_dtype = cache.storage.k_buffer.dtype
+        self.cpu_decode = CpuDecodeForward.build(model, model.backend, kv_dtype)  # None where unsupported
         self.last_forward_time = 0.0  # seconds inside the model call of the last step (CPU: exact)
 
     def prepare(self, plan: StepPlan) -> ForwardBatch:

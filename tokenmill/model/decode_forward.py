@@ -30,9 +30,10 @@ class CpuDecodeForward:
         self._scale = scale
 
     @classmethod
-    def build(cls, model: CausalLM, backend: AttentionBackend) -> CpuDecodeForward | None:
-        """The C++ decode forward of ``model`` attending like ``backend``; None where not supported."""
-        if not backend.supports_cpu_decode_forward:
+    def build(cls, model: CausalLM, backend: AttentionBackend, kv_dtype: torch.dtype) -> CpuDecodeForward | None:
+        """The C++ decode forward of ``model`` attending like ``backend`` over a ``kv_dtype`` cache;
+        None where not supported (the kernel stores and reads an fp32 cache)."""
+        if not backend.supports_cpu_decode_forward or kv_dtype != torch.float32:
             return None
         weights = model.cpu_decode_weights()
         if weights is None:
