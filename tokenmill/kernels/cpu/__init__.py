@@ -11,10 +11,10 @@ causal_softmax_ (CpuBackend prefill).
 
 The sources are compiled by ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja)
 for the host CPU (``-march=native``) with OpenMP, so ``at::parallel_for`` uses torch's threads.
-torch caches the build under ``TORCH_EXTENSIONS_DIR`` (``~/.cache/torch_extensions``): only the
-first run on a machine pays the compile (see the README). ``load_cpu_kernels`` returns None,
-and logs why, when the build is impossible or ``TOKENMILL_CPU_KERNELS=0`` is set; every caller
-then uses its torch implementation.
+torch caches the build under ``TORCH_EXTENSIONS_DIR`` (``~/.cache/torch_extensions``), in a folder
+named after the CPU's feature set (:func:`extension_name`): only the first run on a machine pays the
+compile (see the README). ``load_cpu_kernels`` returns None, and logs why, when the build is
+impossible or ``TOKENMILL_CPU_KERNELS=0`` is set; every caller then uses its torch implementation.
 """
 
 from __future__ import annotations
@@ -29,9 +29,20 @@ from typing import Any
 
 import torch
 
+from tokenmill.hardware import cpu_flags
+
 logger = logging.getLogger(__name__)
 
-EXTENSION_NAME = "tokenmill_cpu_kernels"
+
+def extension_name(cpu_flags: frozenset[str]) -> str:
+    """The build's name, which is also its cache folder: one per CPU feature set, since the sources
+    are compiled for the host CPU (``-march=native``), so a cache folder shared by different
+    machines (a network home) never hands one CPU a build that uses instructions it lacks."""
+    digest = hashlib.sha256(" ".join(sorted(cpu_flags)).encode()).hexdigest()[:12]
+    return f"tokenmill_cpu_kernels_{digest}"
+
+
+EXTENSION_NAME = extension_name(cpu_flags())
 SOURCES = [
     Path(__file__).with_name(name)
     for name in (
