@@ -76,12 +76,23 @@ def test_one_step_checkpoint_matches_bundled_layout_and_loads(trainer: ModuleTyp
     with torch.no_grad():
         torch.testing.assert_close(reloaded(batch).logits, model.eval()(batch).logits)
 
+    prompt = batch[0, :8].tolist()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        expected = reloaded.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=4,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
     llm = LLM(dtype="float32", model=str(tmp_path))
     try:
-        [out] = llm.generate(["def f("], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        [out] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     finally:
         llm.shutdown()
-    assert len(out.outputs[0].token_ids) == 4
+    assert out.outputs[0].token_ids == expected  # tokenmill runs the trained checkpoint as transformers does
 
 
 def _imported_modules(path: Path) -> set[str]:
