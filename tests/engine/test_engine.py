@@ -166,6 +166,21 @@ def test_a_state_runs_once_and_ids_stay_unique_until_finished(llm: LLM) -> None:
     engine.submit(engine.intake([5, 6], params, lambda _: None, request_id="same-id"))  # free again
 
 
+def test_changing_params_after_intake_changes_nothing(llm: LLM) -> None:
+    engine = llm.engine
+    done: list[RequestOutput] = []
+    params = SamplingParams(max_tokens=6, stop_token_ids=[], **GREEDY)
+    free = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    state = engine.intake([5, 6, 7], params, done.append)
+    params.stop_token_ids.append(free[1])  # would stop after two tokens if the engine read it
+    params.max_tokens = 2
+    engine.submit(state)
+    deadline = time.monotonic() + 30
+    while not (done and done[-1].finished) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [t for d in done for o in d.outputs for t in o.token_ids] == free
+
+
 def test_stop_strings_cut_text_exactly(llm: LLM) -> None:
     prompt = [7, 8, 9, 10, 11]
     full = llm.generate([prompt], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0].outputs[0]

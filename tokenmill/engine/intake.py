@@ -9,6 +9,7 @@ that, and nothing touches the engine's loop, scheduler or cache.
 
 from __future__ import annotations
 
+import copy
 import uuid
 from dataclasses import dataclass, field
 
@@ -75,9 +76,11 @@ class Intake:
     def make(
         self, prompt: str | list[int], params: SamplingParams, callback: OutputCallback, request_id: str | None
     ) -> RequestState:
-        """The validated state of a request; raises ParameterError (a ValueError) for bad input."""
+        """The validated state of a request; raises ParameterError (a ValueError) for bad input.
+        The state keeps its own copy of ``params``: changing the caller's object later changes nothing."""
         if not isinstance(params, SamplingParams):
             raise ParameterError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
+        params = copy.deepcopy(params)
         params.validate(self.limits)
         text, ids = self._tokens(prompt)
         limit = self.context_limit
