@@ -15,6 +15,8 @@ come from the timings in the README's performance section. Every path computes
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,13 +49,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return _bf16_linear(x, weight, bias)
     if not (x.is_cpu and x.dtype == torch.float32 and weight.dtype == torch.float32):
         return F.linear(x, weight, bias)
-    rows = x.numel() // max(x.shape[-1], 1)
+    rows = _n_rows(x)
     if rows <= PANEL_MAX_ROWS and weight.is_contiguous():
         kernels = load_cpu_kernels()
         if kernels is not None:
             kernel = kernels.skinny_linear if rows <= SKINNY_MAX_ROWS else kernels.panel_linear
-            out = kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
-            return out.view(*x.shape[:-1], weight.shape[0])
+            return _on_rows(x, weight.shape[0], lambda rows_2d: kernel(rows_2d, weight, bias))
     if _ONEDNN_AVAILABLE:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -61,13 +62,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """bf16 on CPU: a weight stream for few rows, else ``F.linear`` (oneDNN; AMX where the CPU has it)."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if rows <= SKINNY_MAX_ROWS_BF16 and weight.is_contiguous():
+    if _n_rows(x) <= SKINNY_MAX_ROWS_BF16 and weight.is_contiguous():
         kernels = load_cpu_kernels()
         if kernels is not None:
-            out = kernels.skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
-            return out.view(*x.shape[:-1], weight.shape[0])
+            return _on_rows(x, weight.shape[0], lambda rows_2d: kernels.skinny_linear(rows_2d, weight, bias))
     return F.linear(x, weight, bias)
+
+
+def _n_rows(x: torch.Tensor) -> int:
+    """Rows of ``x`` ``[..., in]`` seen as a 2-d ``[rows, in]`` operand."""
+    return x.numel() // max(x.shape[-1], 1)
+
+
+def _on_rows(x: torch.Tensor, out_features: int, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``product`` of ``x`` as contiguous 2-d rows, shaped back to ``[..., out_features]``."""
+    out = product(x.reshape(_n_rows(x), x.shape[-1]).contiguous())
+    return out.view(*x.shape[:-1], out_features)
 
 
 class Linear(nn.Linear):
@@ -89,12 +99,12 @@ class Linear(nn.Linear):
         weight = self.weight
         min_rows = BLOCKED_MIN_ROWS.get(x.dtype)
         if min_rows is not None and x.is_cpu and weight.dtype == x.dtype:
-            rows = x.numel() // max(x.shape[-1], 1)
-            blocked = self._blocked_weight() if min_rows <= rows <= BLOCKED_MAX_ROWS else None
+            blocked = self._blocked_weight() if min_rows <= _n_rows(x) <= BLOCKED_MAX_ROWS else None
             if blocked is not None:
-                rows_2d = x.reshape(rows, x.shape[-1]).contiguous()
-                out = torch.ops.mkldnn._linear_pointwise(rows_2d, blocked, self.bias, "none", [], "")
-                return out.view(*x.shape[:-1], weight.shape[0])
+                pointwise = torch.ops.mkldnn._linear_pointwise
+                return _on_rows(
+                    x, weight.shape[0], lambda rows_2d: pointwise(rows_2d, blocked, self.bias, "none", [], "")
+                )
         return linear(x, weight, self.bias)
 
     def _blocked_weight(self) -> torch.Tensor | None:

@@ -164,22 +164,9 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
     if (l + ahead < len) {
       tokenmill_simd::prefetch_range(p.k_cache + slots[l + ahead] * slot_stride + offset, row_bytes);
     }
-    const KV* keys = p.k_cache + slots[l] * slot_stride + offset;
-    if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {  // each key head widened once, for its whole group
-      for (int64_t h = 0, r = 0; h < kv_end - kv_begin; ++h) {
-        vec16 k[kHeadDim / 16];
-        for (int64_t i = 0; i < kHeadDim / 16; ++i) k[i] = load16(keys + h * kHeadDim + 16 * i);
-        for (int64_t g = 0; g < p.group; ++g, ++r) {
-          const float* q = queries + r * kHeadDim;
-          vec16 acc = load16(q) * k[0];
-          for (int64_t i = 1; i < kHeadDim / 16; ++i) acc += load16(q + 16 * i) * k[i];
-          s[r * len + l] = horizontal_sum(acc) * p.scale;
-        }
-      }
-    } else {
-      for (int64_t r = 0; r < n_rows; ++r) {
-        s[r * len + l] = dot<kHeadDim>(queries + r * dim, keys + (r / p.group) * dim, dim) * p.scale;
-      }
+    const KV* keys = p.k_cache + slots[l] * slot_stride + offset;  // the keys after the last four
+    for (int64_t r = 0; r < n_rows; ++r) {
+      s[r * len + l] = dot<kHeadDim>(queries + r * dim, keys + (r / p.group) * dim, dim) * p.scale;
     }
   }
   for (int64_t r = 0; r < n_rows; ++r) {

@@ -1,5 +1,6 @@
-// Helpers shared by the CPU kernels: 8-wide fp32 vectors (GCC/Clang vector extensions, so any
-// x86/ARM target compiles them), loads of bf16 into them, a vectorizable exp, and a software prefetch of a byte range.
+// Helpers shared by the CPU kernels: 8- and 16-wide fp32 vectors (GCC/Clang vector extensions, so
+// any x86/ARM target compiles them), loads of bf16 into them, bf16 rounding, horizontal sums, a
+// vectorizable exp, and a software prefetch of a byte range.
 // torch's rebuild check hashes only the listed .cpp sources, so kernels/cpu/__init__.py adds this
 // header's content hash to the compile flags: an edit here rebuilds the extension too.
 #pragma once
@@ -10,6 +11,7 @@
 
 namespace tokenmill_simd {
 
+typedef float vec4 __attribute__((vector_size(16)));
 typedef float vec8 __attribute__((vector_size(32)));
 
 inline vec8 load8(const float* p) {
@@ -56,7 +58,6 @@ inline void store_as(bf16_t* p, float v) {
 }
 
 inline float horizontal_sum(vec8 v) {
-  typedef float vec4 __attribute__((vector_size(16)));
   vec4 lo, hi;
   std::memcpy(&lo, &v, sizeof(lo));
   std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
@@ -86,7 +87,12 @@ inline vec16 load16(const bf16_t* p) {
 
 inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-typedef float vec4 __attribute__((vector_size(16)));
+inline float horizontal_sum(vec16 v) {
+  vec8 lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  return horizontal_sum(lo + hi);
+}
 
 // {sum(a), sum(b), sum(c), sum(d)}: four horizontal sums sharing one reduction tree (one each
 // where the compiler lacks __builtin_shufflevector: GCC before 12).
@@ -115,13 +121,6 @@ inline vec4 horizontal_sum4(vec16 a, vec16 b, vec16 c, vec16 d) {
   return vec4{horizontal_sum(a), horizontal_sum(b), horizontal_sum(c), horizontal_sum(d)};
 }
 #endif
-
-inline float horizontal_sum(vec16 v) {
-  vec8 lo, hi;
-  std::memcpy(&lo, &v, sizeof(lo));
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-  return horizontal_sum(lo + hi);
-}
 
 // exp(x) with x clamped to [-87, 88] (enough for silu and for softmax, where x <= 0);
 // ~1e-7 relative error: Cephes' expf polynomial after the usual ln2 range reduction.
