@@ -311,3 +311,37 @@ def test_tiny_temperature_and_top_p_stay_well_defined(llm: LLM) -> None:
     for kwargs in (dict(temperature=1e-308), dict(temperature=1.0, top_p=1e-308)):
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True, **kwargs), use_tqdm=False)
         assert out[0].outputs[0].token_ids == greedy.token_ids
+
+
+def test_the_loop_thread_builds_the_model_and_cache(checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Model, cache and runner are made on the engine's own thread (the caller's thread then has
+    no OpenMP team of torch's competing with the loop's), and a failing build raises from the
+    constructor."""
+    from tokenmill.engine import engine as engine_module
+
+    builders: list[str] = []
+    load_model, storage = engine_module.load_model, engine_module.KVStorage
+
+    def spy_load(*args, **kwargs):
+        builders.append(threading.current_thread().name)
+        return load_model(*args, **kwargs)
+
+    def spy_storage(*args, **kwargs):
+        builders.append(threading.current_thread().name)
+        return storage(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load_model", spy_load)
+    monkeypatch.setattr(engine_module, "KVStorage", spy_storage)
+    llm = LLM(dtype="float32", model=str(checkpoint[0]), num_kv_slots=256, skip_tokenizer_init=True)
+    try:
+        assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+    assert builders == ["tokenmill-engine", "tokenmill-engine"]
+
+    def failing_storage(*args, **kwargs):
+        raise MemoryError("no room for the KV cache")
+
+    monkeypatch.setattr(engine_module, "KVStorage", failing_storage)
+    with pytest.raises(MemoryError, match="no room"):
+        LLM(dtype="float32", model=str(checkpoint[0]), num_kv_slots=256, skip_tokenizer_init=True)

@@ -61,6 +61,24 @@ class Engine:
         self.tokenizer = None if cfg.skip_tokenizer_init else Tokenizer(path)
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else set()
         self.eos_token_ids = tokenizer_eos | set(mc.eos_token_ids)
+        self.step_time = 0.0  # wall seconds in steps that ran a forward
+        self.forward_time = 0.0  # of which inside the model forward
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._stop = threading.Event()
+        self._dead: str | None = None
+        self._paused = False
+        built: Future[None] = Future()
+        self._thread = threading.Thread(target=self._run, args=(built,), name="tokenmill-engine", daemon=True)
+        self._thread.start()
+        built.result()  # the build's error, if any, raised here
+
+    def _build(self) -> None:
+        """Model, attention backend, KV cache, runner, sampler: built on the loop thread, which then
+        does every parallel torch op of the engine. (libgomp, torch's OpenMP on Linux, barely
+        spin-waits once it manages more threads than CPUs; a second thread with its own OpenMP
+        team, such as the caller's after loading a model, would slow every step's many short
+        parallel regions; see the README.)"""
+        cfg, mc, path = self.config, self.model_config, self.config.model_path()
         self.model = load_model(path, self.dtype, self.device)
         self.model.backend = make_backend(cfg, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.dtype)
         dtype = str(self.dtype).removeprefix("torch.") + (" (auto)" if cfg.dtype == "auto" else "")
@@ -86,14 +104,6 @@ class Engine:
             self.device,
             share_prompt=self.cache.radix is not None,
         )
-        self.step_time = 0.0  # wall seconds in steps that ran a forward
-        self.forward_time = 0.0  # of which inside the model forward
-        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._stop = threading.Event()
-        self._dead: str | None = None
-        self._paused = False
-        self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)
-        self._thread.start()
 
     # ------------------------------------------------------------------ public API
     def is_healthy(self) -> bool:
@@ -242,6 +252,16 @@ class Engine:
         for request_id in request_ids:
             self.output.abort(request_id)
         return len(request_ids)
+
+    def _run(self, built: Future[None]) -> None:
+        try:
+            self._build()
+        except BaseException as exc:
+            self._dead = f"engine build failed: {type(exc).__name__}: {exc}"
+            built.set_exception(exc)
+            return
+        built.set_result(None)
+        self._loop()
 
     def _loop(self) -> None:
         try:
