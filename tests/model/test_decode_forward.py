@@ -1,7 +1,8 @@
 """The C++ decode forward (one call for the whole forward of a decode step) against the Python
-forward it replaces: identical logits and cache contents step after step, on the skinny (few
-requests) and panel (more requests) linear paths; the runner takes it on every decode step of an
-engine run; and it is built only where both the backend and the model allow it."""
+forward it replaces: identical logits and cache contents step after step, in fp32 and bf16, on
+every product path (skinny, panel, plain oneDNN / ``F.linear``, blocked oneDNN weights), tied and
+untied LM heads; the runner takes it on every decode step of an engine run; and it is built only
+where both the backend and the model allow it."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from tests.tiny_models import save_tiny_checkpoint, save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention.cpu_backend import CpuBackend
 from tokenmill.attention.torch_native import TorchNativeBackend
-from tokenmill.cache.storage import ReqToTokenPool
+from tokenmill.cache.storage import KVStorage, ReqToTokenPool
 from tokenmill.engine.runner import ModelRunner
+from tokenmill.hardware import native_bf16
 from tokenmill.kernels import linear as linear_module
-from tokenmill.kernels.linear import CPU_DECODE_MAX_ROWS, PANEL_MAX_ROWS, SKINNY_MAX_ROWS
-from tokenmill.model import decode_forward
+from tokenmill.kernels.linear import BLOCKED_MAX_ROWS, PANEL_MAX_ROWS, SKINNY_MAX_ROWS
 from tokenmill.model.blocks import Attention, DecoderLayer, GatedMLP
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig
@@ -32,20 +33,16 @@ from tokenmill.model.registry import load_model_config
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler to build the CPU kernels")
 
 MAX_ROWS = 16
-
-
-@pytest.fixture
-def all_batches_on_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches of every size through the C++ decode forward, and the eager forward on the same
-    linear kernels (skinny, panel) where this CPU would otherwise pick blocked oneDNN products: the
-    kernel is checked at every size it can run, whichever sizes the dispatch gives it here."""
-    monkeypatch.setattr(decode_forward, "CPU_DECODE_MAX_ROWS", PANEL_MAX_ROWS)
-    monkeypatch.setattr(linear_module, "BLOCKED_MIN_ROWS", {})
+NEEDS_NATIVE_BF16 = pytest.mark.skipif(
+    not native_bf16(), reason="oneDNN's blocked bf16 weights need a CPU with AVX512-BF16 or AMX"
+)
 
 
 def cpu_harness(model: CausalLM) -> KVHarness:
     harness = KVHarness(model, n_slots=1024)
     cfg = model.config
+    dtype = model.model.embed_tokens.weight.dtype
+    harness.storage = KVStorage(cfg.num_layers, 1024, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
     harness.pool = ReqToTokenPool(MAX_ROWS, 256, "cpu")
     harness.partial_out = torch.zeros(MAX_ROWS, cfg.num_heads, 4, cfg.head_dim)
     harness.partial_lse = torch.zeros(MAX_ROWS, cfg.num_heads, 4)
@@ -61,7 +58,7 @@ def greedy_decode(model: CausalLM, n_requests: int, steps: int, fused: bool) -> 
     prompts = [[(7 * r + 3 * i) % 90 + 4 for i in range(3 + 2 * r)] for r in rows]
     logits = harness.extend(rows, prompts, [0] * n_requests)
     if fused:  # the harness calls model(input_ids, positions, view): the decode forward's signature
-        decode = CpuDecodeForward.build(model, model.backend, torch.float32)
+        decode = CpuDecodeForward.build(model, model.backend, harness.storage.k_buffer.dtype)
         assert decode is not None and decode.can_run(n_requests)
         harness.model = decode
     ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
@@ -83,19 +80,52 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("n_requests", [1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 3])
-@pytest.mark.usefixtures("all_batches_on_the_kernel")
-def test_matches_python_layers(llama: Path, n_requests: int) -> None:
-    model = load_model(llama, torch.float32, "cpu")
+@pytest.fixture(scope="module")
+def tied_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("decode-forward-tied-llama")
+    save_tiny_checkpoint(path, "llama", num_key_value_heads=2, tie_word_embeddings=True)
+    return path
+
+
+@pytest.mark.parametrize(
+    "dtype, blocked_min_rows, n_requests",
+    [
+        (torch.float32, {}, 1),
+        (torch.float32, {}, SKINNY_MAX_ROWS),
+        (torch.float32, {}, SKINNY_MAX_ROWS + 3),  # panel
+        (torch.float32, {torch.float32: 2}, 1),  # skinny below the blocked minimum
+        (torch.float32, {torch.float32: 2}, 5),
+        (torch.bfloat16, {}, 1),
+        (torch.bfloat16, {}, 5),  # F.linear
+        pytest.param(torch.bfloat16, {torch.bfloat16: 1}, 1, marks=NEEDS_NATIVE_BF16),
+        pytest.param(torch.bfloat16, {torch.bfloat16: 1}, 5, marks=NEEDS_NATIVE_BF16),
+    ],
+)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_matches_python_layers(
+    llama: Path,
+    tied_llama: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    blocked_min_rows: dict,
+    n_requests: int,
+    tied: bool,
+) -> None:
+    monkeypatch.setattr(linear_module, "BLOCKED_MIN_ROWS", blocked_min_rows)
+    model = load_model(tied_llama if tied else llama, dtype, "cpu")
+    expect_blocked = n_requests >= blocked_min_rows.get(dtype, n_requests + 1)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert (qkv.blocked_weight(dtype, n_requests) is not None) == expect_blocked
     fused, fused_cache = greedy_decode(model, n_requests, steps=5, fused=True)
     python, python_cache = greedy_decode(model, n_requests, steps=5, fused=False)
     for step, (a, b) in enumerate(zip(fused, python)):
+        assert a.dtype == dtype
         assert torch.equal(a, b), f"decode step {step}: max diff {(a - b).abs().max().item()}"
     assert torch.equal(fused_cache, python_cache)
 
 
-@pytest.mark.usefixtures("all_batches_on_the_kernel")
-def test_engine_runs_it_on_every_decode_step(llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_runs_it_on_every_decode_step(llama: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
     """Every pure decode step of an engine run goes through the C++ decode forward, no other step
     does, and the tokens and logprobs equal those of the same run on the Python forward."""
     steps: list[tuple[bool, int]] = []  # per forward: (pure decode step, C++ decode forward calls)
@@ -117,7 +147,7 @@ def test_engine_runs_it_on_every_decode_step(llama: Path, monkeypatch: pytest.Mo
     prompts = [[5, 6, 7], [(7 * i) % 90 + 4 for i in range(19)], [8, 9, 10, 11]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     llm = LLM(
-        dtype="float32",
+        dtype=dtype,
         model=str(llama),
         device="cpu",
         attention_backend="cpu",
@@ -142,13 +172,15 @@ def test_engine_runs_it_on_every_decode_step(llama: Path, monkeypatch: pytest.Mo
 def test_can_run(llama: Path) -> None:
     model = load_model(llama, torch.float32, "cpu")
     cfg = model.config
-    decode = CpuDecodeForward.build(model, CpuBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), torch.float32)
-    assert decode is not None and decode.can_run(1) and decode.can_run(CPU_DECODE_MAX_ROWS)
-    assert not decode.can_run(0) and not decode.can_run(CPU_DECODE_MAX_ROWS + 1)
-    bf16_cache = CpuDecodeForward.build(
-        model, CpuBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), torch.bfloat16
-    )
-    assert bf16_cache is None  # the kernel stores and reads an fp32 cache
+    backend = CpuBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    decode = CpuDecodeForward.build(model, backend, torch.float32)
+    max_rows = BLOCKED_MAX_ROWS if torch.float32 in linear_module.BLOCKED_MIN_ROWS else PANEL_MAX_ROWS
+    assert decode is not None and decode.can_run(1) and decode.can_run(max_rows)
+    assert not decode.can_run(0) and not decode.can_run(max_rows + 1)
+    bf16_cache = CpuDecodeForward.build(model, backend, torch.bfloat16)
+    assert bf16_cache is not None and not bf16_cache.can_run(1)  # the cache must have the model's dtype
+    model.to(torch.bfloat16)
+    assert bf16_cache.can_run(1) and bf16_cache.can_run(BLOCKED_MAX_ROWS) and not decode.can_run(1)
 
 
 @pytest.mark.parametrize(

@@ -37,35 +37,30 @@ BLOCKED_MIN_ROWS: dict[torch.dtype, int] = {
 }
 """dtypes whose projections use oneDNN with a blocked weight copy (where measured faster: bf16 on
 CPUs with native bf16, fp32 on AVX-512), from how many rows (a single fp32 row streams faster)."""
-CPU_DECODE_MAX_ROWS = BLOCKED_MIN_ROWS.get(torch.float32, PANEL_MAX_ROWS + 1) - 1
-"""Largest fp32 decode batch for the C++ decode forward: its linears are those of the eager forward
-(skinny, panel) up to here, so both give the same logits; beyond, the eager forward's blocked oneDNN
-products are faster."""
+
+
+def plain_row_limits(dtype: torch.dtype) -> tuple[int, int]:
+    """``(skinny_max_rows, panel_max_rows)``: up to how many rows :func:`linear` takes ``skinny_linear``,
+    then ``panel_linear``, for CPU ``dtype`` (fp32 or bf16) when the C++ kernels are built; beyond,
+    oneDNN (fp32) or ``F.linear`` (bf16). The C++ decode forward picks its products by these."""
+    if dtype == torch.bfloat16:
+        return SKINNY_MAX_ROWS_BF16, SKINNY_MAX_ROWS_BF16
+    return SKINNY_MAX_ROWS, PANEL_MAX_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[..., in]`` and ``weight`` ``[out, in]`` (same as ``F.linear``)."""
-    if x.is_cpu and x.dtype == weight.dtype == torch.bfloat16:
-        return _bf16_linear(x, weight, bias)
-    if not (x.is_cpu and x.dtype == torch.float32 and weight.dtype == torch.float32):
+    if not (x.is_cpu and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16)):
         return F.linear(x, weight, bias)
     rows = _n_rows(x)
-    if rows <= PANEL_MAX_ROWS and weight.is_contiguous():
+    skinny_max_rows, panel_max_rows = plain_row_limits(x.dtype)
+    if rows <= panel_max_rows and weight.is_contiguous():
         kernels = load_cpu_kernels()
         if kernels is not None:
-            kernel = kernels.skinny_linear if rows <= SKINNY_MAX_ROWS else kernels.panel_linear
+            kernel = kernels.skinny_linear if rows <= skinny_max_rows else kernels.panel_linear
             return _on_rows(x, weight.shape[0], lambda rows_2d: kernel(rows_2d, weight, bias))
-    if _ONEDNN_AVAILABLE:
+    if x.dtype == torch.float32 and _ONEDNN_AVAILABLE:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-def _bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """bf16 on CPU: a weight stream for few rows, else ``F.linear`` (oneDNN; AMX where the CPU has it)."""
-    if _n_rows(x) <= SKINNY_MAX_ROWS_BF16 and weight.is_contiguous():
-        kernels = load_cpu_kernels()
-        if kernels is not None:
-            return _on_rows(x, weight.shape[0], lambda rows_2d: kernels.skinny_linear(rows_2d, weight, bias))
     return F.linear(x, weight, bias)
 
 
@@ -96,16 +91,21 @@ class Linear(nn.Linear):
         self._blocked: tuple[tuple, torch.Tensor] | None = None  # (what it was made from, blocked copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        min_rows = BLOCKED_MIN_ROWS.get(x.dtype)
-        if min_rows is not None and x.is_cpu and weight.dtype == x.dtype:
-            blocked = self._blocked_weight() if min_rows <= _n_rows(x) <= BLOCKED_MAX_ROWS else None
-            if blocked is not None:
-                pointwise = torch.ops.mkldnn._linear_pointwise
-                return _on_rows(
-                    x, weight.shape[0], lambda rows_2d: pointwise(rows_2d, blocked, self.bias, "none", [], "")
-                )
-        return linear(x, weight, self.bias)
+        blocked = self.blocked_weight(x.dtype, _n_rows(x)) if x.is_cpu else None
+        if blocked is not None:
+            pointwise = torch.ops.mkldnn._linear_pointwise
+            return _on_rows(
+                x, self.weight.shape[0], lambda rows_2d: pointwise(rows_2d, blocked, self.bias, "none", [], "")
+            )
+        return linear(x, self.weight, self.bias)
+
+    def blocked_weight(self, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
+        """The blocked copy that :meth:`forward` multiplies a CPU input of ``dtype`` and ``rows`` rows
+        by; None where it uses :func:`linear` on the weight as stored."""
+        min_rows = BLOCKED_MIN_ROWS.get(dtype)
+        if min_rows is None or self.weight.dtype != dtype or not self.weight.is_cpu:
+            return None
+        return self._blocked_weight() if min_rows <= rows <= BLOCKED_MAX_ROWS else None
 
     def _blocked_weight(self) -> torch.Tensor | None:
         """The blocked copy of the current weight; None for a weight without a version counter

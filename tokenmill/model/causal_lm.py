@@ -52,6 +52,7 @@ class CpuDecodeWeights:
     layers: list[nn.Parameter]  # CPU_DECODE_LAYER_WEIGHTS of each layer, layer after layer
     final_norm: nn.Parameter
     lm_head: nn.Parameter
+    projections: list[Linear | None]  # qkv, o, gate_up, down of each layer; the LM head's (None: tied)
     rotary: RotaryEmbedding  # fixed-frequency: its cos/sin table is what the kernel gathers from
     num_heads: int
     num_kv_heads: int
@@ -112,17 +113,22 @@ class CausalLM(nn.Module, ABC):
         if not self.supports_cpu_decode_forward or self.rotary.is_dynamic:
             return None
         weights: list[nn.Parameter] = []
+        projections: list[Linear | None] = []
         for layer in self.model.layers:
             params = dict(layer.named_parameters())
             if params.keys() != set(CPU_DECODE_LAYER_WEIGHTS):
                 return None
             weights.extend(params[name] for name in CPU_DECODE_LAYER_WEIGHTS)
+            attn, mlp = layer.self_attn, layer.mlp
+            projections.extend((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        projections.append(self.lm_head)
         cfg = self.config
         return CpuDecodeWeights(
             embed=self.model.embed_tokens.weight,
             layers=weights,
             final_norm=self.model.norm.weight,
             lm_head=self.lm_head_weight,
+            projections=projections,
             rotary=self.rotary,
             num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads,

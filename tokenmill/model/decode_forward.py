@@ -4,8 +4,10 @@
 (``supports_cpu_decode_forward``: the kernel's attention is that backend's) and the model
 (``CausalLM.cpu_decode_weights``: its family opted in and the instance has nothing the kernel does
 not compute), and when the C++ kernels are available. The kernels and their order are those of the
-Python forward, so logits and stored keys/values are bit-identical to it. The caller (the engine's
-runner) decides per step: :meth:`CpuDecodeForward.can_run`, then call it with the step's decode view.
+Python forward, products included (each projection's blocked oneDNN weight where its ``Linear``
+would use one for the step's rows, else the functional ``linear``'s choice), so logits and stored
+keys/values are bit-identical to it. The caller (the engine's runner) decides per step:
+:meth:`CpuDecodeForward.can_run`, then call it with the step's decode view.
 """
 
 from __future__ import annotations
@@ -16,24 +18,30 @@ import torch
 
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.cache.views import DecodeKVCache
+from tokenmill.kernels import linear as linear_kernels
 from tokenmill.kernels.cpu import load_cpu_kernels
-from tokenmill.kernels.linear import CPU_DECODE_MAX_ROWS, SKINNY_MAX_ROWS
 from tokenmill.model.causal_lm import CausalLM, CpuDecodeWeights
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""Model dtypes of the kernel (its cache must have the model's dtype)."""
 
 
 class CpuDecodeForward:
     """One model's decode forward through the C++ kernel, with its weights gathered once."""
 
-    def __init__(self, weights: CpuDecodeWeights, kernel: Callable[..., torch.Tensor], scale: float) -> None:
+    def __init__(
+        self, weights: CpuDecodeWeights, kernel: Callable[..., torch.Tensor], scale: float, kv_dtype: torch.dtype
+    ) -> None:
         self.weights = weights
         self._kernel = kernel
         self._scale = scale
+        self._kv_dtype = kv_dtype
 
     @classmethod
     def build(cls, model: CausalLM, backend: AttentionBackend, kv_dtype: torch.dtype) -> CpuDecodeForward | None:
         """The C++ decode forward of ``model`` attending like ``backend`` over a ``kv_dtype`` cache;
-        None where not supported (the kernel stores and reads an fp32 cache)."""
-        if not backend.supports_cpu_decode_forward or kv_dtype != torch.float32:
+        None where not supported (the kernel stores and reads a cache in the model's dtype, fp32 or bf16)."""
+        if not backend.supports_cpu_decode_forward or kv_dtype not in KERNEL_DTYPES:
             return None
         weights = model.cpu_decode_weights()
         if weights is None:
@@ -41,19 +49,27 @@ class CpuDecodeForward:
         ops = load_cpu_kernels()
         if ops is None:
             return None
-        return cls(weights, ops.decode_forward, backend.scale)
+        return cls(weights, ops.decode_forward, backend.scale, kv_dtype)
 
     def can_run(self, batch_size: int) -> bool:
-        """Whether a decode step of ``batch_size`` requests fits the kernel (fp32 CPU weights, at
-        most ``CPU_DECODE_MAX_ROWS`` requests: where its own linears beat the eager forward's)."""
+        """Whether a decode step of ``batch_size`` requests fits the kernel: CPU weights in the cache's
+        dtype, and at most ``BLOCKED_MAX_ROWS`` requests (``PANEL_MAX_ROWS`` for fp32 without blocked
+        weights, beyond which the functional linear may need oneDNN)."""
         embed = self.weights.embed
-        return 1 <= batch_size <= CPU_DECODE_MAX_ROWS and embed.is_cpu and embed.dtype == torch.float32
+        if not embed.is_cpu or embed.dtype != self._kv_dtype:
+            return False
+        plain_fp32 = embed.dtype == torch.float32 and torch.float32 not in linear_kernels.BLOCKED_MIN_ROWS
+        return 1 <= batch_size <= (linear_kernels.PANEL_MAX_ROWS if plain_fp32 else linear_kernels.BLOCKED_MAX_ROWS)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, view: DecodeKVCache) -> torch.Tensor:
         """Logits ``[B, vocab]`` of the decode step (every row), with its keys and values stored."""
         w = self.weights
-        cos_table, sin_table = w.rotary.table(view.max_seq_len, w.embed.dtype, w.embed.device)
+        dtype = w.embed.dtype
+        cos_table, sin_table = w.rotary.table(view.max_seq_len, dtype, w.embed.device)
+        rows = input_ids.numel()
+        blocked = [None if p is None else p.blocked_weight(dtype, rows) for p in w.projections]
+        skinny_max_rows, panel_max_rows = linear_kernels.plain_row_limits(dtype)
         return self._kernel(
             input_ids,
             positions,
@@ -61,6 +77,7 @@ class CpuDecodeForward:
             cos_table,
             sin_table,
             w.layers,
+            blocked if any(b is not None for b in blocked) else [],
             w.final_norm,
             w.lm_head,
             view.k_buffer,
@@ -74,5 +91,6 @@ class CpuDecodeForward:
             w.head_dim,
             w.rms_norm_eps,
             self._scale,
-            SKINNY_MAX_ROWS,
+            skinny_max_rows,
+            panel_max_rows,
         )

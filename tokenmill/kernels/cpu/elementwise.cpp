@@ -5,7 +5,7 @@
 //   add_rms_norm      residual += x (in place); out = rms_norm(residual)
 //   silu_and_mul      [T, 2I] -> [T, I]: silu(gate) * up
 //   rotary_split_qkv  fused qkv rows [T, (H + 2 Hkv) D] -> contiguous q, k (rotate_half RoPE) and v
-//   rotary_store_kv   the same, with k and v written to their KV-cache slots (decode_forward.cpp; fp32)
+//   rotary_store_kv   the same, with k and v written to their KV-cache slots (decode_forward.cpp)
 //   causal_softmax_   in place over fp32 attention scores: scale, causal mask, softmax
 // Rows are split over torch's intra-op threads. Loops are written for the compiler to vectorize
 // (exp is a polynomial, so silu vectorizes too).
@@ -221,17 +221,20 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
                            at::Tensor& v_cache, const at::Tensor& out_cache_loc, int64_t n_heads,
                            int64_t n_kv_heads, int64_t head_dim) {
   check_qkv(qkv, cos, sin, n_heads, n_kv_heads, head_dim);
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat, "rotary_store_kv: fp32 only");
   const int64_t n_slots = k_cache.size(0);
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.numel() == n_slots * n_kv_heads * head_dim,
-              "k_cache/v_cache must be contiguous fp32 [S, Hkv, D]");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.numel() == n_slots * n_kv_heads * head_dim,
+              "k_cache/v_cache must be contiguous [S, Hkv, D] in qkv's dtype");
   TORCH_CHECK(out_cache_loc.scalar_type() == at::kLong && out_cache_loc.is_contiguous() &&
                   out_cache_loc.numel() == qkv.size(0), "out_cache_loc: contiguous int64, one slot per token");
   const int64_t* slots = out_cache_loc.data_ptr<int64_t>();
   for (int64_t t = 0; t < qkv.size(0); ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < n_slots, "cache slot out of range");
-  return rotate_tokens(qkv, cos, sin, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                       [slots](int64_t t) { return slots[t]; }, n_heads, n_kv_heads, head_dim);
+  return dispatch(qkv, [&](auto tag) {
+    using T = decltype(tag);
+    return rotate_tokens(qkv, cos, sin, ptr<T>(k_cache), ptr<T>(v_cache), [slots](int64_t t) { return slots[t]; },
+                         n_heads, n_kv_heads, head_dim);
+  });
 }
 
 // scores [B, n, S]: row i of every batch entry is the query at position first_pos + i, which sees
