@@ -30,6 +30,11 @@ def avx512() -> bool:
     return "avx512f" in cpu_flags()
 
 
+def avx512_bf16() -> bool:
+    """True when the CPU has AVX512-BF16 dot products (the C++ kernels' bf16 weight stream uses them)."""
+    return "avx512_bf16" in cpu_flags()
+
+
 def native_bf16() -> bool:
     """True when the CPU multiplies bf16 in hardware (AMX-BF16 or AVX512-BF16)."""
     return bool(NATIVE_BF16_FLAGS & cpu_flags())

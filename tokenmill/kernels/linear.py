@@ -4,8 +4,9 @@ fp32 CPU products with at most ``SKINNY_MAX_ROWS`` rows use the C++ ``skinny_lin
 weight stream), up to ``PANEL_MAX_ROWS`` the C++ ``panel_linear`` (register-tiled, weight packed
 on the fly in L1-sized panels), larger ones oneDNN's matmul (``mkldnn._linear_pointwise``, the
 kernel ``torch.compile`` uses for CPU linears). bf16 CPU products with at most
-``SKINNY_MAX_ROWS_BF16`` rows use ``skinny_linear`` too (bf16 weights widened as they stream), larger
-ones ``F.linear`` (oneDNN; AMX tiles where the CPU has them). Everything else (GPU; fp16) uses
+``SKINNY_MAX_ROWS_BF16`` rows use ``skinny_linear`` too (AVX512-BF16 dot products where the CPU has
+them, else bf16 weights widened as they stream), larger ones ``F.linear`` (oneDNN; AMX tiles where
+the CPU has them). Everything else (GPU; fp16) uses
 ``F.linear``. On CPUs where oneDNN is faster with its own weight layout (``BLOCKED_MIN_ROWS``:
 bf16 with native bf16, fp32 on AVX-512), the :class:`Linear` module keeps a blocked copy of its
 weight (see there); the functional :func:`linear` always reads the weight as stored. The thresholds
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.hardware import avx512, native_bf16
+from tokenmill.hardware import avx512, avx512_bf16, native_bf16
 from tokenmill.kernels.cpu import load_cpu_kernels
 
 SKINNY_MAX_ROWS = 8
@@ -32,11 +33,12 @@ PANEL_MAX_ROWS = 128
 _ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _BLOCKED_AVAILABLE = _ONEDNN_AVAILABLE and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 BLOCKED_MIN_ROWS: dict[torch.dtype, int] = {
-    **({torch.bfloat16: 1} if _BLOCKED_AVAILABLE and native_bf16() else {}),
+    **({torch.bfloat16: 2 if avx512_bf16() else 1} if _BLOCKED_AVAILABLE and native_bf16() else {}),
     **({torch.float32: 2} if _BLOCKED_AVAILABLE and avx512() else {}),
 }
 """dtypes whose projections use oneDNN with a blocked weight copy (where measured faster: bf16 on
-CPUs with native bf16, fp32 on AVX-512), from how many rows (a single fp32 row streams faster)."""
+CPUs with native bf16, fp32 on AVX-512), from how many rows (a single row streams faster through
+``skinny_linear``: fp32, and bf16 where its AVX512-BF16 dot products are built)."""
 
 
 def plain_row_limits(dtype: torch.dtype) -> tuple[int, int]:

@@ -5,9 +5,16 @@
 // rows in L1 while every row of x is multiplied against them with 4 independent 8-wide
 // accumulators. On 2 AVX2 cores this reads weights at ~17-21 GB/s for 1-2 rows, where
 // oneDNN/MKL reach 8-13 GB/s; from ~12 rows on, the register-tiled panel_linear is faster.
+// bf16 x and weights on a CPU with AVX512-BF16 (built with __AVX512BF16__) take dot_bf16_rows
+// instead: 32 products per instruction straight from bf16 (vdpbf16ps, fp32 sums; exact products,
+// sums rounded per pair as the instruction does, denormal inputs read as zero), no widening.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "linear_io.h"
 #include "simd.h"
@@ -75,6 +82,40 @@ void product(const float* x, const W* w, float* y, int64_t m_rows, int64_t k_dim
   for (int64_t n = full_blocks * kRowsPerBlock; n < n_out; ++n) one_row(x, w, y, m_rows, k_dim, n_out, n);
 }
 
+#if defined(__AVX512BF16__)
+// y [M, N] (fp32) = x [M, K] (bf16) @ w [N, K]^T (bf16): blocks of 4 weight rows, 32 of K per step
+// (the last step masked), each row of x against the block while it is in L1.
+void dot_bf16_rows(const bf16_t* x, const bf16_t* w, float* y, int64_t m_rows, int64_t k_dim, int64_t n_out) {
+  const int64_t steps = (k_dim + 31) / 32;
+  const __mmask32 tail = k_dim % 32 == 0 ? ~__mmask32{0} : (__mmask32{1} << (k_dim % 32)) - 1;
+  const auto load = [&](const bf16_t* p, int64_t step) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(step == steps - 1 ? tail : ~__mmask32{0}, p + step * 32);
+  };
+  const int64_t n_blocks = (n_out + kRowsPerBlock - 1) / kRowsPerBlock;
+  at::parallel_for(0, n_blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kRowsPerBlock, rows = std::min(kRowsPerBlock, n_out - n0);
+      const bf16_t* wr[kRowsPerBlock];
+      for (int64_t r = 0; r < kRowsPerBlock; ++r) wr[r] = w + (n0 + std::min(r, rows - 1)) * k_dim;
+      for (int64_t m = 0; m < m_rows; ++m) {
+        const bf16_t* xr = x + m * k_dim;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t step = 0; step < steps; ++step) {
+          const __m512bh xv = load(xr, step);
+          a0 = _mm512_dpbf16_ps(a0, load(wr[0], step), xv);
+          a1 = _mm512_dpbf16_ps(a1, load(wr[1], step), xv);
+          a2 = _mm512_dpbf16_ps(a2, load(wr[2], step), xv);
+          a3 = _mm512_dpbf16_ps(a3, load(wr[3], step), xv);
+        }
+        const float sums[kRowsPerBlock] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),
+                                           _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};
+        for (int64_t r = 0; r < rows; ++r) y[m * n_out + n0 + r] = sums[r];
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -83,10 +124,15 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c1
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 2 && weight.is_contiguous(),
                 "x [M, K] and weight [N, K] must be contiguous");
     TORCH_CHECK(x.size(1) == weight.size(1), "x and weight disagree on K");
+    at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options().dtype(at::kFloat));
+    const auto* w = static_cast<const bf16_t*>(weight.data_ptr());
+#if defined(__AVX512BF16__)
+    dot_bf16_rows(static_cast<const bf16_t*>(x.data_ptr()), w, y.data_ptr<float>(), x.size(0), x.size(1),
+                  weight.size(0));
+#else
     const at::Tensor x32 = x.to(at::kFloat);
-    at::Tensor y = at::empty({x.size(0), weight.size(0)}, x32.options());
-    product(x32.data_ptr<float>(), static_cast<const bf16_t*>(weight.data_ptr()), y.data_ptr<float>(), x.size(0),
-            x.size(1), weight.size(0));
+    product(x32.data_ptr<float>(), w, y.data_ptr<float>(), x.size(0), x.size(1), weight.size(0));
+#endif
     if (bias.has_value() && bias->defined()) {
       TORCH_CHECK(bias->numel() == y.size(1), "bias must be [N]");
       y.add_(*bias);
