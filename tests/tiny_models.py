@@ -28,6 +28,8 @@ CONFIG_CLASSES = {
     "mistral": transformers.MistralConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
+    "mixtral": transformers.MixtralConfig,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
 }
 
 MODEL_CLASSES = {
@@ -35,6 +37,8 @@ MODEL_CLASSES = {
     "mistral": transformers.MistralForCausalLM,
     "qwen2": transformers.Qwen2ForCausalLM,
     "qwen3": transformers.Qwen3ForCausalLM,
+    "mixtral": transformers.MixtralForCausalLM,
+    "qwen3_moe": transformers.Qwen3MoeForCausalLM,
 }
 
 

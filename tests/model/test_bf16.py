@@ -26,6 +26,8 @@ FAMILIES = {
     "mistral": dict(sliding_window=None),
     "qwen2": {},
     "qwen3": dict(head_dim=32),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40),
 }
 GREEDY_TOKENS = 8
 GREEDY_VOCAB = 24  # few competitors: wider top-2 margins

@@ -49,6 +49,23 @@ CASES = {
     "qwen2_untied": ("qwen2", dict(tie_word_embeddings=False)),
     "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
     "qwen3_bias_tied": ("qwen3", dict(attention_bias=True, tie_word_embeddings=True)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "mixtral_top1": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=1, tie_word_embeddings=True)),
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=False),
+    ),
+    "qwen3_moe_renormalized_mixed_layers": (
+        "qwen3_moe",
+        dict(
+            num_hidden_layers=3,
+            num_experts=4,
+            num_experts_per_tok=3,
+            moe_intermediate_size=24,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
 }
 
 PROMPT_LENS = [5, 17, 30]

@@ -74,6 +74,8 @@ class CausalLM(nn.Module, ABC):
     """Embeddings, the family's decoder layers, final norm, LM head (tied to the embeddings or not)."""
 
     packed_modules: ClassVar[dict[str, tuple[str, int]]] = {}
+    checkpoint_module_names: ClassVar[dict[str, str]] = {}
+    """Module name -> the checkpoint's name for it, where they differ (``weights.py`` applies it)."""
     supports_cpu_decode_forward: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig) -> None:

@@ -44,6 +44,19 @@ class RopeConfig:
 
 
 @dataclass
+class MoEConfig:
+    """A mixture-of-experts MLP: ``num_experts`` SwiGLU experts of ``intermediate_size``, each token
+    routed to ``top_k`` of them by a softmax router (top-k weights renormalized to sum 1 when
+    ``renormalize``), in the layers ``sparse_layers`` (the others keep the dense MLP)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: frozenset[int]
+
+
+@dataclass
 class ModelConfig:
     """Architecture hyper-parameters of a decoder-only transformer.
 
@@ -68,6 +81,7 @@ class ModelConfig:
     sliding_window: int | None = None
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    moe: MoEConfig | None = None  # set by mixture-of-experts families (their adjust_config)
 
     @property
     def max_context_len(self) -> int:

@@ -12,14 +12,18 @@ from pathlib import Path
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig, ModelConfigError, architecture, read_config_json
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.mixtral import MixtralForCausalLM
 from tokenmill.model.qwen2 import Qwen2ForCausalLM
 from tokenmill.model.qwen3 import Qwen3ForCausalLM
+from tokenmill.model.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

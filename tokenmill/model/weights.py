@@ -3,7 +3,10 @@
 The mapping is derived, never written by hand: every parameter loads from its own Hugging Face
 name, except the shards of a :class:`~tokenmill.model.blocks.PackedLinear`, which load from the
 names the family's ``packed_modules`` gives them (``q_proj`` -> shard 0 of ``qkv_proj``, ...),
-into the rows the packed module reports. The loader and weight updates validate through
+into the rows the packed module reports, and the parameters of a module that lists its own
+checkpoint tensors (``checkpoint_shards``: stacked experts, one tensor per expert and projection).
+A family whose checkpoint names a module differently (Mixtral's ``block_sparse_moe`` for ``mlp``)
+says so in ``checkpoint_module_names``. The loader and weight updates validate through
 :func:`check_tensor`, so a tensor is accepted or refused the same way by both.
 """
 
@@ -16,6 +19,7 @@ from torch import nn
 
 from tokenmill.model.blocks import PackedLinear
 from tokenmill.model.causal_lm import CausalLM
+from tokenmill.model.moe import CheckpointShards
 
 
 class WeightError(ValueError):
@@ -24,20 +28,21 @@ class WeightError(ValueError):
 
 @dataclass(frozen=True)
 class WeightTarget:
-    """Rows ``rows`` of ``param``: where one checkpoint tensor is stored."""
+    """``param[index]``: where one checkpoint tensor is stored (all of it, rows of it, or one
+    expert's slice of a stacked parameter)."""
 
     param: nn.Parameter
-    rows: slice
+    index: tuple[int | slice, ...] = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape the checkpoint tensor must have."""
-        return (self.rows.stop - self.rows.start, *self.param.shape[1:])
+        return tuple(self.param[self.index].shape)
 
     def load(self, tensor: torch.Tensor) -> None:
-        """Copy a tensor that passed :func:`check_tensor` into its rows."""
+        """Copy a tensor that passed :func:`check_tensor` into its place."""
         with torch.no_grad():
-            self.param[self.rows].copy_(tensor)
+            self.param[self.index].copy_(tensor)
 
 
 def checkpoint_targets(model: CausalLM) -> dict[str, WeightTarget]:
@@ -45,18 +50,24 @@ def checkpoint_targets(model: CausalLM) -> dict[str, WeightTarget]:
     shards: dict[str, list[tuple[int, str]]] = {}
     for name, (packed, shard) in model.packed_modules.items():
         shards.setdefault(packed, []).append((shard, name))
+    renamed = model.checkpoint_module_names
     targets: dict[str, WeightTarget] = {}
     for module_name, module in model.named_modules():
+        module_name = ".".join(renamed.get(part, part) for part in module_name.split(".")) if module_name else ""
         parent, _, local = module_name.rpartition(".")
+        if isinstance(module, CheckpointShards):
+            for name, param, index in module.checkpoint_shards():
+                targets[_join(module_name, name)] = WeightTarget(param, index)
+            continue
         packed = shards.get(local) if isinstance(module, PackedLinear) else None
         if packed is not None and sorted(s for s, _ in packed) != list(range(len(module.shard_sizes))):
             raise ValueError(f"{type(model).__name__}.packed_modules does not name each shard of {module_name} once")
         for leaf, param in module.named_parameters(recurse=False):
             if packed is None:
-                targets[_join(module_name, leaf)] = WeightTarget(param, slice(0, param.shape[0]))
+                targets[_join(module_name, leaf)] = WeightTarget(param)
             else:
                 for shard, name in packed:
-                    targets[_join(parent, name, leaf)] = WeightTarget(param, module.shard_rows(shard))
+                    targets[_join(parent, name, leaf)] = WeightTarget(param, (module.shard_rows(shard),))
     return targets
 
 

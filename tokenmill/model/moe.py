@@ -1,0 +1,132 @@
+"""Mixture-of-experts MLP blocks: a softmax top-k router over stacked SwiGLU experts.
+
+:class:`SparseMoE` computes, for tokens ``x`` ``[T, hidden]``, ``sum_k w[t, k] * expert_{i[t, k]}(x[t])``
+with ``(w, i)`` the top-k of ``softmax(router(x))`` (in fp32; renormalized to sum 1 when the config
+says so), as transformers' Mixtral and Qwen3-MoE blocks do. The computation is batched by expert:
+the ``T * top_k`` (token, expert) pairs are sorted by expert, each expert that received tokens runs
+one gate/up product, the fused SwiGLU and one down product over all of its tokens, and the weighted
+results are summed back per token with one ``index_add_``; no step loops over tokens.
+
+The experts' weights are stacked (``gate_up_proj`` ``[E, 2I, hidden]``, gate rows first;
+``down_proj`` ``[E, hidden, I]``) and load from per-expert checkpoint tensors, whose names the
+family gives (:class:`ExpertNames`) and :meth:`Experts.checkpoint_shards` lists.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from tokenmill.kernels.fused import silu_and_mul
+from tokenmill.kernels.linear import Linear, linear
+from tokenmill.model.config import ModelConfigError, MoEConfig
+
+
+class CheckpointShards(ABC):
+    """A module whose parameters load from checkpoint tensors it lists itself."""
+
+    @abstractmethod
+    def checkpoint_shards(self) -> list[tuple[str, nn.Parameter, tuple[int | slice, ...]]]:
+        """``(name relative to the module, parameter, index into it)`` for each checkpoint tensor."""
+
+
+class ExpertNames(NamedTuple):
+    """Checkpoint names of one expert's projections under ``experts.<e>.``: gate, up, down."""
+
+    gate: str
+    up: str
+    down: str
+
+
+class Experts(nn.Module, CheckpointShards):
+    """``num_experts`` SwiGLU experts, stacked; expert ``e`` loads from ``<e>.<names.gate>.weight`` ..."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, names: ExpertNames) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.names = names
+
+    def checkpoint_shards(self) -> list[tuple[str, nn.Parameter, tuple[int | slice, ...]]]:
+        n_experts, two_i, _ = self.gate_up_proj.shape
+        half = two_i // 2
+        shards: list[tuple[str, nn.Parameter, tuple[int | slice, ...]]] = []
+        for e in range(n_experts):
+            shards += [
+                (f"{e}.{self.names.gate}.weight", self.gate_up_proj, (e, slice(0, half))),
+                (f"{e}.{self.names.up}.weight", self.gate_up_proj, (e, slice(half, two_i))),
+                (f"{e}.{self.names.down}.weight", self.down_proj, (e,)),
+            ]
+        return shards
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, hidden]``; ``expert_ids``/``weights`` ``[T, k]``: each token's experts and their
+        weights. Returns ``sum_k weights[t, k] * expert(x[t])`` in ``x``'s dtype."""
+        top_k = expert_ids.shape[1]
+        flat = expert_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        token_of = order // top_k
+        routed = x[token_of]
+        pair_weights = weights.reshape(-1)[order, None]
+        outputs = torch.empty_like(routed)
+        start = 0
+        for e, n in enumerate(counts):  # experts without tokens do no work
+            rows = slice(start, start + n)
+            if n:
+                hidden = silu_and_mul(linear(routed[rows], self.gate_up_proj[e]))
+                outputs[rows] = (linear(hidden, self.down_proj[e]) * pair_weights[rows]).to(x.dtype)
+            start += n
+        return torch.zeros_like(x).index_add_(0, token_of, outputs)
+
+
+class SparseMoE(nn.Module):
+    """Router (``gate.weight`` ``[E, hidden]``) and experts; the family picks the weights' dtype
+    (``scores_in_input_dtype``: Qwen3-MoE rounds them to the activations' dtype, Mixtral keeps fp32)."""
+
+    def __init__(self, hidden: int, moe: MoEConfig, names: ExpertNames, scores_in_input_dtype: bool) -> None:
+        super().__init__()
+        self.gate = Linear(hidden, moe.num_experts, bias=False)
+        self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size, names)
+        self.top_k = moe.top_k
+        self.renormalize = moe.renormalize
+        self.scores_in_input_dtype = scores_in_input_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scores_in_input_dtype:
+            weights = weights.to(x.dtype)
+        return self.experts(x, expert_ids, weights)
+
+
+def parse_moe(
+    raw: dict[str, Any], intermediate_key: str, renormalize: bool, sparse_layers: frozenset[int]
+) -> MoEConfig:
+    """The MoE settings in config.json's ``raw`` (expert count under ``num_local_experts`` or
+    ``num_experts``, expert width under ``intermediate_key``, ``num_experts_per_tok``);
+    :class:`ModelConfigError` when invalid."""
+    experts_key = "num_local_experts" if "num_local_experts" in raw else "num_experts"
+    values = {}
+    for key in (experts_key, "num_experts_per_tok", intermediate_key):
+        value = raw.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelConfigError(f"config.json: {key!r} must be a positive integer, got {value!r}")
+        values[key] = value
+    if values["num_experts_per_tok"] > values[experts_key]:
+        raise ModelConfigError(
+            f"config.json: num_experts_per_tok ({values['num_experts_per_tok']}) exceeds {experts_key} "
+            f"({values[experts_key]})"
+        )
+    return MoEConfig(
+        num_experts=values[experts_key],
+        top_k=values["num_experts_per_tok"],
+        intermediate_size=values[intermediate_key],
+        renormalize=renormalize,
+        sparse_layers=sparse_layers,
+    )
