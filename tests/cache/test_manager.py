@@ -18,6 +18,7 @@ from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.cache.handle import KVHandle
 from tokenmill.cache.manager import CacheManager
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool
+from tokenmill.cache.view_builder import make_decode_view
 from tokenmill.config import EngineConfig
 from tokenmill.model.loader import load_model
 
@@ -171,31 +172,37 @@ def test_alloc_is_all_or_nothing_when_rows_run_out() -> None:
     assert second.row is None and mgr.allocator.n_free == free_before
 
 
-def test_recycled_row_never_replays_the_previous_sequence() -> None:
-    mgr = make_manager(1, 64, rows=1)
-    a = new_seq([1, 1, 1, 1, 1, 1])
+@pytest.mark.parametrize("b_prompt_len", [6, 7])  # B one token longer than A's last step / shorter
+def test_recycled_row_gets_the_view_a_rebuild_gives(b_prompt_len: int) -> None:
+    """A row recycled to a new sequence: whether the steady-state path advances the previous view
+    (B exactly one token longer than A's last decode step: it does) or a rebuild runs, the view is
+    what a fresh build from the row, its lengths and its slots gives, pointing at B's slots."""
+    mgr = make_manager(1, 64, rows=1, decode_split_min_tokens=4)
+    a = new_seq([1] * 4)
     assert mgr.alloc(a.kv, a.tokens)
     mgr.extend(a.kv, a.n_tokens - a.n_kv)
-    for _ in range(3):  # A decodes in row 0, reaching the steady state
+    for _ in range(2):  # A decodes in row 0, reaching the steady state: its last step has length 6
         a.tokens.append(2)
-        view_a = mgr.bind_decode([a.kv], mgr.extend_decode([a.kv]))
-    assert mgr.stats.steady_state_steps == 2
-    a_lens = view_a.seq_lens.clone()
+        mgr.bind_decode([a.kv], mgr.extend_decode([a.kv]))
+    assert mgr.stats.steady_state_steps == 1
     row = a.row
     mgr.free(a.kv, a.tokens, cache_pages=False)
 
-    b = new_seq([0, 2, 0, 2, 0, 2, 0])  # B takes the same row, one token shorter than A was
+    b = new_seq([0, 2] * 3 + [0] * (b_prompt_len - 6))
     assert mgr.alloc(b.kv, b.tokens) and b.row == row
     mgr.extend(b.kv, b.n_tokens - b.n_kv)
     b.tokens.append(1)
     slots = mgr.extend_decode([b.kv])
-    view_b = mgr.bind_decode([b.kv], slots)
-    assert mgr.stats.steady_state_steps == 2, "steady-state path fired for a recycled row"
-    assert view_b is not view_a
-    assert view_b.seq_lens.tolist() == [8] != a_lens.tolist()
-    assert view_b.out_cache_loc.tolist() == slots.tolist()
-    assert mgr.req_pool.table[row, :8].tolist() == mgr.req_pool.table[b.row, :8].tolist()
-    assert (mgr.req_pool.table[row, 8:] == 0).all()
+    view = mgr.bind_decode([b.kv], slots)
+    assert mgr.stats.steady_state_steps == (2 if b_prompt_len == 6 else 1)
+    fresh = make_decode_view(
+        mgr.storage, mgr.req_pool.table, [row], [b.n_kv], slots, mgr.partial_out, mgr.partial_lse, 4
+    )
+    for name in ("seq_lens", "out_cache_loc", "num_splits", "req_pool_indices"):
+        assert torch.equal(getattr(view, name), getattr(fresh, name)), name
+    assert view.max_seq_len == fresh.max_seq_len == b.n_kv == b_prompt_len + 1
+    b_slots = mgr.req_pool.table[row, : b.n_kv].tolist()
+    assert view.out_cache_loc.tolist() == [b_slots[-1]] == slots.tolist()
 
 
 @pytest.mark.parametrize("split_min_tokens", [1, 3, 256])  # splits change every step / at 4, 7 / never

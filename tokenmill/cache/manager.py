@@ -6,10 +6,12 @@ cache needs them, its token ids (prompt then output, passed in). Ownership: a ha
 carries one reference for that handle; the radix cache holds one more on the pages it stores.
 All methods run on the engine thread only.
 
-Steady-state decode: when a decode step has exactly the same sequences in the same rows as the
-previous decode step, each one token longer, the previous view's tensors are advanced in place.
-The guard is a signature of (handle_id, row) pairs, and any alloc/free/reset clears it, so a row
-recycled to a new sequence can never replay its previous occupant's positions or slots.
+Steady-state decode: when a decode step has the same rows as the previous decode step, each one
+token longer, the previous view's tensors are advanced in place. That is exact whichever sequences
+occupy the rows: a decode view is a function of the rows, their lengths and this step's slots
+alone (it reads positions and slots through the live request-to-token table, and its split counts
+follow from the lengths), so advancing it gives what a rebuild would, even for a row recycled to
+a new sequence exactly one token longer than its previous occupant's last step.
 
 Epochs: ``reset_prefix_cache`` (e.g. after a weight update) starts a new epoch; a handle
 admitted in an older epoch never inserts its KV into the radix cache, so no later request can
@@ -64,7 +66,7 @@ class CacheManager:
         rows, splits = req_pool.max_rows, config.max_decode_splits
         self.partial_out = torch.zeros((rows, n_heads, splits, head_dim), dtype=torch.float32, device=device)
         self.partial_lse = torch.zeros((rows, n_heads, splits), dtype=torch.float32, device=device)
-        self._last_decode: tuple[tuple[tuple[int, int], ...], list[int], DecodeKVCache] | None = None
+        self._last_decode: tuple[tuple[int | None, ...], list[int], DecodeKVCache] | None = None
 
     # ----------------------------------------------------------------- capacity
     @property
@@ -96,7 +98,6 @@ class CacheManager:
         row = self.req_pool.alloc()
         if row is None:
             return False
-        self._last_decode = None
         kv.row, kv.n_kv, kv.n_cached_tokens, kv.epoch = row, 0, 0, self.epoch
         if self.radix is not None:
             tokens = tokens[:-1]
@@ -178,7 +179,6 @@ class CacheManager:
             self.allocator.incref(match.pages[dup])
             self.allocator.decref(own_pages[dup])
             self.req_pool.write(kv.row, 0, self.allocator.slots_of(match.pages))
-            self._last_decode = None
         self.radix.lock(match.node)
         if kv.prefix_node is not None:
             self.radix.unlock(kv.prefix_node)
@@ -190,7 +190,6 @@ class CacheManager:
         ``cache_pages`` its computed full pages stay in the radix cache for later prefix hits."""
         if kv.row is None:
             return
-        self._last_decode = None
         n_full = kv.n_kv // self.page_size * self.page_size
         pages = self._row_pages(kv.row, kv.n_kv)
         if self.radix is not None:
@@ -208,12 +207,10 @@ class CacheManager:
         if self.radix is not None:
             self.radix.reset()
         self.epoch += 1
-        self._last_decode = None
 
     # ----------------------------------------------------------------- views
     def bind_prefill(self, kvs: list[KVHandle], extend_lens: list[int], out_cache_loc: torch.Tensor) -> KVView:
         """View for an extend step; each handle's new tokens end at its current ``n_kv``."""
-        self._last_decode = None
         prefix_lens = [s.n_kv - e for s, e in zip(kvs, extend_lens)]
         return make_prefill_view(
             self.storage,
@@ -227,7 +224,7 @@ class CacheManager:
 
     def bind_decode(self, kvs: list[KVHandle], out_cache_loc: torch.Tensor) -> DecodeKVCache:
         """View for a decode step; reuses and advances the previous one in the steady state."""
-        signature = tuple((s.handle_id, s.row) for s in kvs)
+        signature = tuple(s.row for s in kvs)
         seq_lens = [s.n_kv for s in kvs]
         last = self._last_decode
         if last is not None and last[0] == signature and all(a + 1 == b for a, b in zip(last[1], seq_lens)):
