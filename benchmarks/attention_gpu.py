@@ -19,7 +19,6 @@ import argparse
 import json
 import math
 import sys
-import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -227,9 +226,9 @@ def e2e_decode(path: Path, cuda_graphs: bool, batch: int, args: argparse.Namespa
 
 
 def e2e_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from tokenmill.bench.workload import make_random_llama
+    from tokenmill.bench.workload import make_random_model
 
-    path = make_random_llama(Path(tempfile.gettempdir()) / "tokenmill-bench-llama")
+    path = make_random_model()
     rows = []
     for batch in args.e2e_batches:
         off = e2e_decode(path, False, batch, args)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import torch
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.roofline import copy_gbps, matmul_gflops, read_gbps
 from tokenmill.bench.throughput import run_throughput
-from tokenmill.bench.workload import Workload, make_random_llama, make_workload
+from tokenmill.bench.workload import PRESETS, Workload, make_random_model, make_workload
 
 
 def run_transformers(path: Path, work: Workload, batch_size: int) -> float:
@@ -101,7 +100,8 @@ def batch1_against_floors(llm: LLM, model_bytes: int, rounds: int) -> dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: random ~100M llama)")
+    parser.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the preset's model)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama", help="random model without --model")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256))
@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args()
 
-    path = args.model or make_random_llama(Path(tempfile.gettempdir()) / "tokenmill-bench-llama")
+    path = args.model or make_random_model(preset=args.preset)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     work = make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), vocab)
     # The machine's speed drifts (shared hosts): with --roofline it is probed before and after every

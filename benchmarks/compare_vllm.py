@@ -104,9 +104,9 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def main() -> int:
-    from tokenmill.bench.workload import make_random_llama, make_workload
+    from tokenmill.bench.workload import make_random_model, make_workload
 
-    model = str(ARGS.model or make_random_llama(Path(tempfile.gettempdir()) / "tokenmill-bench-llama"))
+    model = str(ARGS.model or make_random_model())
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     work = make_workload(ARGS.num_prompts, tuple(ARGS.prompt_len), tuple(ARGS.output_len), vocab, ARGS.seed)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

@@ -7,7 +7,6 @@ peak KV usage, and engine overhead (step wall time not spent in the model forwar
 from __future__ import annotations
 
 import json
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.stats import summarize
-from tokenmill.bench.workload import Workload, make_random_llama, make_workload
+from tokenmill.bench.workload import PRESETS, Workload, make_random_model, make_workload
 from tokenmill.llm import LLM
 from tokenmill.request import RequestOutput, SamplingParams
 
@@ -113,7 +112,13 @@ def add_arguments(parser: Any) -> None:
         dest="bench_model",
         type=Path,
         default=None,
-        help="checkpoint folder (default: a random ~100M llama, created once)",
+        help="checkpoint folder (default: the --preset's random model, created once)",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="llama",
+        help="random model when no --model: a ~100M Llama, or a Mixtral of ~100M active parameters",
     )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
@@ -126,7 +131,7 @@ def add_arguments(parser: Any) -> None:
 
 
 def main(args: Any) -> int:
-    path = args.bench_model or make_random_llama(Path(tempfile.gettempdir()) / "tokenmill-bench-llama")
+    path = args.bench_model or make_random_model(preset=args.preset)
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     work = make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), vocab, args.seed)
     llm = LLM(

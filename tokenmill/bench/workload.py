@@ -1,10 +1,14 @@
-"""The default benchmark workload: a random ~100M-parameter Llama and random token prompts."""
+"""The benchmark workloads: random token prompts, and random models of two shapes (presets): a
+~100M-parameter Llama (the default) and a Mixtral of ~100M active parameters per token."""
 
 from __future__ import annotations
 
 import random
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tokenmill.bench.own_thread import on_own_thread
 
 DEFAULT_MODEL = dict(
     hidden_size=768,
@@ -15,6 +19,15 @@ DEFAULT_MODEL = dict(
     vocab_size=32000,
     max_position_embeddings=2048,
 )
+MOE_MODEL = dict(
+    DEFAULT_MODEL,
+    intermediate_size=1024,  # per expert: 2 of 8 active, ~95M active weights per token (LM head included)
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=None,
+)
+PRESETS = {"llama": ("LlamaForCausalLM", DEFAULT_MODEL), "mixtral": ("MixtralForCausalLM", MOE_MODEL)}
+"""Preset name -> (transformers class, config values) of the random benchmark models."""
 
 
 @dataclass
@@ -49,16 +62,25 @@ def make_workload(
     )
 
 
-def make_random_llama(path: Path, seed: int = 0, **overrides: int) -> Path:
-    """Save a randomly initialized LlamaForCausalLM (fp32 safetensors) to ``path``; reuse if present."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def bench_model_path(preset: str = "llama") -> Path:
+    """Where the preset's random model is kept between runs (the system's temporary folder)."""
+    return Path(tempfile.gettempdir()) / f"tokenmill-bench-{preset}"
 
-    path = Path(path)
-    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+
+@on_own_thread
+def make_random_model(path: Path | None = None, preset: str = "llama", seed: int = 0) -> Path:
+    """Save a randomly initialized model of ``preset`` (fp32 safetensors, untied LM head) to ``path``
+    (default :func:`bench_model_path`); reuse it if present. Runs on a thread of its own."""
+    import torch
+    import transformers
+
+    path = Path(path) if path is not None else bench_model_path(preset)
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return path
-    config = LlamaConfig(**{**DEFAULT_MODEL, **overrides}, tie_word_embeddings=False)
+    class_name, values = PRESETS[preset]
+    model_class = getattr(transformers, class_name)
+    config = model_class.config_class(**values, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float()
+    model = model_class(config).float()
     model.save_pretrained(path, safe_serialization=True)
     return path
