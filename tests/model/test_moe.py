@@ -117,7 +117,9 @@ def test_experts_are_computed_per_expert_not_per_token(monkeypatch: pytest.Monke
     from tokenmill.model import moe
 
     calls = []
-    monkeypatch.setattr(moe, "linear", lambda a, w: calls.append(a.shape[0]) or torch.nn.functional.linear(a, w))
+    monkeypatch.setattr(
+        moe, "blocked_linear", lambda a, w, b, c: calls.append(a.shape[0]) or torch.nn.functional.linear(a, w)
+    )
     out = experts(x, expert_ids, weights)
     used = sorted(set(expert_ids.flatten().tolist()))
     assert len(calls) == 2 * len(used) and sum(calls) == 2 * expert_ids.numel()

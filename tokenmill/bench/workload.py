@@ -21,7 +21,7 @@ DEFAULT_MODEL = dict(
 )
 MOE_MODEL = dict(
     DEFAULT_MODEL,
-    intermediate_size=1024,  # per expert: 2 of 8 active, ~95M active weights per token (LM head included)
+    intermediate_size=1024,  # per expert: 2 of 8 active, ~100M active weights per token (LM head included)
     num_local_experts=8,
     num_experts_per_tok=2,
     sliding_window=None,

@@ -77,46 +77,54 @@ def _on_rows(x: torch.Tensor, out_features: int, product: Callable[[torch.Tensor
     return out.view(*x.shape[:-1], out_features)
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and names) whose forward uses :func:`linear`.
-
-    For the dtypes in ``BLOCKED_MIN_ROWS``, products of ``BLOCKED_MIN_ROWS[dtype]`` to
-    ``BLOCKED_MAX_ROWS`` rows use a copy of the weight in oneDNN's blocked layout, made on first use
-    and remade whenever the weight is not the one it was made from: another storage, dtype or shape
+class BlockedCopy:
+    """A copy of a CPU weight in oneDNN's blocked layout, for the products where it is faster
+    (``BLOCKED_MIN_ROWS[dtype]`` to ``BLOCKED_MAX_ROWS`` rows), made on first use and remade
+    whenever the weight is not the one it was made from: another storage, dtype or shape
     (``Module.to``, ``weight.data = ...``) or an in-place change (its version counter moves:
     loading, weight updates). So the weight is not re-laid-out on every call; the copy doubles the
-    projection's weight memory.
-    """
+    weight's memory. One copy serves one weight (it may be a view, e.g. one expert's slice)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self._blocked: tuple[tuple, torch.Tensor] | None = None  # (what it was made from, blocked copy)
+    def __init__(self) -> None:
+        self._made: tuple[tuple, torch.Tensor] | None = None  # (what it was made from, blocked copy)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        blocked = self.blocked_weight(x.dtype, _n_rows(x)) if x.is_cpu else None
-        if blocked is not None:
-            pointwise = torch.ops.mkldnn._linear_pointwise
-            return _on_rows(
-                x, self.weight.shape[0], lambda rows_2d: pointwise(rows_2d, blocked, self.bias, "none", [], "")
-            )
-        return linear(x, self.weight, self.bias)
-
-    def blocked_weight(self, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
-        """The blocked copy that :meth:`forward` multiplies a CPU input of ``dtype`` and ``rows`` rows
-        by; None where it uses :func:`linear` on the weight as stored."""
+    def for_rows(self, weight: torch.Tensor, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
+        """The blocked copy of ``weight`` for a CPU input of ``dtype`` and ``rows`` rows; None where
+        :func:`linear` on the weight as stored is used instead, or for a weight without a version
+        counter (created under ``torch.inference_mode``), whose changes could not be seen."""
         min_rows = BLOCKED_MIN_ROWS.get(dtype)
-        if min_rows is None or self.weight.dtype != dtype or not self.weight.is_cpu:
+        if min_rows is None or weight.dtype != dtype or not weight.is_cpu or not min_rows <= rows <= BLOCKED_MAX_ROWS:
             return None
-        return self._blocked_weight() if min_rows <= rows <= BLOCKED_MAX_ROWS else None
-
-    def _blocked_weight(self) -> torch.Tensor | None:
-        """The blocked copy of the current weight; None for a weight without a version counter
-        (created under ``torch.inference_mode``), whose changes could not be seen."""
-        weight = self.weight
         try:
             source = (weight.data_ptr(), weight.dtype, tuple(weight.shape), weight._version)
         except RuntimeError:
             return None
-        if self._blocked is None or self._blocked[0] != source:
-            self._blocked = (source, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BLOCKED_BATCH_HINT))
-        return self._blocked[1]
+        if self._made is None or self._made[0] != source:
+            self._made = (source, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BLOCKED_BATCH_HINT))
+        return self._made[1]
+
+
+def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, copy: BlockedCopy) -> torch.Tensor:
+    """:func:`linear`, through ``copy``'s blocked weight where it applies to ``x``."""
+    blocked = copy.for_rows(weight, x.dtype, _n_rows(x)) if x.is_cpu else None
+    if blocked is None:
+        return linear(x, weight, bias)
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    return _on_rows(x, weight.shape[0], lambda rows_2d: pointwise(rows_2d, blocked, bias, "none", [], ""))
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and names) whose forward uses :func:`linear`, through a
+    :class:`BlockedCopy` of its weight for the dtypes in ``BLOCKED_MIN_ROWS``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self._blocked = BlockedCopy()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return blocked_linear(x, self.weight, self.bias, self._blocked)
+
+    def blocked_weight(self, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
+        """The blocked copy that :meth:`forward` multiplies a CPU input of ``dtype`` and ``rows`` rows
+        by; None where it uses :func:`linear` on the weight as stored."""
+        return self._blocked.for_rows(self.weight, dtype, rows)

@@ -4,8 +4,10 @@
 with ``(w, i)`` the top-k of ``softmax(router(x))`` (in fp32; renormalized to sum 1 when the config
 says so), as transformers' Mixtral and Qwen3-MoE blocks do. The computation is batched by expert:
 the ``T * top_k`` (token, expert) pairs are sorted by expert, each expert that received tokens runs
-one gate/up product, the fused SwiGLU and one down product over all of its tokens, and the weighted
-results are summed back per token with one ``index_add_``; no step loops over tokens.
+one gate/up product, the fused SwiGLU and one down product over all of its tokens (through a
+blocked oneDNN copy of the expert's weights where the CPU's dtype uses one, as ``Linear`` does),
+and the weighted results are summed back per token with one ``index_add_``; no step loops over
+tokens.
 
 The experts' weights are stacked (``gate_up_proj`` ``[E, 2I, hidden]``, gate rows first;
 ``down_proj`` ``[E, hidden, I]``) and load from per-expert checkpoint tensors, whose names the
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.fused import silu_and_mul
-from tokenmill.kernels.linear import Linear, linear
+from tokenmill.kernels.linear import BlockedCopy, Linear, blocked_linear
 from tokenmill.model.config import ModelConfigError, MoEConfig
 
 
@@ -49,6 +51,7 @@ class Experts(nn.Module, CheckpointShards):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.names = names
+        self._blocked = [(BlockedCopy(), BlockedCopy()) for _ in range(num_experts)]  # gate_up, down
 
     def checkpoint_shards(self) -> list[tuple[str, nn.Parameter, tuple[int | slice, ...]]]:
         n_experts, two_i, _ = self.gate_up_proj.shape
@@ -77,8 +80,10 @@ class Experts(nn.Module, CheckpointShards):
         for e, n in enumerate(counts):  # experts without tokens do no work
             rows = slice(start, start + n)
             if n:
-                hidden = silu_and_mul(linear(routed[rows], self.gate_up_proj[e]))
-                outputs[rows] = (linear(hidden, self.down_proj[e]) * pair_weights[rows]).to(x.dtype)
+                gate_up_copy, down_copy = self._blocked[e]
+                hidden = silu_and_mul(blocked_linear(routed[rows], self.gate_up_proj[e], None, gate_up_copy))
+                down = blocked_linear(hidden, self.down_proj[e], None, down_copy)
+                outputs[rows] = (down * pair_weights[rows]).to(x.dtype)
             start += n
         return torch.zeros_like(x).index_add_(0, token_of, outputs)
 
