@@ -28,6 +28,7 @@ CONFIG_CLASSES = {
     "mistral": transformers.MistralConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
+    "phi3": transformers.Phi3Config,
     "mixtral": transformers.MixtralConfig,
     "qwen3_moe": transformers.Qwen3MoeConfig,
 }
@@ -37,6 +38,7 @@ MODEL_CLASSES = {
     "mistral": transformers.MistralForCausalLM,
     "qwen2": transformers.Qwen2ForCausalLM,
     "qwen3": transformers.Qwen3ForCausalLM,
+    "phi3": transformers.Phi3ForCausalLM,
     "mixtral": transformers.MixtralForCausalLM,
     "qwen3_moe": transformers.Qwen3MoeForCausalLM,
 }

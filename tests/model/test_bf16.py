@@ -26,6 +26,7 @@ FAMILIES = {
     "mistral": dict(sliding_window=None),
     "qwen2": {},
     "qwen3": dict(head_dim=32),
+    "phi3": dict(partial_rotary_factor=0.75),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40),
 }

@@ -124,6 +124,20 @@ def test_matches_python_layers(
     assert torch.equal(fused_cache, python_cache)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_matches_python_layers(tmp_path: Path, dtype: torch.dtype) -> None:
+    """Each layer's window goes to the kernel's attention: contexts grow to four times the window."""
+    save_tiny_model(tmp_path, "mistral", num_key_value_heads=2, sliding_window=4)
+    model = load_model(tmp_path, dtype, "cpu")
+    weights = model.cpu_decode_weights()
+    assert weights is not None and weights.windows == [4] * model.config.num_layers
+    fused, fused_cache = greedy_decode(model, 5, steps=6, fused=True)
+    python, python_cache = greedy_decode(model, 5, steps=6, fused=False)
+    for step, (a, b) in enumerate(zip(fused, python)):
+        assert torch.equal(a, b), f"decode step {step}: max diff {(a - b).abs().max().item()}"
+    assert torch.equal(fused_cache, python_cache)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_runs_it_on_every_decode_step(llama: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
     """Every pure decode step of an engine run goes through the C++ decode forward, no other step

@@ -34,9 +34,30 @@ def test_unsupported_architecture(checkpoint: Path) -> None:
 
 
 def test_unsupported_rope_type(checkpoint: Path) -> None:
-    _edit_config(checkpoint, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4})
-    with pytest.raises(ModelConfigError, match="unsupported rope type 'longrope'"):
+    _edit_config(checkpoint, rope_parameters={"rope_type": "mrope", "rope_theta": 1e4})
+    with pytest.raises(ModelConfigError, match="unsupported rope type 'mrope'"):
         load_model(checkpoint, torch.float32, "cpu")
+
+
+def test_longrope_needs_a_factor_per_rotated_frequency(checkpoint: Path) -> None:
+    _edit_config(checkpoint, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4})
+    with pytest.raises(ModelConfigError, match="rope type 'longrope' needs 'short_factor'"):
+        load_model_config(checkpoint)
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 7}
+    _edit_config(checkpoint, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, **factors})
+    with pytest.raises(ModelConfigError, match=r"rope 'long_factor' has 7 entries, expected 8 \(rotary dims / 2\)"):
+        load_model_config(checkpoint)
+
+
+def test_partial_rotary_only_where_the_family_supports_it(checkpoint: Path) -> None:
+    _edit_config(checkpoint, partial_rotary_factor=0.5)
+    with pytest.raises(ModelConfigError, match="partial_rotary_factor != 1 is not supported for LlamaForCausalLM"):
+        load_model(checkpoint, torch.float32, "cpu")
+    _edit_config(checkpoint, architectures=["Phi3ForCausalLM"])
+    assert load_model_config(checkpoint).rotary_dim == 8
+    _edit_config(checkpoint, partial_rotary_factor=0.1)
+    with pytest.raises(ModelConfigError, match="partial_rotary_factor 0.1 gives 1 rotary dims of head_dim 16"):
+        load_model_config(checkpoint)
 
 
 def test_corrupt_config(checkpoint: Path) -> None:
@@ -96,15 +117,32 @@ def test_unsupported_architecture_names_the_supported_ones(checkpoint: Path) -> 
         load_model_config(checkpoint)
 
 
-def test_sliding_window_limits_context(tmp_path: Path) -> None:
+def test_sliding_window_slides_every_layer_and_keeps_the_context(tmp_path: Path) -> None:
     save_tiny_model(tmp_path, "mistral", sliding_window=64)
-    assert load_model_config(tmp_path).max_context_len == 64
+    config = load_model_config(tmp_path)
+    assert config.max_context_len == config.max_position_embeddings == 256
+    assert [config.layer_sliding_window(i) for i in range(config.num_layers)] == [64, 64]
+    _edit_config(tmp_path, sliding_window=0)
+    with pytest.raises(ModelConfigError, match="'sliding_window' must be a positive integer or null, got 0"):
+        load_model_config(tmp_path)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
-def test_qwen_sliding_window_counts_only_when_used(tmp_path: Path, kind: str) -> None:
-    save_tiny_model(tmp_path, kind)
-    _edit_config(tmp_path, sliding_window=64, use_sliding_window=False)
-    assert load_model_config(tmp_path).sliding_window is None
+def test_qwen_sliding_window_counts_only_when_used_in_its_layers(tmp_path: Path, kind: str) -> None:
+    """transformers 5: config.json's layer_types when present, else the layers from max_window_layers on."""
+    save_tiny_model(tmp_path, kind, num_hidden_layers=3)
+
+    def windows() -> list[int | None]:
+        config = load_model_config(tmp_path)
+        assert config.max_context_len == 256
+        return [config.layer_sliding_window(i) for i in range(config.num_layers)]
+
+    _edit_config(tmp_path, sliding_window=64, use_sliding_window=False, layer_types=None, max_window_layers=1)
+    assert load_model_config(tmp_path).sliding_window is None and windows() == [None] * 3
     _edit_config(tmp_path, use_sliding_window=True)
-    assert load_model_config(tmp_path).max_context_len == 64
+    assert windows() == [None, 64, 64]
+    _edit_config(tmp_path, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    assert windows() == [64, None, 64]
+    _edit_config(tmp_path, layer_types=["sliding_attention"])
+    with pytest.raises(ModelConfigError, match="'layer_types' must list one type per layer"):
+        load_model_config(tmp_path)

@@ -45,10 +45,45 @@ CASES = {
         dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
     ),
     "mistral": ("mistral", dict(sliding_window=None)),
+    # windows far shorter than the contexts (prompts up to 30 tokens + 24 generated)
+    "mistral_window": ("mistral", dict(sliding_window=8)),
+    "qwen2_window_upper_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=12, max_window_layers=1)),
+    "qwen3_window": ("qwen3", dict(use_sliding_window=True, sliding_window=7, max_window_layers=0)),
+    "phi3_window": ("phi3", dict(sliding_window=6)),
+    "mixtral_window": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
     "qwen2_tied": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen2_untied": ("qwen2", dict(tie_word_embeddings=False)),
     "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
     "qwen3_bias_tied": ("qwen3", dict(attention_bias=True, tie_word_embeddings=True)),
+    "phi3": ("phi3", {}),
+    "phi3_partial_tied": ("phi3", dict(partial_rotary_factor=0.75, tie_word_embeddings=True)),
+    # longrope with every prompt past original_max_position_embeddings: the long factors throughout
+    # (short factors, and a request crossing over, are in tests/model/test_phi3.py)
+    "phi3_longrope": (
+        "phi3",
+        dict(
+            original_max_position_embeddings=4,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0 + 0.25 * i for i in range(8)],
+                "long_factor": [1.0 + 3.0 * i for i in range(8)],
+            },
+        ),
+    ),
+    "phi3_partial_longrope_mqa": (
+        "phi3",
+        dict(
+            num_key_value_heads=1,
+            partial_rotary_factor=0.75,
+            original_max_position_embeddings=4,
+            rope_theta=50000.0,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.25 * i for i in range(6)],
+                "long_factor": [1.0 + 3.0 * i for i in range(6)],
+            },
+        ),
+    ),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
     "mixtral_top1": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=1, tie_word_embeddings=True)),
     "qwen3_moe": (

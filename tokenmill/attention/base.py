@@ -1,7 +1,9 @@
 """AttentionBackend: the one interface every attention implementation provides.
 
-``forward(q, k, v, layer_id, kv_view)`` stores this step's keys/values at
-``kv_view.out_cache_loc`` and returns the attention output over each request's slots.
+``forward(q, k, v, layer_id, kv_view, sliding_window)`` stores this step's keys/values at
+``kv_view.out_cache_loc`` and returns the attention output over each request's slots: a query at
+position ``p`` attends to its request's keys at positions ``k <= p``, and ``p - sliding_window < k``
+when the layer has a window (its model's config chooses it per layer; None: global).
 Shapes: ``q`` ``[T, n_heads, head_dim]``, ``k``/``v`` ``[T, n_kv_heads, head_dim]``, output like
 ``q``. ``T`` is the number of tokens in the flat ragged batch.
 """
@@ -25,6 +27,8 @@ class AttentionBackend(ABC):
     """The C++ decode forward (``model/decode_forward.py``) computes exactly this backend's decode attention."""
     converts_kv_dtype: bool = False
     """The KV cache may hold another dtype than q/k/v (``kv_cache_dtype``): stored and read converted."""
+    supports_sliding_window: bool = False
+    """``forward`` applies a ``sliding_window``; a backend without it refuses windowed layers."""
 
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
         if n_heads % n_kv_heads:
@@ -36,12 +40,32 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_view: KVView
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        kv_view: KVView,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """Store k/v for this step's tokens, attend, return ``[T, n_heads, head_dim]``."""
+        """Store k/v for this step's tokens, attend (within ``sliding_window`` keys, when given),
+        return ``[T, n_heads, head_dim]``."""
 
-    def _check_fwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_view: KVView) -> None:
+    def _check_fwd(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        kv_view: KVView,
+        sliding_window: int | None = None,
+    ) -> None:
         """Raise ValueError on any mismatch between the tensors, the view and this backend."""
+        if sliding_window is not None:
+            if not self.supports_sliding_window:
+                raise ValueError(f"the {self.name} attention backend does not implement sliding-window attention")
+            if sliding_window < 1:
+                raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         if not isinstance(kv_view, (PrefillKVCache, DecodeKVCache)):
             raise ValueError(f"kv_view must be PrefillKVCache or DecodeKVCache, got {type(kv_view).__name__}")
         n_tokens = q.shape[0]

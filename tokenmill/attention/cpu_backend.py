@@ -4,6 +4,8 @@ Decode rows (a decode step, or the one-token rows of a mixed step) are attended 
 ``paged_decode_attention``, which reads each request's keys and values in place through the
 request-to-token table (the torch path gathers them into padded batches for SDPA). Prefill rows
 of at least ``MIN_KERNEL_QUERY_ROWS`` are two matmuls around the fused ``causal_softmax_`` kernel.
+Both apply a layer's sliding window by reading only the keys inside it (decode: each request's last
+``sliding_window``; prefill: those of some query row of the block) and masking the rest.
 In fp32 outputs equal the torch backend's to fp32 rounding; in bf16 the kernels compute in fp32
 from the bf16 values (decode) or round as transformers' eager bf16 attention does (prefill).
 Strict like every explicit backend: fp32 or bf16 CPU tensors only, and the kernels must build.
@@ -51,6 +53,7 @@ class CpuBackend(TorchNativeBackend):
         seq_lens: torch.Tensor,
         max_len: int,
         req_to_token: torch.Tensor,
+        window: int | None,
     ) -> torch.Tensor:
         if q.device.type != "cpu" or q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in SUPPORTED_DTYPES:
             raise ValueError(
@@ -65,27 +68,36 @@ class CpuBackend(TorchNativeBackend):
             req_pool_indices.contiguous(),
             seq_lens.contiguous(),
             self.scale,
+            window or 0,
         )
 
-    def _attend_causal(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int) -> torch.Tensor:
+    def _attend_causal(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int, window: int | None
+    ) -> torch.Tensor:
         """Prefill rows of one request as two matmuls batched over the KV heads around a fused
-        scale + causal mask + softmax, over query blocks small enough to bound the score buffer.
+        scale + causal (and sliding-window) mask + softmax, over query blocks small enough to bound
+        the score buffer; a block reads the keys from the first one in its first row's window.
         Short query blocks keep the torch path, which needs fewer op calls. In bf16 the matmuls run
         in bf16 (AMX where the CPU has it) and the softmax in fp32 on the bf16 scores, as
         transformers' eager attention does."""
         n, group, dim = q.shape[0], self.n_heads // self.n_kv_heads, self.head_dim
         if n < MIN_KERNEL_QUERY_ROWS:
-            return super()._attend_causal(q, keys, values, prefix)
+            return super()._attend_causal(q, keys, values, prefix, window)
         queries = q.view(n, self.n_kv_heads, group, dim).permute(1, 2, 0, 3).contiguous()  # [Hkv, G, n, D]
         keys, values = keys.transpose(0, 1).contiguous(), values.transpose(0, 1).contiguous()  # [Hkv, S, D]
         out = torch.empty_like(queries)
         block = max(1, SCORE_BUFFER_FLOATS // (self.n_heads * keys.shape[1]))
         for start in range(0, n, block):
             stop = min(n, start + block)
-            rows, visible = stop - start, prefix + stop  # the block's last row sees `visible` keys
+            rows, visible = stop - start, prefix + stop  # the block's last row sees keys before `visible`
+            first = 0 if window is None else max(0, prefix + start - window + 1)  # its first row's first key
             block_queries = queries[:, :, start:stop].reshape(self.n_kv_heads, group * rows, dim)
-            scores = torch.matmul(block_queries, keys[:, :visible].transpose(1, 2)).float()
-            self._causal_softmax(scores.view(self.n_heads, rows, visible), prefix + start, self.scale)
+            scores = torch.matmul(block_queries, keys[:, first:visible].transpose(1, 2)).float()
+            self._causal_softmax(
+                scores.view(self.n_heads, rows, visible - first), prefix + start - first, self.scale, window or 0
+            )
             probs = scores.to(q.dtype)
-            out[:, :, start:stop] = torch.matmul(probs, values[:, :visible]).view(self.n_kv_heads, group, rows, dim)
+            out[:, :, start:stop] = torch.matmul(probs, values[:, first:visible]).view(
+                self.n_kv_heads, group, rows, dim
+            )
         return out.permute(2, 0, 1, 3).reshape(n, self.n_heads, dim)

@@ -1,7 +1,8 @@
 """make_backend: the attention backend for an engine, from ``EngineConfig.attention_backend``.
 
 "auto": triton on CUDA when installed; for fp32 or bf16 on CPU "cpu" (C++ kernels) when they build;
-else the torch reference. An explicit choice is strict: it raises instead of falling back.
+else the torch reference; for a model with sliding-window layers, only a backend that applies the
+window (``supports_sliding_window``). An explicit choice is strict: it raises instead of falling back.
 Adding a backend: its module, one entry in ``_BACKENDS`` (and the name in ``config.ATTENTION_BACKENDS``).
 """
 
@@ -48,12 +49,16 @@ _BACKENDS: dict[str, Callable[[int, int, int, EngineConfig, torch.dtype], Attent
 }
 
 
-def auto_backend_name(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
-    """What "auto" resolves to on ``device`` for a ``dtype`` model with a ``kv_dtype`` cache."""
+def auto_backend_name(
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, sliding_window: bool = False
+) -> str:
+    """What "auto" resolves to on ``device`` for a ``dtype`` model with a ``kv_dtype`` cache
+    (``sliding_window``: with sliding-window layers)."""
     if device.type == "cuda":
-        from tokenmill.attention.triton import TRITON_AVAILABLE
+        from tokenmill.attention.triton import TRITON_AVAILABLE, TritonBackend
 
-        return "triton" if TRITON_AVAILABLE and kv_dtype == dtype else "torch"
+        windows_ok = not sliding_window or TritonBackend.supports_sliding_window
+        return "triton" if TRITON_AVAILABLE and kv_dtype == dtype and windows_ok else "torch"
     supported = (torch.float32, torch.bfloat16)
     if device.type == "cpu" and dtype in supported and kv_dtype in supported:
         return "cpu" if load_cpu_kernels() is not None else "torch"
@@ -61,10 +66,23 @@ def auto_backend_name(device: torch.device, dtype: torch.dtype, kv_dtype: torch.
 
 
 def make_backend(
-    config: EngineConfig, n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype
+    config: EngineConfig,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    sliding_window: bool = False,
 ) -> AttentionBackend:
-    """The backend ``config.attention_backend`` names (resolving "auto") for a model of that shape."""
+    """The backend ``config.attention_backend`` names (resolving "auto") for a model of that shape;
+    ``sliding_window``: the model has sliding-window layers, which a backend that cannot apply the
+    window refuses (ValueError) rather than attend to the whole context."""
     name = config.attention_backend
     if name == "auto":
-        name = auto_backend_name(config.resolved_device(), dtype, config.resolved_kv_dtype(dtype))
-    return _BACKENDS[name](n_heads, n_kv_heads, head_dim, config, dtype)
+        name = auto_backend_name(config.resolved_device(), dtype, config.resolved_kv_dtype(dtype), sliding_window)
+    backend = _BACKENDS[name](n_heads, n_kv_heads, head_dim, config, dtype)
+    if sliding_window and not backend.supports_sliding_window:
+        raise ValueError(
+            f"attention_backend={name!r} does not implement sliding-window attention, which this model uses; "
+            "use attention_backend='torch' (or 'cpu' on CPU)"
+        )
+    return backend

@@ -2,8 +2,10 @@
 
 Every other backend is tested against this one. Decode rows (one query token) are attended in
 one batched call whatever the step's phase; prefill rows are attended per request (ragged, causal
-mask offset by the cached prefix). GQA never copies K/V per query head: the query heads of one KV
-head are folded into the query-row dimension instead.
+mask offset by the cached prefix). A sliding window is applied by reading only the keys that some
+query of the call can see (a decode row's last ``sliding_window``) and masking the rest. GQA never
+copies K/V per query head: the query heads of one KV head are folded into the query-row dimension
+instead.
 """
 
 from __future__ import annotations
@@ -20,11 +22,18 @@ DECODE_GROUP = 16  # decode requests padded together (sorted by length) in one a
 class TorchNativeBackend(AttentionBackend):
     name = "torch"
     converts_kv_dtype = True
+    supports_sliding_window = True
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_view: KVView
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        kv_view: KVView,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        self._check_fwd(q, k, v, layer_id, kv_view)
+        self._check_fwd(q, k, v, layer_id, kv_view, sliding_window)
         k_cache = kv_view.k_buffer[layer_id]
         v_cache = kv_view.v_buffer[layer_id]
         # index_copy_: far faster than index_put on CPU; .to: the cache may hold another dtype
@@ -39,8 +48,9 @@ class TorchNativeBackend(AttentionBackend):
                 kv_view.seq_lens,
                 kv_view.max_seq_len,
                 kv_view.req_to_token,
+                sliding_window,
             )
-        return self._prefill(q, k, v, k_cache, v_cache, kv_view)
+        return self._prefill(q, k, v, k_cache, v_cache, kv_view, sliding_window)
 
     def _prefill(
         self,
@@ -50,6 +60,7 @@ class TorchNativeBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         view: PrefillKVCache,
+        window: int | None,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         extend = view.extend_lens_cpu
@@ -59,7 +70,14 @@ class TorchNativeBackend(AttentionBackend):
             rows = view.qo_indptr[idx]
             max_len = max(view.prefix_lens_cpu[i] + 1 for i in single)
             out[rows] = self._decode(
-                q[rows], k_cache, v_cache, view.req_pool_indices[idx], view.seq_lens[idx], max_len, view.req_to_token
+                q[rows],
+                k_cache,
+                v_cache,
+                view.req_pool_indices[idx],
+                view.seq_lens[idx],
+                max_len,
+                view.req_to_token,
+                window,
             )
             done = set(single)
         else:
@@ -68,20 +86,26 @@ class TorchNativeBackend(AttentionBackend):
         start = 0
         for i, (row, prefix, n) in enumerate(zip(rows, view.prefix_lens_cpu, extend)):
             if i not in done:
+                first = 0 if window is None else max(0, prefix - window + 1)  # first key any row sees
                 if prefix == 0:  # nothing cached: this step's k/v are the whole context
                     keys, values = k[start : start + n], v[start : start + n]
                 else:
-                    slots = view.req_to_token[row, : prefix + n].long()
+                    slots = view.req_to_token[row, first : prefix + n].long()
                     keys = k_cache.index_select(0, slots).to(q.dtype)
                     values = v_cache.index_select(0, slots).to(q.dtype)
-                out[start : start + n] = self._attend_causal(q[start : start + n], keys, values, prefix)
+                out[start : start + n] = self._attend_causal(q[start : start + n], keys, values, prefix - first, window)
             start += n
         return out
 
-    def _attend_causal(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int) -> torch.Tensor:
-        """Query rows at positions ``prefix ..`` over keys ``0 ..``; q ``[E, H, D]``, k/v ``[S, Hkv, D]``."""
+    def _attend_causal(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int, window: int | None
+    ) -> torch.Tensor:
+        """Query rows at positions ``prefix ..`` over keys ``0 ..`` (positions counted from the first
+        key given), each within its ``window`` when not None; q ``[E, H, D]``, k/v ``[S, Hkv, D]``."""
         n, group = q.shape[0], self.n_heads // self.n_kv_heads
         total = keys.shape[0]
+        if window is not None and prefix + n <= window:
+            window = None  # no row's window excludes a key
         # [E, Hkv, G, D] -> [Hkv, G*E, D]: all query heads of a KV head share its keys
         queries = (
             q.view(n, self.n_kv_heads, group, self.head_dim)
@@ -89,7 +113,7 @@ class TorchNativeBackend(AttentionBackend):
             .reshape(self.n_kv_heads, group * n, self.head_dim)
         )
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [Hkv, S, D]
-        if prefix == 0:
+        if prefix == 0 and window is None:
             mask = None
             if group > 1:
                 mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril_().repeat(group, 1)
@@ -97,8 +121,11 @@ class TorchNativeBackend(AttentionBackend):
                 queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scale
             )
         else:
-            q_pos = torch.arange(prefix, prefix + n, device=q.device)
-            mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]  # [E, S]
+            q_pos = torch.arange(prefix, prefix + n, device=q.device)[:, None]
+            key_pos = torch.arange(total, device=q.device)[None, :]
+            mask = key_pos <= q_pos  # [E, S]
+            if window is not None:
+                mask &= key_pos > q_pos - window
             attn = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=mask.repeat(group, 1), scale=self.scale
             )
@@ -117,8 +144,9 @@ class TorchNativeBackend(AttentionBackend):
         seq_lens: torch.Tensor,
         max_len: int,
         req_to_token: torch.Tensor,
+        window: int | None,
     ) -> torch.Tensor:
-        """One query token per request: q ``[B, H, D]``.
+        """One query token per request: q ``[B, H, D]``, each over its last ``window`` keys (all when None).
 
         Requests are padded to a common length for one batched call; a large batch is first
         sorted by length into groups of ``DECODE_GROUP`` so that short contexts are not padded
@@ -126,7 +154,7 @@ class TorchNativeBackend(AttentionBackend):
         """
         batch = q.shape[0]
         if batch <= DECODE_GROUP:
-            return self._decode_padded(q, k_cache, v_cache, req_pool_indices, seq_lens, max_len, req_to_token)
+            return self._decode_padded(q, k_cache, v_cache, req_pool_indices, seq_lens, max_len, req_to_token, window)
         lens = seq_lens.tolist()
         order = sorted(range(batch), key=lens.__getitem__)
         out = torch.empty_like(q)
@@ -134,7 +162,7 @@ class TorchNativeBackend(AttentionBackend):
             members = order[start : start + DECODE_GROUP]
             idx = torch.tensor(members, device=q.device)
             out[idx] = self._decode_padded(
-                q[idx], k_cache, v_cache, req_pool_indices[idx], seq_lens[idx], lens[members[-1]], req_to_token
+                q[idx], k_cache, v_cache, req_pool_indices[idx], seq_lens[idx], lens[members[-1]], req_to_token, window
             )
         return out
 
@@ -147,12 +175,20 @@ class TorchNativeBackend(AttentionBackend):
         seq_lens: torch.Tensor,
         max_len: int,
         req_to_token: torch.Tensor,
+        window: int | None,
     ) -> torch.Tensor:
         batch = q.shape[0]
         group = self.n_heads // self.n_kv_heads
-        positions = torch.arange(max_len, device=q.device)
-        valid = positions[None, :] < seq_lens[:, None]  # [B, L]
-        slots = torch.where(valid, req_to_token[req_pool_indices, :max_len], 0).long().view(-1)
+        if window is None or max_len <= window:  # every key of every request
+            positions = torch.arange(max_len, device=q.device)[None, :]
+            table = req_to_token[req_pool_indices, :max_len]
+        else:  # each request's last `window` positions
+            max_len = window
+            first = torch.clamp(seq_lens - window, min=0)
+            positions = first[:, None] + torch.arange(window, device=q.device)[None, :]
+            table = req_to_token[req_pool_indices[:, None], positions]
+        valid = positions < seq_lens[:, None]  # [B, L]
+        slots = torch.where(valid, table, 0).long().view(-1)
         shape = (batch, max_len, self.n_kv_heads, self.head_dim)
         keys = k_cache.index_select(0, slots).to(q.dtype).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
         values = v_cache.index_select(0, slots).to(q.dtype).view(shape).transpose(1, 2)

@@ -55,7 +55,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, D]`` in the rotate_half layout; ``cos``/``sin`` ``[T, D]``."""
+    """Rotate ``x`` ``[T, heads, D]`` in the rotate_half layout; ``cos``/``sin`` ``[T, R]``, ``R <= D``:
+    only the first ``R`` dims of each head rotate (partial rotary), the rest pass through."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -65,9 +69,10 @@ def rotary_split_qkv(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split fused q/k/v projection rows ``[T, (H + 2 Hkv) D]`` into contiguous ``q [T, H, D]``,
-    ``k``/``v`` ``[T, Hkv, D]``, with RoPE applied to q and k."""
+    ``k``/``v`` ``[T, Hkv, D]``, with RoPE applied to q and k (to their first ``cos.shape[-1]`` dims
+    of each head, see :func:`apply_rotary`; the kernel rotates whole heads only)."""
     ops = _kernels(qkv)
-    if ops is not None and cos.dtype == sin.dtype == qkv.dtype:
+    if ops is not None and cos.dtype == sin.dtype == qkv.dtype and cos.shape[-1] == head_dim:
         return ops.rotary_split_qkv(qkv.contiguous(), cos.contiguous(), sin.contiguous(), n_heads, n_kv_heads, head_dim)
     n_tokens = qkv.shape[0]
     q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)

@@ -48,42 +48,60 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for the given positions, for every supported ``rope_type``.
+    """cos/sin for the given positions, for every supported ``rope_type``, over the ``dim`` rotated
+    dims of a head (``ModelConfig.rotary_dim``: all of it unless ``partial_rotary_factor`` < 1).
 
-    "dynamic" (NTK) recomputes the base per token from the length of its request in the current
-    forward, as transformers does per forward call; the other types use a fixed ``inv_freq``, so
-    their cos/sin rows are computed once into a table (grown to the next power of two when a
-    forward needs more positions) and gathered per forward: one index per tensor instead of ~10
-    small ops, which matter in a CPU decode step. A CUDA-graph capture's warm-up forward sizes the
-    table for the captured upper bound first, so a capture never grows (reallocates) it.
+    Length-dependent types (:attr:`is_dynamic`) take the per-token length of its request after the
+    current forward (``seq_lens``), which is what transformers sees per forward call of one request
+    (``max(position_ids) + 1``): "dynamic" (NTK) recomputes the base from it; "longrope" uses the
+    short factors for a request of at most ``original_max_position_embeddings`` tokens, the long
+    ones beyond. So a request matches transformers' ``generate`` when each of its forwards computes
+    what transformers' does; not when tokenmill splits or merges them differently: a prefill chunked
+    (or recomputed after preemption, or partly reused from the prefix cache) across the threshold
+    rotates its earlier chunks with the factors of a shorter length than transformers' one-shot
+    prefill of the whole prompt does.
+
+    The other types use a fixed ``inv_freq``, so their cos/sin rows are computed once into a table
+    (grown to the next power of two when a forward needs more positions) and gathered per forward:
+    one index per tensor instead of ~10 small ops, which matter in a CPU decode step. A CUDA-graph
+    capture's warm-up forward sizes the table for the captured upper bound first, so a capture never
+    grows (reallocates) it.
     """
 
-    def __init__(self, head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> None:
+    def __init__(self, dim: int, rope: RopeConfig, max_position_embeddings: int) -> None:
         super().__init__()
-        self.head_dim = head_dim
+        self.dim = dim
         self.rope = rope
         self.max_position_embeddings = max_position_embeddings
-        inv_freq, self.attention_factor = _inv_freq(head_dim, rope)
+        inv_freq, self.attention_factor = _inv_freq(dim, rope)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         self.register_buffer("exponents", exponents, persistent=False)
-        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [n, head_dim]
+        if rope.rope_type == "longrope":
+            assert rope.long_factor is not None
+            self.register_buffer("long_inv_freq", _longrope_inv_freq(dim, rope, rope.long_factor), persistent=False)
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [n, dim]
 
     @property
     def is_dynamic(self) -> bool:
-        return self.rope.rope_type == "dynamic"
+        """Whether cos/sin depend on the request's length, not only on the position (no table)."""
+        return self.rope.rope_type in ("dynamic", "longrope")
 
     def forward(
         self, positions: torch.Tensor, seq_lens: torch.Tensor | None, dtype: torch.dtype, n_positions: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape ``[T, head_dim]`` for ``positions`` (all ``< n_positions``);
-        ``seq_lens`` (per token) only for "dynamic"."""
+        """cos, sin of shape ``[T, dim]`` for ``positions`` (all ``< n_positions``); ``seq_lens``
+        (per token: its request's length after this forward) only for :attr:`is_dynamic` types."""
         if self.is_dynamic:
-            assert seq_lens is not None, "dynamic RoPE needs the per-token request length"
+            assert seq_lens is not None, f"{self.rope.rope_type} RoPE needs the per-token request length"
+            if self.rope.rope_type == "longrope":
+                is_long = (seq_lens > self.rope.original_max_position_embeddings)[:, None]
+                inv_freq = torch.where(is_long, self.long_inv_freq[None, :], self.inv_freq[None, :])
+                return self._cos_sin(positions.float()[:, None] * inv_freq, dtype)
             mpe = self.max_position_embeddings
             length = torch.clamp(seq_lens.float(), min=mpe)
             factor = self.rope.factor
-            exponent = self.head_dim / (self.head_dim - 2)
+            exponent = self.dim / (self.dim - 2)
             base = self.rope.theta * ((factor * length / mpe) - (factor - 1)) ** exponent
             inv_freq = 1.0 / (base[:, None] ** self.exponents[None, :])
             return self._cos_sin(positions.float()[:, None] * inv_freq, dtype)
@@ -91,9 +109,9 @@ class RotaryEmbedding(nn.Module):
         return cos_table[positions], sin_table[positions]
 
     def table(self, n_positions: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[n, head_dim]`` (``n >= n_positions``) of positions ``0 .. n-1``; fixed-frequency
+        """cos, sin ``[n, dim]`` (``n >= n_positions``) of positions ``0 .. n-1``; fixed-frequency
         rope types only."""
-        assert not self.is_dynamic, "dynamic RoPE has no position table"
+        assert not self.is_dynamic, f"{self.rope.rope_type} RoPE has no position table"
         table = self._table
         if table is None or (table[0].dtype, table[0].device) != (dtype, device) or table[0].shape[0] < n_positions:
             size = 1 << max(n_positions - 1, 1).bit_length()
@@ -102,8 +120,8 @@ class RotaryEmbedding(nn.Module):
         return table
 
     def _cos_sin(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (times the attention factor) of ``freqs`` ``[T, head_dim / 2]``, in the
-        rotate_half layout ``[T, head_dim]``."""
+        """cos and sin (times the attention factor) of ``freqs`` ``[T, dim / 2]``, in the
+        rotate_half layout ``[T, dim]``."""
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
 
@@ -128,7 +146,20 @@ def _inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
         return torch.where(is_medium, smoothed, scaled), 1.0
     if kind == "yarn":
         return _yarn_inv_freq(dim, rope)
+    if kind == "longrope":  # the short factors; RotaryEmbedding also holds the long ones
+        assert rope.short_factor is not None and rope.original_max_position_embeddings is not None
+        attention_factor = rope.attention_factor
+        if attention_factor is None:
+            original = rope.original_max_position_embeddings
+            attention_factor = 1.0 if rope.factor <= 1 else math.sqrt(1 + math.log(rope.factor) / math.log(original))
+        return _longrope_inv_freq(dim, rope, rope.short_factor), float(attention_factor)
     raise ValueError(f"unsupported rope type {kind!r}")
+
+
+def _longrope_inv_freq(dim: int, rope: RopeConfig, ext_factors: Sequence[float]) -> torch.Tensor:
+    """LongRoPE's inverse frequencies: the default ones, each divided by its factor."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (torch.tensor(ext_factors, dtype=torch.float32) * rope.theta**exponents)
 
 
 def _yarn_inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
@@ -191,11 +222,13 @@ class GatedMLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Self-attention: packed q/k/v, optional per-head q/k RMSNorm before RoPE, a pluggable backend."""
+    """Self-attention: packed q/k/v, optional per-head q/k RMSNorm before RoPE, a pluggable backend;
+    within the layer's sliding window when its config gives it one (``ModelConfig.layer_sliding_window``)."""
 
     def __init__(self, config: ModelConfig, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.sliding_window = config.layer_sliding_window(layer_id)
         self.n_heads = config.num_heads
         self.n_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -226,7 +259,9 @@ class Attention(nn.Module):
             q = apply_rotary(self.q_norm(q.reshape(n_tokens, self.n_heads, self.head_dim)), cos, sin)
             k = apply_rotary(self.k_norm(k.reshape(n_tokens, self.n_kv_heads, self.head_dim)), cos, sin)
             v = v.reshape(n_tokens, self.n_kv_heads, self.head_dim)
-        out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), self.layer_id, kv_view)
+        out = backend.forward(
+            q.contiguous(), k.contiguous(), v.contiguous(), self.layer_id, kv_view, self.sliding_window
+        )
         return self.o_proj(out.reshape(n_tokens, self.n_heads * self.head_dim))
 
 

@@ -10,6 +10,8 @@ A family subclasses :class:`CausalLM` in its own file and declares:
 - ``packed_modules``: checkpoint module name -> (packed module, shard) (``weights.py`` derives
   every checkpoint name and the rows it loads into from it and the parameters);
 - :meth:`CausalLM.adjust_config`: its config.json quirks, applied to the generic parse;
+- ``supports_partial_rotary``: whether its layers follow ``partial_rotary_factor`` < 1 as its
+  transformers implementation does (``registry.load_model_config`` refuses it otherwise);
 - ``supports_cpu_decode_forward``: an explicit opt-in, true only when its layer computes exactly
   what ``kernels/cpu/decode_forward.cpp`` computes (see :meth:`CausalLM.cpu_decode_weights`).
 
@@ -58,6 +60,7 @@ class CpuDecodeWeights:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
+    windows: list[int]  # each layer's sliding window, 0 for global attention
 
 
 class DecoderStack(nn.Module):
@@ -77,12 +80,13 @@ class CausalLM(nn.Module, ABC):
     checkpoint_module_names: ClassVar[dict[str, str]] = {}
     """Module name -> the checkpoint's name for it, where they differ (``weights.py`` applies it)."""
     supports_cpu_decode_forward: ClassVar[bool] = False
+    supports_partial_rotary: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.model = DecoderStack(config, [self.decoder_layer(config, i) for i in range(config.num_layers)])
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope, config.max_position_embeddings)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -110,9 +114,9 @@ class CausalLM(nn.Module, ABC):
         """The weights of the C++ decode forward, or None when it would not compute this model.
 
         Allow-list: the family opted in (``supports_cpu_decode_forward``), RoPE has fixed
-        frequencies, and every layer has exactly :data:`CPU_DECODE_LAYER_WEIGHTS`.
+        frequencies and rotates whole heads, and every layer has exactly :data:`CPU_DECODE_LAYER_WEIGHTS`.
         """
-        if not self.supports_cpu_decode_forward or self.rotary.is_dynamic:
+        if not self.supports_cpu_decode_forward or self.rotary.is_dynamic or self.rotary.dim != self.config.head_dim:
             return None
         weights: list[nn.Parameter] = []
         projections: list[Linear | None] = []
@@ -136,6 +140,7 @@ class CausalLM(nn.Module, ABC):
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             rms_norm_eps=cfg.rms_norm_eps,
+            windows=[layer.self_attn.sliding_window or 0 for layer in self.model.layers],
         )
 
     @torch.inference_mode()
@@ -162,7 +167,8 @@ class CausalLM(nn.Module, ABC):
 
     @staticmethod
     def _dynamic_rope_lens(kv_view: KVView) -> torch.Tensor:
-        """Per-token length of its request after this step (what dynamic NTK scales by)."""
+        """Per-token length of its request after this step (what dynamic NTK scales by and longrope
+        picks its factors by)."""
         if isinstance(kv_view, DecodeKVCache):
             return kv_view.seq_lens
         return torch.repeat_interleave(kv_view.seq_lens, kv_view.extend_lens)

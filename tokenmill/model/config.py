@@ -18,7 +18,7 @@ import torch
 
 from tokenmill.config import DTYPES
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 class ModelConfigError(ValueError):
@@ -27,7 +27,14 @@ class ModelConfigError(ValueError):
 
 @dataclass
 class RopeConfig:
-    """Rotary embedding parameters (``rope_type`` one of :data:`ROPE_TYPES`)."""
+    """Rotary embedding parameters (``rope_type`` one of :data:`ROPE_TYPES`).
+
+    ``partial_rotary_factor``: the fraction of each head's dims that RoPE rotates (the first
+    ``int(head_dim * partial_rotary_factor)``, see ``ModelConfig.rotary_dim``); only families with
+    ``supports_partial_rotary`` accept a value other than 1. "longrope": ``short_factor`` and
+    ``long_factor`` (one per rotated frequency) divide the frequencies of a request no longer /
+    longer than ``original_max_position_embeddings``.
+    """
 
     rope_type: str = "default"
     theta: float = 10000.0
@@ -41,6 +48,9 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    partial_rotary_factor: float = 1.0
+    short_factor: list[float] | None = None
+    long_factor: list[float] | None = None
 
 
 @dataclass
@@ -79,20 +89,31 @@ class ModelConfig:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    sliding_window_layers: frozenset[int] | None = None  # the layers that slide; None: all (see layer_sliding_window)
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoEConfig | None = None  # set by mixture-of-experts families (their adjust_config)
 
     @property
     def max_context_len(self) -> int:
-        """Longest sequence this model computes exactly.
-
-        A model with sliding-window attention is limited to its window: tokenmill does not
-        implement windowed attention, and refusing longer contexts beats attending wrongly.
-        """
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence this model runs: ``max_position_embeddings`` (sliding-window layers attend
+        to their window of it, see :meth:`layer_sliding_window`)."""
         return self.max_position_embeddings
+
+    def layer_sliding_window(self, layer_id: int) -> int | None:
+        """The attention window of layer ``layer_id``: its query at position ``p`` attends to keys at
+        positions ``p - W < k <= p`` (transformers' ``sliding_window_overlay``); None: every earlier key.
+        Every layer slides when ``sliding_window`` is set, unless a family lists ``sliding_window_layers``."""
+        if self.sliding_window is None or (
+            self.sliding_window_layers is not None and layer_id not in self.sliding_window_layers
+        ):
+            return None
+        return self.sliding_window
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates (``head_dim`` unless partial)."""
+        return int(self.head_dim * self.rope.partial_rotary_factor)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -117,11 +138,12 @@ class ModelConfig:
                 f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
                 f"num_key_value_heads ({num_kv_heads})"
             )
-        if raw.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ModelConfigError(f"{source}: partial_rotary_factor != 1 is not supported")
         hidden_act = raw.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ModelConfigError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
+        head_dim = raw.get("head_dim") or hidden // num_heads
+        rope = _parse_rope(raw, source)
+        _check_rotary(rope, head_dim, source)
         dtype_name = raw.get("torch_dtype") or raw.get("dtype")
         eos = raw.get("eos_token_id")
         return cls(
@@ -132,17 +154,25 @@ class ModelConfig:
             num_layers=need("num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=raw.get("head_dim") or hidden // num_heads,
+            head_dim=head_dim,
             max_position_embeddings=raw.get("max_position_embeddings") or 2048,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_parse_rope(raw, source),
+            rope=rope,
             attention_bias=bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            sliding_window=raw.get("sliding_window"),
+            sliding_window=_sliding_window(raw, source),
             checkpoint_dtype=DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )
+
+
+def _sliding_window(raw: dict[str, Any], source: str) -> int | None:
+    """config.json's ``sliding_window``: a positive integer or absent/null."""
+    window = raw.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+        raise ModelConfigError(f"{source}: 'sliding_window' must be a positive integer or null, got {window!r}")
+    return window
 
 
 def read_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
@@ -173,17 +203,28 @@ def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ModelConfigError(f"{source}: unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-    rope = RopeConfig(rope_type=rope_type, theta=float(theta))
+    partial = params.get("partial_rotary_factor")
+    if partial is None:
+        partial = raw.get("partial_rotary_factor")
+    partial = 1.0 if partial is None else partial
+    rope = RopeConfig(rope_type=rope_type, theta=float(theta), partial_rotary_factor=float(partial))
     if rope_type == "default":
         return rope
     factor = params.get("factor")
-    if factor is None and rope_type != "yarn":
+    if factor is None and rope_type not in ("yarn", "longrope"):
         raise ModelConfigError(f"{source}: rope type {rope_type!r} needs a 'factor'")
-    original = params.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
-    if original is None and rope_type in ("llama3", "yarn"):
-        original = raw.get("max_position_embeddings")
-    if factor is None:  # yarn without factor: derived from the context extension
-        factor = raw["max_position_embeddings"] / original
+    # transformers gives a top-level original_max_position_embeddings precedence over rope_parameters'
+    original = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+    if original is None and rope_type in ("llama3", "yarn", "longrope"):
+        original = raw.get("max_position_embeddings") or 2048
+    if factor is None:  # yarn, longrope without factor: derived from the context extension
+        factor = (raw.get("max_position_embeddings") or 2048) / original
+    if rope_type == "longrope":
+        for name in ("short_factor", "long_factor"):
+            value = params.get(name)
+            if not isinstance(value, list) or not all(isinstance(x, (int, float)) for x in value):
+                raise ModelConfigError(f"{source}: rope type 'longrope' needs {name!r}, a list of numbers")
+            setattr(rope, name, [float(x) for x in value])
     rope.factor = float(factor)
     rope.original_max_position_embeddings = original
     for name in ("low_freq_factor", "high_freq_factor", "attention_factor", "mscale", "mscale_all_dim", "truncate"):
@@ -193,3 +234,19 @@ def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
         if params.get(name):
             setattr(rope, name, float(params[name]))
     return rope
+
+
+def _check_rotary(rope: RopeConfig, head_dim: int, source: str) -> None:
+    """The rotated dims are an even count within the head, and longrope has a factor per frequency."""
+    rotary_dim = int(head_dim * rope.partial_rotary_factor)
+    if rotary_dim <= 0 or rotary_dim > head_dim or rotary_dim % 2:
+        raise ModelConfigError(
+            f"{source}: partial_rotary_factor {rope.partial_rotary_factor} gives {rotary_dim} rotary dims of "
+            f"head_dim {head_dim}; needs an even count in (0, head_dim]"
+        )
+    for name in ("short_factor", "long_factor"):
+        factors = getattr(rope, name)
+        if factors is not None and len(factors) != rotary_dim // 2:
+            raise ModelConfigError(
+                f"{source}: rope {name!r} has {len(factors)} entries, expected {rotary_dim // 2} (rotary dims / 2)"
+            )

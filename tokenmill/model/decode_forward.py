@@ -86,6 +86,7 @@ class CpuDecodeForward:
             view.req_to_token,
             view.req_pool_indices.contiguous(),
             view.seq_lens.contiguous(),
+            w.windows,
             w.num_heads,
             w.num_kv_heads,
             w.head_dim,

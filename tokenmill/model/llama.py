@@ -1,7 +1,7 @@
 """Llama and Mistral (``LlamaForCausalLM``, ``MistralForCausalLM``): the plain pre-norm decoder.
 
 q/k/v and o share config.json's ``attention_bias``, the MLP its ``mlp_bias``. Mistral's
-``sliding_window`` is read as is (it limits the context, see ``ModelConfig.max_context_len``).
+``sliding_window`` applies to every layer (``ModelConfig.layer_sliding_window``).
 Opts in to the C++ decode forward: without biases and with fixed-frequency RoPE, a layer is
 exactly its computation.
 """

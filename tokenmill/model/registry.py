@@ -2,7 +2,7 @@
 
 A new family is its file plus one line in :data:`MODELS`. :func:`load_model_config` is the one way
 to read a checkpoint's :class:`ModelConfig`: the generic parse, corrected by the family's
-``adjust_config``.
+``adjust_config`` and checked against what the family supports (``supports_partial_rotary``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig, ModelConfigError, architecture, read_config_json
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.mixtral import MixtralForCausalLM
+from tokenmill.model.phi3 import Phi3ForCausalLM
 from tokenmill.model.qwen2 import Qwen2ForCausalLM
 from tokenmill.model.qwen3 import Qwen3ForCausalLM
 from tokenmill.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -22,6 +23,7 @@ MODELS: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
@@ -39,4 +41,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
     """The family-adjusted config of the checkpoint folder ``path``."""
     raw, source = read_config_json(path)
     cls = model_class(architecture(raw), source)
-    return cls.adjust_config(ModelConfig.from_dict(raw, source), raw)
+    config = cls.adjust_config(ModelConfig.from_dict(raw, source), raw)
+    if config.rotary_dim != config.head_dim and not cls.supports_partial_rotary:
+        raise ModelConfigError(f"{source}: partial_rotary_factor != 1 is not supported for {config.architecture}")
+    return config

@@ -1,8 +1,9 @@
 """TritonBackend: KV store, split-KV paged decode and ragged paged prefill as Triton kernels.
 
-Strict: every unsupported case raises at construction or in ``forward``; nothing falls back to
-another implementation. The decode path launches a fixed grid from tensor shapes and never
-syncs with the host, so a decode forward can be captured in a CUDA graph.
+Strict: every unsupported case raises at construction or in ``forward`` (sliding-window layers
+included: the kernels attend to the whole context); nothing falls back to another
+implementation. The decode path launches a fixed grid from tensor shapes and never syncs with the
+host, so a decode forward can be captured in a CUDA graph.
 
 On CPU the kernels run only under Triton's interpreter, which is chosen when the kernels are
 defined: ``TRITON_INTERPRET=1`` must be in the environment before this package is first
@@ -42,9 +43,15 @@ class TritonBackend(AttentionBackend):
         self._check_device(config.resolved_device())
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, kv_view: KVView
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        kv_view: KVView,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        self._check_fwd(q, k, v, layer_id, kv_view)
+        self._check_fwd(q, k, v, layer_id, kv_view, sliding_window)  # refuses a window (not implemented)
         self._check_supported(q, kv_view)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         k_cache = kv_view.k_buffer[layer_id]

@@ -1,7 +1,8 @@
 // Paged decode attention on CPU: one query token (fp32 or bf16) per request; keys and values (fp32
 // or bf16, widened to fp32 as they are read) are read in place from the token-slot KV storage
 // through the request-to-token table (no gather copies, no padding to the longest request). The
-// math is fp32; the output has the query's dtype.
+// math is fp32; the output has the query's dtype. With a sliding window W > 0 a request reads only
+// its last W keys (positions max(0, len - W) .. len - 1), as the query at position len - 1 sees them.
 //
 // A request's context is split into chunks of at most kChunkTokens keys, merged afterwards with
 // their softmax statistics (a fixed size, so a request's output never depends on the rest of the
@@ -88,6 +89,7 @@ struct Problem {
   const int64_t* rows;  // [batch]
   const int64_t* lens;  // [batch]
   int64_t n_heads, n_kv_heads, group, head_dim;
+  int64_t window;  // keys per request: its last `window` (all of them when <= 0)
   float scale;
 };
 
@@ -238,7 +240,8 @@ void run(const Problem<KV>& p, int64_t batch) {
   std::vector<int64_t> first_chunk(batch + 1);
   for (int64_t b = 0; b < batch; ++b) {
     first_chunk[b] = static_cast<int64_t>(chunks.size());
-    for (int64_t begin = 0; begin < p.lens[b]; begin += kChunkTokens) {
+    const int64_t first_key = p.window > 0 ? std::max<int64_t>(0, p.lens[b] - p.window) : 0;
+    for (int64_t begin = first_key; begin < p.lens[b]; begin += kChunkTokens) {
       chunks.push_back({b, begin, std::min(p.lens[b], begin + kChunkTokens)});
     }
   }
@@ -285,7 +288,7 @@ void run_for_head_dim(const Problem<KV>& p, int64_t batch) {
 template <typename KV>
 void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                double scale, at::Tensor& out) {
+                double scale, int64_t window, at::Tensor& out) {
   const int64_t batch = q.size(0);
   Problem<KV> p{};
   p.n_heads = q.size(1);
@@ -303,6 +306,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   p.rows = req_pool_indices.data_ptr<int64_t>();
   p.lens = seq_lens.data_ptr<int64_t>();
   p.scale = static_cast<float>(scale);
+  p.window = window;
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(p.lens[b] >= 1 && p.lens[b] <= req_to_token.size(1), "seq_len out of range for request ", b);
     TORCH_CHECK(p.rows[b] >= 0 && p.rows[b] < req_to_token.size(0), "req_pool_index out of range for request ", b);
@@ -314,10 +318,11 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 
 // q [B, H, D] fp32 or bf16; k_cache/v_cache [S, Hkv, D], both fp32 or both bf16; req_to_token [R, C]
 // int32; req_pool_indices [B] and seq_lens [B] int64. Request b attends to slots
-// req_to_token[req_pool_indices[b], 0:seq_lens[b]]. The math is fp32; the output has q's dtype.
+// req_to_token[req_pool_indices[b], 0:seq_lens[b]], or only the last `window` of them when window > 0 (a
+// sliding window). The math is fp32; the output has q's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                                  const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window) {
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "bad q/k/v ranks");
   const auto kv_type = k_cache.scalar_type();
   TORCH_CHECK((q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16) &&
@@ -331,15 +336,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
                   req_pool_indices.is_contiguous() && seq_lens.is_contiguous(), "indices: contiguous int64");
   auto out = at::empty_like(q);
   if (kv_type == at::kFloat) {
-    attend_all<float>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
+    attend_all<float>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, out);
   } else {
-    attend_all<tokenmill_simd::bf16_t>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
+    attend_all<tokenmill_simd::bf16_t>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window,
+                                       out);
   }
   return out.to(q_in.scalar_type());
 }
 
 TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
-        "Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor");
+        "Tensor req_pool_indices, Tensor seq_lens, float scale, int window) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
 }

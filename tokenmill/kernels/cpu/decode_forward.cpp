@@ -68,16 +68,17 @@ struct PlainLinear {
 // kProjectionsPerLayer per layer and then one for the LM head, each the projection's weight in
 // oneDNN's blocked layout (what kernels/linear.py's Linear would use for B rows) or None (the plain
 // weight, through PlainLinear's choice); k_buffer/v_buffer [layers, slots, Hkv, D] in the model's
-// dtype. Returns the logits [B, V'].
+// dtype; windows: each layer's sliding window (0: global attention). Returns the logits [B, V'].
 at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& embed,
                           const at::Tensor& cos_table, const at::Tensor& sin_table, at::TensorList weights,
                           const c10::List<std::optional<at::Tensor>>& blocked, const at::Tensor& final_norm,
                           const at::Tensor& lm_head, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                           const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
-                          const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, int64_t n_heads,
-                          int64_t n_kv_heads, int64_t head_dim, double eps, double scale, int64_t skinny_max_rows,
-                          int64_t panel_max_rows) {
+                          const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, at::IntArrayRef windows,
+                          int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, double eps, double scale,
+                          int64_t skinny_max_rows, int64_t panel_max_rows) {
   const int64_t n_layers = k_buffer.size(0), batch = input_ids.numel();
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == n_layers, "one window per layer");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == n_layers * kWeightsPerLayer, "expected ", kWeightsPerLayer,
               " weights per layer for ", n_layers, " layers, got ", weights.size());
   const int64_t lm_head_index = n_layers * kProjectionsPerLayer;
@@ -112,7 +113,7 @@ at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positio
     const at::Tensor q = rotary_store_kv(project(x, p, w[1]), cos, sin, k_cache, v_cache, out_cache_loc,
                                          n_heads, n_kv_heads, head_dim);
     const at::Tensor attn =
-        paged_decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale);
+        paged_decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, windows[layer]);
     x = add_rms_norm(project(attn.view({batch, n_heads * head_dim}), p + 1, w[2]), residual, w[3], eps);
     h = project(silu_and_mul(project(x, p + 2, w[4])), p + 3, w[5]);
   }
@@ -123,7 +124,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("decode_forward(Tensor input_ids, Tensor positions, Tensor embed, Tensor cos_table, Tensor sin_table, "
         "Tensor[] weights, Tensor?[] blocked, Tensor final_norm, Tensor lm_head, Tensor(a!) k_buffer, "
         "Tensor(b!) v_buffer, Tensor out_cache_loc, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
-        "int n_heads, int n_kv_heads, int head_dim, float eps, float scale, int skinny_max_rows, "
+        "int[] windows, int n_heads, int n_kv_heads, int head_dim, float eps, float scale, int skinny_max_rows, "
         "int panel_max_rows) -> Tensor");
   m.impl("decode_forward", c10::DispatchKey::CPU, &decode_forward);
   // fp32 blocked weights are oneDNN tensors, which dispatch the call to this key

@@ -6,7 +6,7 @@
 //   silu_and_mul      [T, 2I] -> [T, I]: silu(gate) * up
 //   rotary_split_qkv  fused qkv rows [T, (H + 2 Hkv) D] -> contiguous q, k (rotate_half RoPE) and v
 //   rotary_store_kv   the same, with k and v written to their KV-cache slots (decode_forward.cpp)
-//   causal_softmax_   in place over fp32 attention scores: scale, causal mask, softmax
+//   causal_softmax_   in place over fp32 attention scores: scale, causal (and sliding-window) mask, softmax
 // Rows are split over torch's intra-op threads. Loops are written for the compiler to vectorize
 // (exp is a polynomial, so silu vectorizes too).
 #include <ATen/ATen.h>
@@ -237,9 +237,10 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
   });
 }
 
-// scores [B, n, S]: row i of every batch entry is the query at position first_pos + i, which sees
-// keys 0..first_pos + i; those get softmax(scale * s), the rest exactly 0.
-void causal_softmax_(at::Tensor scores, int64_t first_pos, double scale) {
+// scores [B, n, S]: row r of a block is the query at position first_pos + r over keys 0 .. S - 1; it keeps
+// keys first_pos + r - window < k <= first_pos + r (every k <= first_pos + r when window <= 0), the rest
+// become exactly 0; the kept ones get softmax(scale * s).
+void causal_softmax_(at::Tensor scores, int64_t first_pos, double scale, int64_t window) {
   TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.dim() == 3 && scores.is_contiguous(),
               "scores must be a contiguous [B, n, S] fp32 tensor");
   const int64_t n = scores.size(1), keys = scores.size(2);
@@ -250,18 +251,20 @@ void causal_softmax_(at::Tensor scores, int64_t first_pos, double scale) {
     for (int64_t row = begin; row < end; ++row) {
       float* s = base + row * keys;
       const int64_t visible = first_pos + row % n + 1;
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, visible - window) : 0;
       float max_score = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < visible; ++j) max_score = std::max(max_score, s[j]);
+      for (int64_t j = first_key; j < visible; ++j) max_score = std::max(max_score, s[j]);
       const float shift = max_score * factor;
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < visible; ++j) {
+      for (int64_t j = first_key; j < visible; ++j) {
         s[j] = fast_exp(s[j] * factor - shift);
         sum += s[j];
       }
       const float inv = 1.f / sum;
 #pragma omp simd
-      for (int64_t j = 0; j < visible; ++j) s[j] *= inv;
+      for (int64_t j = first_key; j < visible; ++j) s[j] *= inv;
+      std::memset(s, 0, first_key * sizeof(float));
       std::memset(s + visible, 0, (keys - visible) * sizeof(float));
     }
   });
@@ -273,7 +276,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_split_qkv(Tensor qkv, Tensor cos, Tensor sin, int n_heads, int n_kv_heads, int head_dim) "
         "-> (Tensor, Tensor, Tensor)");
-  m.def("causal_softmax_(Tensor(a!) scores, int first_pos, float scale) -> ()");
+  m.def("causal_softmax_(Tensor(a!) scores, int first_pos, float scale, int window) -> ()");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);

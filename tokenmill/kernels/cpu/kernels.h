@@ -20,4 +20,4 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
                            int64_t n_kv_heads, int64_t head_dim);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                                  const at::Tensor& seq_lens, double scale);
+                                  const at::Tensor& seq_lens, double scale, int64_t window);
