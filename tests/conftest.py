@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+from tests.ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401  (CI=true: see there)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -31,6 +31,8 @@ CONFIG_CLASSES = {
     "phi3": transformers.Phi3Config,
     "mixtral": transformers.MixtralConfig,
     "qwen3_moe": transformers.Qwen3MoeConfig,
+    "gemma2": transformers.Gemma2Config,  # head_dim defaults to 256: tests set it
+    "gemma3": transformers.Gemma3TextConfig,
 }
 
 MODEL_CLASSES = {
@@ -41,7 +43,14 @@ MODEL_CLASSES = {
     "phi3": transformers.Phi3ForCausalLM,
     "mixtral": transformers.MixtralForCausalLM,
     "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+    "gemma2": transformers.Gemma2ForCausalLM,
+    "gemma3": transformers.Gemma3ForCausalLM,
 }
+
+
+RANDOM_NORM_KINDS = {"gemma2", "gemma3"}
+"""Kinds whose norm weights are randomized (transformers initializes Gemma's ``(1 + w)`` norms to
+w = 0, which would leave the convention untested)."""
 
 
 def make_hf_model(kind: str, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
@@ -49,6 +58,11 @@ def make_hf_model(kind: str, seed: int = 0, **overrides: Any) -> transformers.Pr
     config = CONFIG_CLASSES[kind](**{**BASE, **overrides})
     torch.manual_seed(seed)
     model = MODEL_CLASSES[kind](config).float().eval()
+    if kind in RANDOM_NORM_KINDS:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
     return model
 
 

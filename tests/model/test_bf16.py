@@ -29,6 +29,8 @@ FAMILIES = {
     "phi3": dict(partial_rotary_factor=0.75),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40),
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=5.0),
+    "gemma3": dict(head_dim=16, query_pre_attn_scalar=20, sliding_window=8, sliding_window_pattern=2),
 }
 GREEDY_TOKENS = 8
 GREEDY_VOCAB = 24  # few competitors: wider top-2 margins
@@ -39,8 +41,16 @@ def bf16_prefill_logits(path: Path, prompts: list[list[int]]) -> torch.Tensor:
     """Prefill logits of every prompt token, as the engine computes them in bf16 on CPU."""
     model = load_model(path, torch.bfloat16, "cpu")
     cfg = model.config
+    windowed = any(cfg.layer_sliding_window(i) is not None for i in range(cfg.num_layers))
     model.backend = make_backend(
-        EngineConfig(device="cpu"), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16
+        EngineConfig(device="cpu"),
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        torch.bfloat16,
+        windowed,
+        scale=cfg.attention_scale,
+        softcap=cfg.attn_logit_softcapping,
     )
     storage = KVStorage(cfg.num_layers, 256, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu")
     pool = ReqToTokenPool(len(prompts), 128, "cpu")

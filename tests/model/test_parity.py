@@ -101,6 +101,44 @@ CASES = {
             mlp_only_layers=[1],
         ),
     ),
+    # Gemma: head_dim set (the config's default is 256); windows of 8 crossed by every prompt + tokens;
+    # query_pre_attn_scalar != head_dim; Gemma 2 soft-caps attention scores and final logits
+    "gemma2": (
+        "gemma2",
+        dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=5.0),
+    ),
+    "gemma2_untied_no_caps_mqa": (
+        "gemma2",
+        dict(
+            head_dim=32,
+            num_hidden_layers=3,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+            sliding_window=6,
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+        ),
+    ),
+    "gemma3": (
+        "gemma3",
+        dict(head_dim=16, query_pre_attn_scalar=20, sliding_window=8, sliding_window_pattern=2),
+    ),
+    "gemma3_layer_types_linear_softcap": (
+        "gemma3",
+        dict(
+            head_dim=32,
+            num_hidden_layers=4,
+            query_pre_attn_scalar=64,
+            sliding_window=7,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+            final_logit_softcapping=3.0,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 PROMPT_LENS = [5, 17, 30]
@@ -114,7 +152,9 @@ class KVHarness:
         self.model = model
         self.storage = KVStorage(cfg.num_layers, n_slots, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
         self.pool = ReqToTokenPool(8, 256, "cpu")
-        model.backend = TorchNativeBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        model.backend = TorchNativeBackend(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_scale, cfg.attn_logit_softcapping
+        )
         self.next_slot = 1
         self.partial_out = torch.zeros(8, cfg.num_heads, 4, cfg.head_dim)
         self.partial_lse = torch.zeros(8, cfg.num_heads, 4)

@@ -3,7 +3,10 @@
 ``forward(q, k, v, layer_id, kv_view, sliding_window)`` stores this step's keys/values at
 ``kv_view.out_cache_loc`` and returns the attention output over each request's slots: a query at
 position ``p`` attends to its request's keys at positions ``k <= p``, and ``p - sliding_window < k``
-when the layer has a window (its model's config chooses it per layer; None: global).
+when the layer has a window (its model's config chooses it per layer; None: global). Scores are
+``q.k * scale`` (``scale``: ``head_dim ** -0.5`` unless the model gives its own), soft-capped to
+``softcap * tanh(scores / softcap)`` before the softmax when the backend is built with ``softcap``
+(only a backend that ``supports_softcap``; the others refuse it at construction).
 Shapes: ``q`` ``[T, n_heads, head_dim]``, ``k``/``v`` ``[T, n_kv_heads, head_dim]``, output like
 ``q``. ``T`` is the number of tokens in the flat ragged batch.
 """
@@ -29,14 +32,24 @@ class AttentionBackend(ABC):
     """The KV cache may hold another dtype than q/k/v (``kv_cache_dtype``): stored and read converted."""
     supports_sliding_window: bool = False
     """``forward`` applies a ``sliding_window``; a backend without it refuses windowed layers."""
+    supports_softcap: bool = False
+    """Attention logit soft-capping (``softcap``); a backend without it refuses to be built with one."""
 
-    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, n_heads: int, n_kv_heads: int, head_dim: int, scale: float | None = None, softcap: float | None = None
+    ) -> None:
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        if softcap is not None:
+            if not self.supports_softcap:
+                raise ValueError(f"the {self.name} attention backend does not implement attention logit soft-capping")
+            if softcap <= 0:
+                raise ValueError(f"softcap must be > 0, got {softcap}")
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
 
     @abstractmethod
     def forward(

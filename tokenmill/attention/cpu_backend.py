@@ -6,6 +6,8 @@ request-to-token table (the torch path gathers them into padded batches for SDPA
 of at least ``MIN_KERNEL_QUERY_ROWS`` are two matmuls around the fused ``causal_softmax_`` kernel.
 Both apply a layer's sliding window by reading only the keys inside it (decode: each request's last
 ``sliding_window``; prefill: those of some query row of the block) and masking the rest.
+With attention soft-capping (``softcap``) decode rows take the torch path (the decode kernel has
+none) and prefill scores are capped in torch before the fused softmax (then scaled by 1).
 In fp32 outputs equal the torch backend's to fp32 rounding; in bf16 the kernels compute in fp32
 from the bf16 values (decode) or round as transformers' eager bf16 attention does (prefill).
 Strict like every explicit backend: fp32 or bf16 CPU tensors only, and the kernels must build.
@@ -33,8 +35,10 @@ class CpuBackend(TorchNativeBackend):
     name = "cpu"
     supports_cpu_decode_forward = True
 
-    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
-        super().__init__(n_heads, n_kv_heads, head_dim)
+    def __init__(
+        self, n_heads: int, n_kv_heads: int, head_dim: int, scale: float | None = None, softcap: float | None = None
+    ) -> None:
+        super().__init__(n_heads, n_kv_heads, head_dim, scale, softcap)
         kernels = load_cpu_kernels()
         if kernels is None:
             raise RuntimeError(
@@ -60,6 +64,8 @@ class CpuBackend(TorchNativeBackend):
                 f"the cpu attention backend supports fp32/bf16 CPU tensors, got {q.dtype} q and "
                 f"{k_cache.dtype} KV on {q.device}"
             )
+        if self.softcap is not None:  # the decode kernel does not soft-cap
+            return super()._decode(q, k_cache, v_cache, req_pool_indices, seq_lens, max_len, req_to_token, window)
         return self._decode_kernel(
             q,
             k_cache,
@@ -93,8 +99,12 @@ class CpuBackend(TorchNativeBackend):
             first = 0 if window is None else max(0, prefix + start - window + 1)  # its first row's first key
             block_queries = queries[:, :, start:stop].reshape(self.n_kv_heads, group * rows, dim)
             scores = torch.matmul(block_queries, keys[:, first:visible].transpose(1, 2)).float()
+            scale = self.scale
+            if self.softcap is not None:  # transformers' order: scale, / cap, tanh, * cap; then no scale
+                scores = torch.tanh(scores.mul_(scale).div_(self.softcap)).mul_(self.softcap)
+                scale = 1.0
             self._causal_softmax(
-                scores.view(self.n_heads, rows, visible - first), prefix + start - first, self.scale, window or 0
+                scores.view(self.n_heads, rows, visible - first), prefix + start - first, scale, window or 0
             )
             probs = scores.to(q.dtype)
             out[:, :, start:stop] = torch.matmul(probs, values[:, first:visible]).view(

@@ -5,7 +5,8 @@ one batched call whatever the step's phase; prefill rows are attended per reques
 mask offset by the cached prefix). A sliding window is applied by reading only the keys that some
 query of the call can see (a decode row's last ``sliding_window``) and masking the rest. GQA never
 copies K/V per query head: the query heads of one KV head are folded into the query-row dimension
-instead.
+instead. With soft-capping (``softcap``) scores are computed explicitly, in transformers' eager order
+(``q.k * scale``, ``/ softcap``, tanh, ``* softcap``, mask, fp32 softmax); without it, by SDPA.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class TorchNativeBackend(AttentionBackend):
     name = "torch"
     converts_kv_dtype = True
     supports_sliding_window = True
+    supports_softcap = True
 
     def forward(
         self,
@@ -117,18 +119,14 @@ class TorchNativeBackend(AttentionBackend):
             mask = None
             if group > 1:
                 mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril_().repeat(group, 1)
-            attn = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scale
-            )
+            attn = self._sdpa(queries, keys, values, mask)
         else:
             q_pos = torch.arange(prefix, prefix + n, device=q.device)[:, None]
             key_pos = torch.arange(total, device=q.device)[None, :]
             mask = key_pos <= q_pos  # [E, S]
             if window is not None:
                 mask &= key_pos > q_pos - window
-            attn = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=mask.repeat(group, 1), scale=self.scale
-            )
+            attn = self._sdpa(queries, keys, values, mask.repeat(group, 1))
         return (
             attn.view(self.n_kv_heads, group, n, self.head_dim)
             .permute(2, 0, 1, 3)
@@ -193,7 +191,21 @@ class TorchNativeBackend(AttentionBackend):
         keys = k_cache.index_select(0, slots).to(q.dtype).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
         values = v_cache.index_select(0, slots).to(q.dtype).view(shape).transpose(1, 2)
         queries = q.view(batch, self.n_kv_heads, group, self.head_dim)  # [B, Hkv, G, D]
-        attn = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=valid[:, None, None, :], scale=self.scale
-        )
+        attn = self._sdpa(queries, keys, values, valid[:, None, None, :])
         return attn.reshape(batch, self.n_heads, self.head_dim)
+
+    def _sdpa(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``softmax(scores) @ values`` with ``scores = queries @ keys^T * scale`` (soft-capped when
+        ``softcap``) where the boolean ``mask`` allows (None: causal over square scores)."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scale
+            )
+        scores = torch.matmul(queries, keys.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is None:
+            mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril_()
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+        return torch.matmul(probs.to(queries.dtype), values)

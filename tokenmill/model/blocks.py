@@ -18,7 +18,7 @@ from torch import nn
 
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.cache.views import KVView
-from tokenmill.kernels.fused import add_rms_norm, apply_rotary, rms_norm, rotary_split_qkv, silu_and_mul
+from tokenmill.kernels.fused import GATED_ACTIVATIONS, add_rms_norm, apply_rotary, rms_norm, rotary_split_qkv
 from tokenmill.kernels.linear import Linear
 from tokenmill.model.config import ModelConfig, RopeConfig
 
@@ -210,22 +210,33 @@ class PackedLinear(Linear):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up packed into one matmul."""
+    """``down(act(gate(x)) * up(x))`` with gate and up packed into one matmul; ``act`` is SiLU
+    (SwiGLU) unless ``activation`` names another of ``fused.GATED_ACTIVATIONS`` (GeGLU)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, activation: str = "silu") -> None:
         super().__init__()
         self.gate_up_proj = PackedLinear(hidden, (intermediate, intermediate), bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.act_and_mul = GATED_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class Attention(nn.Module):
-    """Self-attention: packed q/k/v, optional per-head q/k RMSNorm before RoPE, a pluggable backend;
-    within the layer's sliding window when its config gives it one (``ModelConfig.layer_sliding_window``)."""
+    """Self-attention: packed q/k/v, optional per-head q/k RMSNorm (of class ``norm``) before RoPE, a
+    pluggable backend; within the layer's sliding window when its config gives it one
+    (``ModelConfig.layer_sliding_window``)."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        norm: type[RMSNorm] = RMSNorm,
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.sliding_window = config.layer_sliding_window(layer_id)
@@ -237,8 +248,8 @@ class Attention(nn.Module):
         self.qkv_proj = PackedLinear(config.hidden_size, (q_size, kv_size, kv_size), bias=qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 

@@ -12,14 +12,22 @@ A family subclasses :class:`CausalLM` in its own file and declares:
 - :meth:`CausalLM.adjust_config`: its config.json quirks, applied to the generic parse;
 - ``supports_partial_rotary``: whether its layers follow ``partial_rotary_factor`` < 1 as its
   transformers implementation does (``registry.load_model_config`` refuses it otherwise);
+- ``activations``: the MLP activations (``ModelConfig.hidden_act``) its layers implement (the
+  registry refuses others); ``norm_class``: its final norm; :meth:`CausalLM.embed`: its embedding;
 - ``supports_cpu_decode_forward``: an explicit opt-in, true only when its layer computes exactly
   what ``kernels/cpu/decode_forward.cpp`` computes (see :meth:`CausalLM.cpu_decode_weights`).
 
 Parameter names are Hugging Face's (``model.layers.N.self_attn...``) except for packed projections.
+
+Generic config-driven parts: the attention backend must be built with the config's softmax scale
+and attention logit soft-capping (the ``backend`` setter refuses another); final logits are
+soft-capped when ``final_logit_softcapping`` is set; sliding-window layers use ``sliding_rope``'s
+rotary when the config has one (one cos/sin per rotary and forward).
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -30,7 +38,7 @@ from torch import nn
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.cache.views import DecodeKVCache, KVView
 from tokenmill.kernels.linear import Linear, linear
-from tokenmill.model.blocks import DecoderLayer, RMSNorm, RotaryEmbedding
+from tokenmill.model.blocks import RMSNorm, RotaryEmbedding
 from tokenmill.model.config import ModelConfig
 
 CPU_DECODE_LAYER_WEIGHTS = (
@@ -66,11 +74,11 @@ class CpuDecodeWeights:
 class DecoderStack(nn.Module):
     """``model.*`` in checkpoint names: embeddings, layers, final norm."""
 
-    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
+    def __init__(self, config: ModelConfig, layers: list[nn.Module], norm_class: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm_class(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module, ABC):
@@ -81,21 +89,64 @@ class CausalLM(nn.Module, ABC):
     """Module name -> the checkpoint's name for it, where they differ (``weights.py`` applies it)."""
     supports_cpu_decode_forward: ClassVar[bool] = False
     supports_partial_rotary: ClassVar[bool] = False
+    activations: ClassVar[tuple[str, ...]] = ("silu",)
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config, [self.decoder_layer(config, i) for i in range(config.num_layers)])
-        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope, config.max_position_embeddings)
+        layers = [self.decoder_layer(config, i) for i in range(config.num_layers)]
+        self.model = DecoderStack(config, layers, self.norm_class)
+        self.build_rotary()
+        self._sliding_rope_layers = [config.layer_rope(i) is not config.rope for i in range(config.num_layers)]
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.backend: AttentionBackend | None = None
+        self.backend = None
 
     @abstractmethod
-    def decoder_layer(self, config: ModelConfig, layer_id: int) -> DecoderLayer:
-        """Layer ``layer_id`` of this family."""
+    def decoder_layer(self, config: ModelConfig, layer_id: int) -> nn.Module:
+        """Layer ``layer_id`` of this family (a :class:`DecoderLayer` or one with its forward signature)."""
+
+    def build_rotary(self, device: torch.device | str | None = None) -> None:
+        """(Re)build the rotary embeddings on ``device``: ``rotary`` (``config.rope``) and
+        ``sliding_rotary`` (``config.sliding_rope``, None without one). Their buffers are not
+        checkpoint weights, so the loader rebuilds them after materializing a meta-initialized model."""
+        cfg = self.config
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope, cfg.max_position_embeddings).to(device)
+        self.sliding_rotary = (
+            None
+            if cfg.sliding_rope is None
+            else RotaryEmbedding(cfg.rotary_dim, cfg.sliding_rope, cfg.max_position_embeddings).to(device)
+        )
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of this model's attention (``config.attention_scale``, default ``head_dim ** -0.5``)."""
+        scale = self.config.attention_scale
+        return self.config.head_dim**-0.5 if scale is None else scale
+
+    @property
+    def backend(self) -> AttentionBackend | None:
+        """The attention backend every layer calls; set before the first forward."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: AttentionBackend | None) -> None:
+        """Refuses (ValueError) a backend built for another softmax scale or soft-capping than the config's."""
+        if backend is not None:
+            softcap = self.config.attn_logit_softcapping
+            if not math.isclose(backend.scale, self.attention_scale, rel_tol=1e-9) or backend.softcap != softcap:
+                raise ValueError(
+                    f"{type(self).__name__} needs an attention backend with scale {self.attention_scale} and "
+                    f"softcap {softcap}; got scale {backend.scale} and softcap {backend.softcap}"
+                )
+        self._backend = backend
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of ``input_ids`` (a family may scale them)."""
+        return self.model.embed_tokens(input_ids)
 
     @classmethod
     def adjust_config(cls, config: ModelConfig, raw: dict[str, Any]) -> ModelConfig:
@@ -116,7 +167,13 @@ class CausalLM(nn.Module, ABC):
         Allow-list: the family opted in (``supports_cpu_decode_forward``), RoPE has fixed
         frequencies and rotates whole heads, and every layer has exactly :data:`CPU_DECODE_LAYER_WEIGHTS`.
         """
-        if not self.supports_cpu_decode_forward or self.rotary.is_dynamic or self.rotary.dim != self.config.head_dim:
+        if (
+            not self.supports_cpu_decode_forward
+            or self.rotary.is_dynamic
+            or self.rotary.dim != self.config.head_dim
+            or self.sliding_rotary is not None
+            or self.config.hidden_act != "silu"
+        ):
             return None
         weights: list[nn.Parameter] = []
         projections: list[Linear | None] = []
@@ -154,16 +211,22 @@ class CausalLM(nn.Module, ABC):
         """Logits ``[len(logits_indices), vocab]`` (all rows when ``logits_indices`` is None)."""
         if self.backend is None:
             raise RuntimeError(f"{type(self).__name__}.backend must be set before forward")
-        h = self.model.embed_tokens(input_ids)
-        rope_lens = self._dynamic_rope_lens(kv_view) if self.rotary.is_dynamic else None
-        cos, sin = self.rotary(positions, rope_lens, h.dtype, kv_view.max_seq_len)
+        h = self.embed(input_ids)
+        sliding = self.sliding_rotary
+        dynamic = self.rotary.is_dynamic or (sliding is not None and sliding.is_dynamic)
+        rope_lens = self._dynamic_rope_lens(kv_view) if dynamic else None
+        cos_sin = self.rotary(positions, rope_lens, h.dtype, kv_view.max_seq_len)
+        sliding_cos_sin = cos_sin if sliding is None else sliding(positions, rope_lens, h.dtype, kv_view.max_seq_len)
         residual = None
-        for layer in self.model.layers:  # at least one: ModelConfig requires a positive count
+        for layer, slides in zip(self.model.layers, self._sliding_rope_layers):  # at least one layer
+            cos, sin = sliding_cos_sin if slides else cos_sin
             h, residual = layer(h, residual, cos, sin, self.backend, kv_view)
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]
         h, _ = self.model.norm.add_and_norm(h, residual)
-        return linear(h, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
+        logits = linear(h, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @staticmethod
     def _dynamic_rope_lens(kv_view: KVView) -> torch.Tensor:

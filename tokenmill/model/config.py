@@ -93,6 +93,11 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoEConfig | None = None  # set by mixture-of-experts families (their adjust_config)
+    hidden_act: str = "silu"  # the MLP's gate activation; the family's ``activations`` must list it
+    attention_scale: float | None = None  # softmax scale of q.k; None: head_dim ** -0.5
+    attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    sliding_rope: RopeConfig | None = None  # RoPE of the sliding-window layers where not ``rope``
 
     @property
     def max_context_len(self) -> int:
@@ -109,6 +114,12 @@ class ModelConfig:
         ):
             return None
         return self.sliding_window
+
+    def layer_rope(self, layer_id: int) -> RopeConfig:
+        """The RoPE of layer ``layer_id``: ``sliding_rope`` for a sliding-window layer when set, else ``rope``."""
+        if self.sliding_rope is not None and self.layer_sliding_window(layer_id) is not None:
+            return self.sliding_rope
+        return self.rope
 
     @property
     def rotary_dim(self) -> int:
@@ -138,11 +149,9 @@ class ModelConfig:
                 f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
                 f"num_key_value_heads ({num_kv_heads})"
             )
-        hidden_act = raw.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ModelConfigError(f"{source}: hidden_act {hidden_act!r} is not supported (only 'silu')")
+        hidden_act = raw.get("hidden_act") or "silu"  # which ones run: the family's ``activations``
         head_dim = raw.get("head_dim") or hidden // num_heads
-        rope = _parse_rope(raw, source)
+        rope = parse_rope(raw, source)
         _check_rotary(rope, head_dim, source)
         dtype_name = raw.get("torch_dtype") or raw.get("dtype")
         eos = raw.get("eos_token_id")
@@ -164,6 +173,7 @@ class ModelConfig:
             sliding_window=_sliding_window(raw, source),
             checkpoint_dtype=DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            hidden_act=str(hidden_act),
         )
 
 
@@ -195,7 +205,7 @@ def architecture(raw: dict[str, Any]) -> Any:
     return archs[0] if archs else None
 
 
-def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
+def parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
     """Read RoPE settings from either ``rope_parameters`` (v5) or ``rope_theta``/``rope_scaling`` (v4)."""
     params: dict[str, Any] = dict(raw.get("rope_scaling") or {})
     params.update(raw.get("rope_parameters") or {})

@@ -41,8 +41,8 @@ class CpuDecodeForward:
     def build(cls, model: CausalLM, backend: AttentionBackend, kv_dtype: torch.dtype) -> CpuDecodeForward | None:
         """The C++ decode forward of ``model`` attending like ``backend`` over a ``kv_dtype`` cache;
         None where not supported (the kernel stores and reads a cache in the model's dtype, fp32 or bf16)."""
-        if not backend.supports_cpu_decode_forward or kv_dtype not in KERNEL_DTYPES:
-            return None
+        if not backend.supports_cpu_decode_forward or backend.softcap is not None or kv_dtype not in KERNEL_DTYPES:
+            return None  # the kernel has no attention soft-capping
         weights = model.cpu_decode_weights()
         if weights is None:
             return None

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tokenmill.model.blocks import RotaryEmbedding
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.huge_pages import materialize_on_huge_pages
 from tokenmill.model.registry import load_model_config, model_class
@@ -77,6 +76,6 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
         model = model_class(config.architecture)(config)
     model = model.to(dtype)
     model = materialize_on_huge_pages(model) if torch.device(device).type == "cpu" else model.to_empty(device=device)
-    model.rotary = RotaryEmbedding(config.rotary_dim, config.rope, config.max_position_embeddings).to(device)
+    model.build_rotary(device)
     load_weights(model, ((name, tensor, str(file)) for name, tensor, file in iter_checkpoint(path)))
     return model.eval()

@@ -2,7 +2,8 @@
 
 A new family is its file plus one line in :data:`MODELS`. :func:`load_model_config` is the one way
 to read a checkpoint's :class:`ModelConfig`: the generic parse, corrected by the family's
-``adjust_config`` and checked against what the family supports (``supports_partial_rotary``).
+``adjust_config`` and checked against what the family supports (``supports_partial_rotary``,
+``activations``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from pathlib import Path
 
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig, ModelConfigError, architecture, read_config_json
+from tokenmill.model.gemma2 import Gemma2ForCausalLM
+from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.mixtral import MixtralForCausalLM
 from tokenmill.model.phi3 import Phi3ForCausalLM
@@ -26,6 +29,8 @@ MODELS: dict[str, type[CausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
@@ -44,4 +49,9 @@ def load_model_config(path: str | Path) -> ModelConfig:
     config = cls.adjust_config(ModelConfig.from_dict(raw, source), raw)
     if config.rotary_dim != config.head_dim and not cls.supports_partial_rotary:
         raise ModelConfigError(f"{source}: partial_rotary_factor != 1 is not supported for {config.architecture}")
+    if config.hidden_act not in cls.activations:
+        raise ModelConfigError(
+            f"{source}: activation {config.hidden_act!r} is not supported for {config.architecture} "
+            f"(supported: {', '.join(cls.activations)})"
+        )
     return config

@@ -36,8 +36,16 @@ class TritonBackend(AttentionBackend):
     supports_cuda_graphs = True
     """Decode forwards are capturable: fixed grids, no host syncs, scratch from the view."""
 
-    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, config: EngineConfig) -> None:
-        super().__init__(n_heads, n_kv_heads, head_dim)
+    def __init__(
+        self,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        config: EngineConfig,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> None:
+        super().__init__(n_heads, n_kv_heads, head_dim, scale, softcap)  # refuses softcap (not implemented)
         if not 1 <= head_dim <= MAX_HEAD_DIM:
             raise ValueError(f"the triton attention backend supports head_dim 1..{MAX_HEAD_DIM}, got {head_dim}")
         self._check_device(config.resolved_device())
