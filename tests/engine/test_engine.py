@@ -14,6 +14,7 @@ import torch
 
 from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import LLM, AsyncEngine, SamplingParams
+from tokenmill.engine.intake import SIBLING_SEED_STRIDE
 from tokenmill.request import ParameterError, RequestOutput
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -221,15 +222,21 @@ def test_streaming_deltas_concatenate_to_the_full_output(llm: LLM, checkpoint) -
 
 def test_n_completions_compute_the_prompt_once(llm: LLM) -> None:
     prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+    sampling = dict(temperature=1.0, max_tokens=6, ignore_eos=True)
     before = llm.engine.stats()["scheduler"]["prompt_tokens_computed"]
-    out = llm.generate(
-        [prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True), use_tqdm=False
-    )[0]
+    out = llm.generate([prompt], SamplingParams(n=4, seed=3, **sampling), use_tqdm=False)[0]
     computed = llm.engine.stats()["scheduler"]["prompt_tokens_computed"] - before
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert all(len(c.token_ids) == 6 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     assert computed == len(prompt) + 3  # siblings reuse the cached prompt, recomputing only its last token
+    # sibling i samples with seed + i * SIBLING_SEED_STRIDE: it is that request run alone (n=1)
+    alone = llm.generate(
+        [prompt] * 4,
+        [SamplingParams(seed=3 + i * SIBLING_SEED_STRIDE, **sampling) for i in range(4)],
+        use_tqdm=False,
+    )
+    assert [c.token_ids for c in out.outputs] == [o.outputs[0].token_ids for o in alone]
 
 
 def test_seed_is_reproducible_whatever_the_batch(llm: LLM) -> None:

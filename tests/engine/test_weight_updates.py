@@ -3,16 +3,17 @@ validation, and no reuse of KV computed under old weights after a cache flush.""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from tests.tiny_models import save_tiny_checkpoint, save_tiny_model
-from tokenmill import LLM, SamplingParams
+from tests.tiny_models import save_tiny_checkpoint
+from tokenmill import LLM, Engine, SamplingParams
 from tokenmill.model.loader import WeightError
 from tokenmill.request import RequestOutput, accumulate
 
@@ -33,12 +34,39 @@ def weights_for(base: dict[str, torch.Tensor], version: int) -> list[tuple[str, 
     return [(n, base[n] + 0.5 * torch.randn(base[n].shape, generator=gen)) for n in PERTURBED]
 
 
-def test_concurrent_generation_and_twenty_updates(checkpoint: Path) -> None:
+def checkpoint_of(checkpoint: Path, weights: dict[str, torch.Tensor], folder: Path) -> Path:
+    """``checkpoint``'s config and tokenizer with ``weights`` in its safetensors file, saved to ``folder``."""
+    shutil.copytree(checkpoint, folder)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def generate_observed(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[RequestOutput, list[int]]:
+    """The request's output, and for each of its tokens the engine's weight version when the delta carrying the
+    token was emitted: callbacks run on the engine thread right after the step that sampled the delta's tokens,
+    and a weight update only ever applies between steps, so that is the version that produced the token."""
+    done = threading.Event()
+    total: list[RequestOutput | None] = [None]
+    observed: list[int] = []
+
+    def on_output(delta: RequestOutput) -> None:
+        version = engine.weight_version
+        total[0] = accumulate(total[0], delta)
+        observed.extend([version] * sum(len(c.token_ids) for c in delta.outputs))
+        if delta.finished:
+            done.set()
+
+    engine.add_request(prompt, params, on_output)
+    assert done.wait(60)
+    return total[0], observed
+
+
+def test_concurrent_generation_and_twenty_updates(checkpoint: Path, tmp_path: Path) -> None:
     base = load_file(checkpoint / "model.safetensors")
     llm = LLM(dtype="float32", model=str(checkpoint), num_kv_slots=4096)
     engine = llm.engine
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
-    records: list[tuple[int, list[int], RequestOutput]] = []
+    records: list[tuple[int, list[int], RequestOutput, list[int]]] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
     stop = threading.Event()
@@ -48,9 +76,9 @@ def test_concurrent_generation_and_twenty_updates(checkpoint: Path) -> None:
             while not stop.is_set():
                 prompt = prompts[worker]
                 started_version = engine.weight_version
-                out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+                out, observed = generate_observed(engine, prompt, GREEDY)
                 with lock:
-                    records.append((started_version, prompt, out))
+                    records.append((started_version, prompt, out, observed))
         except BaseException as exc:  # surfaced by the assertion below
             errors.append(exc)
 
@@ -71,23 +99,31 @@ def test_concurrent_generation_and_twenty_updates(checkpoint: Path) -> None:
     assert not errors
     assert engine.weight_version == 20
     assert len(records) >= 40
-    for _, _, out in records:
+    llm.shutdown()
+    for _, _, out, observed in records:
         completion = out.outputs[0]
         assert out.finished and completion.finish_reason == "length" and len(completion.token_ids) == 6
-        assert completion.weight_versions == sorted(completion.weight_versions)
+        assert completion.weight_versions == observed  # each token carries the version that produced it
+    assert any(len(set(observed)) > 1 for *_, observed in records)  # some requests ran across an update
 
-    # requests that ran entirely under one version k produce the greedy tokens of weights k
+    # requests that ran entirely under one version k produce the greedy tokens of an engine freshly loaded
+    # from a checkpoint holding weights k (the reference never goes through update_weights)
     by_version: dict[int, dict[tuple, list[int]]] = {}
-    for started, prompt, out in records:
+    for started, prompt, out, _ in records:
         versions = set(out.outputs[0].weight_versions)
         if len(versions) == 1 and started <= min(versions):
             by_version.setdefault(versions.pop(), {})[tuple(prompt)] = out.outputs[0].token_ids
     assert len(by_version) >= 3
     for version, outputs in sorted(by_version.items()):
-        llm.update_weights(weights_for(base, version) if version else list(base.items()), version=100 + version)
-        for prompt, tokens in outputs.items():
-            assert llm.generate([list(prompt)], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == tokens
-    llm.shutdown()
+        weights = {**base, **dict(weights_for(base, version))} if version else base
+        fresh = LLM(
+            dtype="float32", model=str(checkpoint_of(checkpoint, weights, tmp_path / f"v{version}")), num_kv_slots=1024
+        )
+        try:
+            got = fresh.generate([list(p) for p in outputs], GREEDY, use_tqdm=False)
+        finally:
+            fresh.shutdown()
+        assert [o.outputs[0].token_ids for o in got] == list(outputs.values()), f"weights of version {version}"
 
 
 @pytest.mark.parametrize(
@@ -119,13 +155,12 @@ def test_invalid_update_changes_nothing(checkpoint: Path, bad: tuple, message: s
 
 def test_flush_recomputes_cached_prompts_with_new_weights(checkpoint: Path, tmp_path: Path) -> None:
     new = tmp_path / "new"
-    save_tiny_model(new, "llama", seed=7)
+    save_tiny_checkpoint(new, "llama", seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)
     prompt = list(range(10, 30))
     llm = LLM(dtype="float32", model=str(checkpoint), num_kv_slots=1024)
-    fresh = LLM(dtype="float32", model=str(checkpoint), num_kv_slots=1024)
+    fresh = LLM(dtype="float32", model=str(new), num_kv_slots=1024)  # reference: loaded from the new checkpoint
     try:
-        fresh.update_weights(new)  # reference: new weights, never saw the old ones' KV
         expected = fresh.generate([prompt], params, use_tqdm=False)[0].outputs[0]
 
         llm.generate([prompt], params, use_tqdm=False)  # caches the prompt under the old weights

@@ -79,16 +79,31 @@ def test_stop_sequence(client: anthropic.Anthropic, greedy: tuple[list[int], str
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
 
 
-def test_tool_blocks_become_text_and_errors_use_anthropics_shape(client: anthropic.Anthropic) -> None:
+def test_tool_blocks_become_text_and_errors_use_anthropics_shape(client: anthropic.Anthropic, server: Server) -> None:
     history = [
         {"role": "user", "content": "hello"},
         {
             "role": "assistant",
-            "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}}],
+            "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "the cat sat"}}],
         },
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "the dog sat on the mat"}],
+        },
     ]
-    assert client.messages.create(model=MODEL, messages=history, max_tokens=2).usage.output_tokens >= 1
+    # the model sees the blocks as text: the call's name and JSON input, the result's content (words in the tiny
+    # tokenizer's vocabulary, so that the prompt's tokens, not only their count, depend on them)
+    rendered = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": '[tool call get_weather] {"city": "the cat sat"}'},
+        {"role": "user", "content": "[tool result] the dog sat on the mat"},
+    ]
+    engine = server.engine
+    prompt = engine.tokenizer.apply_chat_template(rendered)
+    expected = engine_generate(engine, prompt, SamplingParams(max_tokens=8, temperature=0)).outputs[0]
+    reply = client.messages.create(model=MODEL, messages=history, max_tokens=8, **GREEDY)
+    assert reply.usage.input_tokens == len(prompt) and reply.usage.output_tokens == len(expected.token_ids)
+    assert reply.content[0].text == expected.text
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.messages.create(model="other", messages=MESSAGES, max_tokens=2)
     assert missing.value.body["type"] == "error" and missing.value.body["error"]["type"] == "not_found_error"

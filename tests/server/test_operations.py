@@ -28,7 +28,7 @@ def test_health_and_version(server: Server) -> None:
 
 
 def test_metrics_count_a_request_exactly(server: Server) -> None:
-    before = scrape(server)
+    before, stats_before = scrape(server), server.engine.stats()
     body = {
         "model": MODEL,
         "prompt": ["hello world", "the cat"],
@@ -52,6 +52,19 @@ def test_metrics_count_a_request_exactly(server: Server) -> None:
     assert delta("tokenmill_time_to_first_token_seconds_sum") > 0
     assert after[("tokenmill_num_requests_running", ())] == 0
     assert after[("tokenmill_num_requests_waiting", ())] == 0
-    assert 0 <= after[("tokenmill_kv_cache_usage_ratio", ())] <= 1
-    assert 0 <= after[("tokenmill_prefix_cache_hit_rate", ())] <= 1
-    assert after[("tokenmill_num_preemptions_total", ())] == server.engine.stats()["scheduler"]["preemptions"]
+    stats = server.engine.stats()
+    assert after[("tokenmill_num_preemptions_total", ())] == stats["scheduler"]["preemptions"]
+    # idle: the pages in use are exactly those the prefix cache keeps, now also the two new sequences' (page size 1:
+    # one page per token whose KV was computed, every token but each sequence's last)
+    used = stats["kv_capacity_pages"] - stats["kv_free_pages"]
+    assert used == stats["kv_cached_pages"] == stats_before["kv_cached_pages"] + usage["total_tokens"] - 2
+    assert after[("tokenmill_kv_cache_usage_ratio", ())] == used / stats["kv_capacity_pages"]
+
+    # the same prompts again: every prompt token but the last (always recomputed) comes from the prefix cache
+    again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()["usage"]
+    later, stats_later = scrape(server), server.engine.stats()
+    cache, cache_later = stats["cache"], stats_later["cache"]
+    looked_up = cache_later["prefix_query_tokens"] - cache["prefix_query_tokens"]
+    assert looked_up == cache_later["prefix_hit_tokens"] - cache["prefix_hit_tokens"] == again["prompt_tokens"] - 2
+    hit_rate = cache_later["prefix_hit_tokens"] / cache_later["prefix_query_tokens"]
+    assert later[("tokenmill_prefix_cache_hit_rate", ())] == hit_rate > after[("tokenmill_prefix_cache_hit_rate", ())]

@@ -1,0 +1,98 @@
+"""The README's commands run as a user runs them (the installed ``tokenmill`` script, a process each):
+``generate`` and ``chat`` on the bundled default model print what the Python API generates, and
+``bench throughput`` on a tiny checkpoint reports the workload it was asked for."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import save_tiny_checkpoint
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.workload import make_workload
+from tokenmill.hardware import native_bf16
+
+MAX_TOKENS = 8
+ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-slots", "2048"]  # engine options are flags too
+
+
+def tokenmill(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the ``tokenmill`` console script with this process's torch thread count (same numerics)."""
+    script = Path(sys.executable).with_name("tokenmill")
+    command = [str(script)] if script.is_file() else [shutil.which("tokenmill") or "tokenmill"]
+    env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads())}
+    result = subprocess.run([*command, *args], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def default_llm() -> LLM:
+    llm = LLM(dtype="float32", num_kv_slots=2048)  # the bundled default model, as the commands use it
+    yield llm
+    llm.shutdown()
+
+
+def test_generate_prints_the_prompt_and_its_greedy_continuation(default_llm: LLM) -> None:
+    prompt = "def fibonacci("
+    result = tokenmill("generate", prompt, "--max-tokens", str(MAX_TOKENS), *ENGINE_FLAGS)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    expected = default_llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0]
+    assert len(expected.token_ids) == MAX_TOKENS and expected.text
+    assert result.stdout == prompt + expected.text + "\n"
+    assert "LlamaForCausalLM on cpu in float32" in result.stderr  # the start-up log line
+
+
+def test_chat_prints_each_reply_with_the_history_in_the_prompt(default_llm: LLM) -> None:
+    first, second = "Explain this function: def f(x): return x + 1", "And def g(x): return f(x) * 2?"
+    # 16 tokens: enough for the second reply to depend on the first (the default model attends mostly nearby)
+    result = tokenmill("chat", "--message", first, "--message", second, "--max-tokens", "16", *ENGINE_FLAGS)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    history = [{"role": "user", "content": first}]
+    reply = default_llm.chat(history, greedy, use_tqdm=False)[0].outputs[0].text
+    history += [{"role": "assistant", "content": reply}, {"role": "user", "content": second}]
+    reply2 = default_llm.chat(history, greedy, use_tqdm=False)[0].outputs[0].text
+    assert reply and reply2
+    assert result.stdout == reply + "\n" + reply2 + "\n"
+
+
+def test_bench_throughput_reports_the_requested_workload(tmp_path: Path) -> None:
+    save_tiny_checkpoint(tmp_path, "llama")
+    workload = ["--num-prompts", "2", "--prompt-len", "4", "8", "--output-len", "2", "4", "--model", str(tmp_path)]
+    report = json.loads(tokenmill("bench", "throughput", *workload, "--json").stdout)
+    work = make_workload(2, (4, 8), (2, 4), vocab_size=97, seed=0)  # the command's default seed
+    assert report["n_requests"] == 2 and report["preemptions"] == 0
+    assert report["prompt_tokens"] == sum(map(len, work.prompts))
+    assert report["output_tokens"] == sum(work.output_lens)  # greedy, ignore_eos: exactly the asked lengths
+    assert report["dtype"] == ("bfloat16" if native_bf16() else "float32")  # dtype "auto"
+    assert isinstance(report["attention_backend"], str) and report["attention_backend"]
+    elapsed = report["elapsed_s"]
+    assert elapsed > 0 and report["requests_per_s"] == pytest.approx(2 / elapsed)
+    assert report["input_tok_per_s"] == pytest.approx(report["prompt_tokens"] / elapsed)
+    assert report["output_tok_per_s"] == pytest.approx(report["output_tokens"] / elapsed)
+    for latency in ("ttft_ms", "tpot_ms"):
+        s = report[latency]
+        assert set(s) == {"mean", "p50", "p99"} and 0 < min(s.values()) and s["p50"] <= s["p99"]
+    assert 0 <= report["peak_kv_usage"] <= 1 and 0 <= report["engine_overhead"] <= 1
+
+    text = tokenmill("bench", "throughput", *workload).stdout.splitlines()
+    number = r"\d+(\.\d+)?"
+    expected_lines = [
+        rf"requests: 2, prompt tokens: {report['prompt_tokens']}, output tokens: {report['output_tokens']} "
+        rf"\({report['dtype']}, attention backend {report['attention_backend']}\)",
+        rf"elapsed {number} s: {number} req/s, {number} input tok/s, {number} output tok/s",
+        rf"TTFT ms: mean {number}, p50 {number}, p99 {number}",
+        rf"TPOT ms: mean {number}, p50 {number}, p99 {number}",
+        rf"peak KV usage {number}%, engine overhead {number}%, preemptions 0",
+    ]
+    assert len(text) == len(expected_lines)
+    for line, pattern in zip(text, expected_lines):
+        assert re.fullmatch(pattern, line), (line, pattern)
