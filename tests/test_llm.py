@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
-from tests.tiny_models import save_tiny_checkpoint, save_tiny_model
+from tests.tiny_models import hf_greedy, save_tiny_checkpoint, save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.hardware import native_bf16
@@ -30,15 +30,6 @@ CONVERSATIONS = [
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
     path = tmp_path_factory.mktemp("tiny-llama-chat")
     return path, save_tiny_checkpoint(path, "llama")
-
-
-def hf_greedy(hf_model: PreTrainedModel, prompt: list[int], max_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def test_chat_renders_the_template_and_generates_like_transformers(checkpoint) -> None:

@@ -85,3 +85,13 @@ def save_tiny_checkpoint(
     model = save_tiny_model(path, kind, seed, **overrides)
     save_tiny_tokenizer(path, vocab_size=model.config.vocab_size)
     return model
+
+
+def hf_greedy(hf_model: transformers.PreTrainedModel, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` (``max_tokens`` new tokens): the oracle."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()

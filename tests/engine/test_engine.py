@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.tiny_models import save_tiny_checkpoint
+from tests.tiny_models import hf_greedy, save_tiny_checkpoint
 from tokenmill import LLM, AsyncEngine, SamplingParams
 from tokenmill.engine.intake import SIBLING_SEED_STRIDE
 from tokenmill.request import ParameterError, RequestOutput
@@ -33,15 +32,6 @@ def llm(checkpoint) -> LLM:
     engine = LLM(dtype="float32", model=str(checkpoint[0]), num_kv_slots=2048, max_num_batched_tokens=128)
     yield engine
     engine.shutdown()
-
-
-def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def test_batch_with_preemption_and_chunking_equals_alone_and_transformers(checkpoint) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import save_tiny_checkpoint
+from tests.tiny_models import hf_greedy, save_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.config import ModelConfigError
 from tokenmill.model.moe import ExpertNames, Experts
@@ -33,15 +33,6 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     hf_model = save_tiny_checkpoint(path, kind, **FAMILIES[kind])
     hf_model.generation_config.eos_token_id = None
     return kind, path, hf_model
-
-
-def hf_greedy(hf_model, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def prompts_with_shared_prefix(n: int) -> list[list[int]]:
@@ -71,7 +62,7 @@ def test_engine_matches_transformers_under_chunking_preemption_and_prefix_hits(f
         llm.shutdown()
     assert stats["scheduler"]["preemptions"] > 0
     assert stats["cache"]["prefix_hit_tokens"] > 0
-    expected = [hf_greedy(hf_model, p) for p in prompts]
+    expected = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
     assert first == expected
     assert again == expected[:2]
 
@@ -97,7 +88,7 @@ def test_updating_one_expert_matches_transformers_with_the_same_update(family) -
     original = expert_param.data[1, :intermediate].clone()
     try:
         expert_param.data[1, :intermediate] = update
-        expected = [hf_greedy(hf_model, p) for p in prompts]
+        expected = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
     finally:
         expert_param.data[1, :intermediate] = original
     assert after == expected

@@ -7,10 +7,9 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.model.test_phi3 import longrope
-from tests.tiny_models import save_tiny_checkpoint
+from tests.tiny_models import hf_greedy, save_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
 
 BACKENDS = ["cpu", "torch"]
@@ -50,15 +49,6 @@ def run(path: Path, backend: str, prompts: list[list[int]], max_tokens: list[int
         return [o.outputs[0].token_ids for o in outputs], llm.engine.stats()["scheduler"]
     finally:
         llm.shutdown()
-
-
-def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
