@@ -42,9 +42,11 @@ def test_sliding_window_models_get_a_backend_that_applies_the_window() -> None:
     cpu = EngineConfig(device="cpu")
     assert factory.make_backend(cpu, 4, 2, 8, torch.float32, sliding_window=True).supports_sliding_window
     assert factory.make_backend(cpu, 4, 2, 8, torch.float16, sliding_window=True).supports_sliding_window
-    # the triton kernels do not apply a window yet: "auto" passes them over, an explicit choice refuses
-    assert factory.auto_backend_name(torch.device("cuda"), torch.float16, torch.float16, True) == "torch"
-    with pytest.raises(ValueError, match="does not implement sliding-window attention"):
-        factory.make_backend(
-            EngineConfig(attention_backend="triton", device="cpu"), 4, 2, 8, torch.float32, sliding_window=True
-        )
+    # the triton kernels apply the window: "auto" keeps them on CUDA, an explicit choice is honoured
+    assert factory.auto_backend_name(torch.device("cuda"), torch.float16, torch.float16, True) == "triton"
+    triton = factory.make_backend(
+        EngineConfig(attention_backend="triton", device="cpu"), 4, 2, 8, torch.float32, sliding_window=True
+    )
+    assert triton.name == "triton" and triton.supports_sliding_window
+    # soft-capping stays refused by triton: "auto" passes it over on CUDA
+    assert factory.auto_backend_name(torch.device("cuda"), torch.float16, torch.float16, True, True) == "torch"

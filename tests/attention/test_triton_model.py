@@ -1,6 +1,7 @@
 """A tiny llama through TritonBackend (Triton interpreter on CPU) against the torch-native backend:
 the engine end to end (paged, chunked prefill, mixed steps, split-KV decode, prefix hits), and the
-CUDA-graph runner's padded static-buffer decode path run eagerly."""
+CUDA-graph runner's padded static-buffer decode path run eagerly; both also for a tiny mistral
+whose layers slide (window 5, shorter than the prompts)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,16 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_engine_greedy_tokens_match_torch_backend(checkpoint: Path) -> None:
+@pytest.fixture(scope="module")
+def windowed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-mistral-window-triton")
+    save_tiny_checkpoint(path, "mistral", sliding_window=5)
+    return path
+
+
+@pytest.mark.parametrize("model_fixture", ["checkpoint", "windowed_checkpoint"])
+def test_engine_greedy_tokens_match_torch_backend(request: pytest.FixtureRequest, model_fixture: str) -> None:
+    checkpoint = request.getfixturevalue(model_fixture)
     prompts = [list(range(3, 8)), [(7 * i) % 90 + 4 for i in range(19)], [(5 * i) % 80 + 6 for i in range(34)]]
     followup = prompts[2][:20] + [9, 8, 7]  # shares the first (cached) 16-token page of prompt 3
     options = dict(
@@ -65,11 +75,13 @@ def new_seq(tokens: list[int]) -> Sequence:
     return Sequence(prompt_token_ids=tokens, params=SamplingParams(max_tokens=8))
 
 
-def test_cuda_graph_static_decode_matches_eager(checkpoint: Path) -> None:
+@pytest.mark.parametrize("model_fixture", ["checkpoint", "windowed_checkpoint"])
+def test_cuda_graph_static_decode_matches_eager(request: pytest.FixtureRequest, model_fixture: str) -> None:
     """The runner's padded static view (run eagerly on CPU) gives the eager decode's logits and
     touches no KV slot but the reserved slot 0; logits of both backends agree to 1e-4."""
-    model = load_model(checkpoint, torch.float32, "cpu")
+    model = load_model(request.getfixturevalue(model_fixture), torch.float32, "cpu")
     cfg = model.config
+    assert (cfg.layer_sliding_window(0) == 5) == (model_fixture == "windowed_checkpoint")
     config = EngineConfig(
         device="cpu",
         page_size=16,

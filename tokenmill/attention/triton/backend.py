@@ -1,9 +1,10 @@
 """TritonBackend: KV store, split-KV paged decode and ragged paged prefill as Triton kernels.
 
-Strict: every unsupported case raises at construction or in ``forward`` (sliding-window layers
-included: the kernels attend to the whole context); nothing falls back to another
-implementation. The decode path launches a fixed grid from tensor shapes and never syncs with the
-host, so a decode forward can be captured in a CUDA graph.
+Strict: every unsupported case raises at construction or in ``forward`` (attention logit
+soft-capping included); nothing falls back to another implementation. Sliding-window layers pass
+their window to the kernels as a plain int argument (no device data). The decode path launches a
+fixed grid from tensor shapes and never syncs with the host, so a decode forward can be captured
+in a CUDA graph.
 
 On CPU the kernels run only under Triton's interpreter, which is chosen when the kernels are
 defined: ``TRITON_INTERPRET=1`` must be in the environment before this package is first
@@ -35,6 +36,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
     """Decode forwards are capturable: fixed grids, no host syncs, scratch from the view."""
+    supports_sliding_window = True
 
     def __init__(
         self,
@@ -59,15 +61,15 @@ class TritonBackend(AttentionBackend):
         kv_view: KVView,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        self._check_fwd(q, k, v, layer_id, kv_view, sliding_window)  # refuses a window (not implemented)
+        self._check_fwd(q, k, v, layer_id, kv_view, sliding_window)
         self._check_supported(q, kv_view)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         k_cache = kv_view.k_buffer[layer_id]
         v_cache = kv_view.v_buffer[layer_id]
         store_kv(k, v, k_cache, v_cache, kv_view.out_cache_loc)
         if isinstance(kv_view, DecodeKVCache):
-            return decode_attention(q, k_cache, v_cache, kv_view, self.scale)
-        return prefill_attention(q, k_cache, v_cache, kv_view, self.scale)
+            return decode_attention(q, k_cache, v_cache, kv_view, self.scale, sliding_window)
+        return prefill_attention(q, k_cache, v_cache, kv_view, self.scale, sliding_window)
 
     @staticmethod
     def _check_device(device: torch.device) -> None:

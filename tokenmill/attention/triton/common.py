@@ -18,6 +18,14 @@ def dot_block(n: int) -> int:
     return max(MIN_DOT, triton.next_power_of_2(n))
 
 
+def kernel_window(sliding_window: int | None, req_to_token: torch.Tensor) -> int:
+    """The kernels' ``window`` argument: the layer's window, or (None, or wider than any context)
+    the table width, which no context exceeds, so that ``p - window < 0 <= k`` for every key.
+    A plain int from shapes and the layer's config: a decode launch stays CUDA-graph capturable."""
+    width = req_to_token.shape[1]
+    return width if sliding_window is None else min(sliding_window, width)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs use exact fp32 dots (matching the torch reference); 16-bit ones the tensor cores."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -45,8 +53,9 @@ def attend_kv_chunk(
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step of rows ``q`` ``[M, D]`` over the KV slots ``slots`` ``[N]`` of
-    KV head ``kvh``; ``visible`` (broadcastable to ``[M, N]``) masks scores. Scores are scaled by
-    ``qk_scale`` (which includes log2(e)), so the running max ``m_i`` is in log2 units.
+    KV head ``kvh``; ``visible`` (broadcastable to ``[M, N]``) masks scores (a row that sees none
+    of the chunk's keys is left unchanged). Scores are scaled by ``qk_scale`` (which includes
+    log2(e)), so the running max ``m_i`` is in log2 units.
     Returns the updated ``(m_i, l_i, acc)``."""
     k = tl.load(  # [BLOCK_D, BLOCK_N]: K^T straight from the cache
         k_cache_ptr + slots[None, :] * stride_kcs + kvh * stride_kch + offs_d[:, None],
@@ -56,8 +65,10 @@ def attend_kv_chunk(
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    # a row that has seen no key yet (sliding window) keeps m = -inf: subtract 0 instead (no NaN)
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_sub)
+    p = tl.exp2(s - m_sub[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(
         v_cache_ptr + slots[:, None] * stride_vcs + kvh * stride_vch + offs_d[None, :],

@@ -2,8 +2,10 @@
 
 Stage 1, grid ``(B, n_kv_heads, max_splits)``: program ``(b, g, s)`` attends the query heads of KV
 head ``g`` (the whole GQA group, padded to a 16-row ``tl.dot`` tile) over split ``s`` of request
-``b``'s context — positions ``[s * L // n, (s + 1) * L // n)`` with ``L = seq_lens[b]`` and
-``n = num_splits[b]`` — reading K/V slot by slot through ``req_to_token[req_pool_indices[b]]``.
+``b``'s visible keys — positions ``[f + s * L // n, f + (s + 1) * L // n)`` with ``f = max(0,
+seq_lens[b] - window)`` (the last ``window`` keys; ``window`` a launch argument, the table width when
+the layer has none), ``L = seq_lens[b] - f`` and ``n = num_splits[b]`` — reading K/V slot by slot
+through ``req_to_token[req_pool_indices[b]]``.
 It writes the normalized partial output and its natural-log sum-exp to ``partial_out[b, h, s]``
 and ``partial_lse[b, h, s]``. Programs with ``s >= n`` exit at once; an empty split writes
 ``lse = -inf``. Stage 2, grid ``(B, n_heads)``: merges the ``n`` partials of each head.
@@ -18,7 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.triton.common import BLOCK_N, LOG2E, attend_kv_chunk, dot_block, dot_precision
+from tokenmill.attention.triton.common import (
+    BLOCK_N,
+    LOG2E,
+    attend_kv_chunk,
+    dot_block,
+    dot_precision,
+    kernel_window,
+)
 from tokenmill.cache.views import DecodeKVCache
 
 
@@ -46,6 +55,7 @@ def _decode_split_kernel(
     stride_plb,
     stride_plh,
     qk_scale,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
@@ -61,8 +71,10 @@ def _decode_split_kernel(
     if split >= n_splits:
         return
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    start = split * seq_len // n_splits
-    end = (split + 1) * seq_len // n_splits
+    first = tl.maximum(seq_len - window, 0)  # the last `window` keys
+    n_keys = seq_len - first
+    start = first + split * n_keys // n_splits
+    end = first + (split + 1) * n_keys // n_splits
     table = req_to_token_ptr + tl.load(req_pool_ptr + b).to(tl.int64) * stride_rt
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -139,7 +151,7 @@ def _decode_combine_kernel(
     mask_s = offs_s < n_splits
     mask_d = offs_d < HEAD_DIM
     lse = tl.load(part_lse_ptr + b * stride_plb + h * stride_plh + offs_s, mask=mask_s, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, 0))  # empty splits (lse = -inf) weigh 0; split 0 is never empty
+    w = tl.exp(lse - tl.max(lse, 0))  # empty splits (lse = -inf) weigh 0; the last split is never empty
     part = tl.load(
         part_out_ptr + b * stride_pob + h * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
         mask=mask_s[:, None] & mask_d[None, :],
@@ -150,9 +162,15 @@ def _decode_combine_kernel(
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: DecodeKVCache, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    view: DecodeKVCache,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of ``q`` ``[B, H, D]`` over each request's cached context; returns ``[B, H, D]``.
+    """Attention of ``q`` ``[B, H, D]`` over each request's cached context (its last
+    ``sliding_window`` keys when given); returns ``[B, H, D]``.
 
     ``k_cache``/``v_cache`` are one layer's ``[n_slots, Hkv, D]``; this step's k/v must already be
     stored. Uses ``view.partial_out/partial_lse`` rows ``0..B-1`` as scratch.
@@ -189,6 +207,7 @@ def decode_attention(
         part_lse.stride(0),
         part_lse.stride(1),
         scale * LOG2E,
+        kernel_window(sliding_window, view.req_to_token),
         GROUP=group,
         HEAD_DIM=head_dim,
         MAX_SPLITS=max_splits,

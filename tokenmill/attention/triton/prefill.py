@@ -3,10 +3,11 @@
 Grid ``(n_tiles, n_heads)``: program ``(t, h)`` takes query rows
 ``tile_q_start[t] .. tile_q_start[t] + q_tile - 1`` (clipped to the request's extend length) of
 request ``tile_req[t]`` for query head ``h``, padded to a ``BLOCK_M >= 16`` tile. Query row ``j``
-sits at absolute position ``prefix_lens[r] + j`` and attends to positions ``0 ..`` that position,
+sits at absolute position ``p = prefix_lens[r] + j`` and attends to positions ``k <= p`` with
+``p - window < k`` (``window``: the layer's sliding window, or the table width when it has none),
 read in ``BLOCK_N`` chunks through ``req_to_token[req_pool_indices[r]]`` (the cached prefix and
-this step's tokens, which the store kernel has already written). Online softmax in fp32 (exp2);
-GQA by indexing KV head ``h // group``.
+this step's tokens, which the store kernel has already written) from the first key the tile's first
+row sees. Online softmax in fp32 (exp2); GQA by indexing KV head ``h // group``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.triton.common import BLOCK_N, LOG2E, attend_kv_chunk, dot_block, dot_precision
+from tokenmill.attention.triton.common import (
+    BLOCK_N,
+    LOG2E,
+    attend_kv_chunk,
+    dot_block,
+    dot_precision,
+    kernel_window,
+)
 from tokenmill.cache.views import PrefillKVCache
 
 
@@ -43,6 +51,7 @@ def _prefill_kernel(
     stride_rt,
     qk_scale,
     q_tile,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -78,12 +87,13 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_end = prefix + q_end
-    for n0 in range(0, kv_end, BLOCK_N):
+    kv_start = tl.maximum(prefix + q_start - window + 1, 0)  # the first key the tile's first row sees
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         pos = n0 + offs_n
         mask_n = pos < kv_end
         slots = tl.load(table + pos, mask=mask_n, other=0).to(tl.int64)
-        # causal; the running max is finite: every row sees position 0 in the first chunk
-        visible = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
+        # causal within the window (a row may see none of a chunk's keys: attend_kv_chunk skips it)
+        visible = mask_n[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = attend_kv_chunk(
             q,
             m_i,
@@ -105,7 +115,7 @@ def _prefill_kernel(
             DOT_PRECISION,
         )
 
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only in padding rows (not stored)
     tl.store(
         o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
         out.to(o_ptr.dtype.element_ty),
@@ -114,9 +124,15 @@ def _prefill_kernel(
 
 
 def prefill_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: PrefillKVCache, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    view: PrefillKVCache,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the ragged ``q`` ``[T, H, D]`` over each request's prefix + new tokens.
+    """Causal attention of the ragged ``q`` ``[T, H, D]`` over each request's prefix + new tokens
+    (each query over its last ``sliding_window`` positions when given).
 
     ``k_cache``/``v_cache`` are one layer's ``[n_slots, Hkv, D]`` with this step's k/v already
     stored. Returns ``[T, H, D]`` in ``q``'s dtype.
@@ -150,6 +166,7 @@ def prefill_attention(
         view.req_to_token.stride(0),
         scale * LOG2E,
         view.q_tile,
+        kernel_window(sliding_window, view.req_to_token),
         GROUP=n_heads // k_cache.shape[1],
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
