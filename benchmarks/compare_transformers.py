@@ -1,8 +1,9 @@
 """tokenmill vs transformers.generate on the same model, prompts and outputs, in one process.
 
 transformers runs static batches (left padding, greedy, no EOS) of each size in
---hf-batch-sizes; a batch generates until its longest output, and only each request's own
-output tokens count. tokenmill runs the whole workload through ``LLM.generate``.
+--hf-batch-sizes, in the dtype tokenmill resolved (``dtype="auto"``: bf16 on CPUs with native
+bf16); a batch generates until its longest output, and only each request's own output tokens
+count. tokenmill runs the whole workload through ``LLM.generate``.
 Prints output tokens/s of each and the ratio to transformers' best batch size; with
 --roofline also the machine's matmul GFLOP/s and copy GB/s (probed before and after each engine
 run, since shared machines drift), the compute roof of the workload at each engine's probed rate
@@ -14,6 +15,7 @@ probes (the host's bandwidth drifts by 20-30% within minutes), medians reported.
 
     python benchmarks/compare_transformers.py                  # the default workload (slow)
     python benchmarks/compare_transformers.py --num-prompts 16 --hf-batch-sizes 16
+    python benchmarks/compare_transformers.py --preset mixtral --num-prompts 16 --hf-batch-sizes 16
 """
 
 from __future__ import annotations
@@ -32,11 +34,11 @@ from tokenmill.bench.throughput import run_throughput
 from tokenmill.bench.workload import PRESETS, Workload, make_random_model, make_workload
 
 
-def run_transformers(path: Path, work: Workload, batch_size: int) -> float:
-    """Output tokens/s of static-batch greedy generation."""
-    from transformers import LlamaForCausalLM
+def run_transformers(path: Path, work: Workload, batch_size: int, dtype: torch.dtype) -> float:
+    """Output tokens/s of static-batch greedy generation, the checkpoint's architecture in ``dtype``."""
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     model.generation_config.eos_token_id = None
     start = time.perf_counter()
     for i in range(0, len(work.prompts), batch_size):
@@ -128,6 +130,7 @@ def main() -> None:
     )
     try:
         ours, _ = run_throughput(llm, work)
+        dtype = llm.engine.dtype
         probes.append(probe())
         n_params, model_bytes = matmul_weights(llm.engine.model)
         batch1 = batch1_against_floors(llm, model_bytes, args.batch1_rounds) if args.roofline else {}
@@ -136,7 +139,7 @@ def main() -> None:
         llm.shutdown()
     hf, hf_probes = {}, {}
     for batch in args.hf_batch_sizes:
-        hf[batch] = run_transformers(path, work, batch)
+        hf[batch] = run_transformers(path, work, batch, dtype)
         probes.append(probe())
         hf_probes[batch] = (probes[-2], probes[-1])
     best = max(hf, key=hf.get)
@@ -148,6 +151,7 @@ def main() -> None:
         "ratio_vs_best_transformers": round(ours.output_tok_per_s / hf[best], 3),
         "transformers_best_batch": best,
         "threads": torch.get_num_threads(),
+        "dtype": str(dtype).removeprefix("torch."),
     }
     if args.roofline:
         flops = 2 * n_params * (work.n_prompt_tokens + work.n_output_tokens)
