@@ -75,7 +75,7 @@ def test_engine_matches_transformers(gemma: tuple, backend: str) -> None:
         device="cpu",
         attention_backend=backend,
         page_size=4,
-        num_kv_slots=1024,
+        num_kv_slots=160,  # less than the requests need at once: preemption
         max_running_requests=4,
         max_num_batched_tokens=36,  # chunked prefill; chunks of 32+ rows take the cpu kernel path
         enable_prefix_caching=True,
@@ -89,6 +89,7 @@ def test_engine_matches_transformers(gemma: tuple, backend: str) -> None:
     finally:
         llm.shutdown()
     assert stats["cache"]["prefix_hit_tokens"] > 0
+    assert stats["scheduler"]["preemptions"] > 0
     assert first == expected
     assert again == expected
 

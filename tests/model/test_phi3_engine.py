@@ -39,9 +39,15 @@ def prompts_of(lengths: list[int]) -> list[list[int]]:
     return [[first] + [rng.randrange(4, 97) for _ in range(n - 1)] for first, n in zip(firsts, lengths)]
 
 
-def run(path: Path, backend: str, prompts: list[list[int]], max_tokens: list[int], budget: int) -> tuple[list, dict]:
+def run(
+    path: Path, backend: str, prompts: list[list[int]], max_tokens: list[int], budget: int, kv_slots: int = 1024
+) -> tuple[list, dict]:
     llm = LLM(
-        dtype="float32", model=str(path), attention_backend=backend, num_kv_slots=1024, max_num_batched_tokens=budget
+        dtype="float32",
+        model=str(path),
+        attention_backend=backend,
+        num_kv_slots=kv_slots,
+        max_num_batched_tokens=budget,
     )
     try:
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
@@ -52,12 +58,12 @@ def run(path: Path, backend: str, prompts: list[list[int]], max_tokens: list[int
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_partial_rotary_chunked_batch_matches_transformers(partial_rotary, backend: str) -> None:
+def test_partial_rotary_chunked_and_preempted_batch_matches_transformers(partial_rotary, backend: str) -> None:
     path, hf_model = partial_rotary
     prompts = prompts_of([3, 70, 25, 41, 9, 55])
     max_tokens = [16, 8, 20, 12, 24, 10]
-    ours, stats = run(path, backend, prompts, max_tokens, budget=16)
-    assert stats["chunked_prefills"] > 0
+    ours, stats = run(path, backend, prompts, max_tokens, budget=16, kv_slots=96)  # 293 tokens in all
+    assert stats["chunked_prefills"] > 0 and stats["preemptions"] > 0
     assert ours == [hf_greedy(hf_model, p, m) for p, m in zip(prompts, max_tokens)]
 
 

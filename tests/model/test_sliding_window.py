@@ -55,7 +55,7 @@ def test_engine_matches_transformers(windowed: tuple, backend: str) -> None:
         device="cpu",
         attention_backend=backend,
         page_size=4,
-        num_kv_slots=1024,
+        num_kv_slots=160,  # less than the requests need at once: preemption
         max_running_requests=4,
         max_num_batched_tokens=36,  # chunks of up to 36 rows: the cpu backend's fused-softmax path too
         enable_prefix_caching=True,
@@ -68,6 +68,7 @@ def test_engine_matches_transformers(windowed: tuple, backend: str) -> None:
     finally:
         llm.shutdown()
     assert stats["cache"]["prefix_hit_tokens"] > 0
+    assert stats["scheduler"]["preemptions"] > 0
     assert stats["scheduler"]["mixed_steps"] > 0
     assert first == expected
     assert again == expected
