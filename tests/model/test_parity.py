@@ -268,3 +268,28 @@ def test_sharded_checkpoint_loads_identically(tmp_path: Path) -> None:
     ref_logits, ref_tokens = hf_reference(hf_model, prompt)
     assert (ours - ref_logits).abs().max().item() <= 1e-4
     assert tokens == ref_tokens
+
+
+def test_dynamic_rope_engages_past_max_position_embeddings_through_the_engine(tmp_path: Path) -> None:
+    """Dynamic NTK rescales for sequences past ``max_position_embeddings``: the engine lets a request
+    run to ``factor`` times it, and its tokens there equal transformers'."""
+    from tokenmill import LLM, SamplingParams
+
+    hf_model = save_tiny_model(
+        tmp_path, "llama", max_position_embeddings=24, rope_scaling={"rope_type": "dynamic", "factor": 2.0}
+    )
+    prompt = torch.randint(3, 97, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", skip_tokenizer_init=True, num_kv_slots=256)
+    try:
+        assert llm.engine.max_context_len == 48
+        out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    hf_model.generation_config.eos_token_id = None
+    reset_dynamic_rope(hf_model)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        expected = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, pad_token_id=0
+        )[0, 30:].tolist()
+    assert out[0].outputs[0].token_ids == expected

@@ -102,7 +102,11 @@ class ModelConfig:
     @property
     def max_context_len(self) -> int:
         """Longest sequence this model runs: ``max_position_embeddings`` (sliding-window layers attend
-        to their window of it, see :meth:`layer_sliding_window`)."""
+        to their window of it, see :meth:`layer_sliding_window`); with "dynamic" (NTK) RoPE, which
+        rescales its base for sequences past ``max_position_embeddings``, ``factor`` times that
+        (transformers sets no bound; the factor is the extension the checkpoint declares)."""
+        if self.rope.rope_type == "dynamic":
+            return int(self.max_position_embeddings * self.rope.factor)
         return self.max_position_embeddings
 
     def layer_sliding_window(self, layer_id: int) -> int | None:
