@@ -1,7 +1,10 @@
 """Exact parity with transformers for every supported architecture and RoPE variant.
 
 Prefill logits must agree to 1e-4 (fp32) and a 24-token greedy continuation, computed step by
-step through the KV cache for a ragged batch of prompts, must match ``transformers.generate``.
+step through the KV cache for a ragged batch of prompts (torch reference backend), must match
+``transformers.generate``; so must the same prompts through the engine's default path (attention
+"auto": the C++ cpu backend where it builds, and the whole-step C++ decode forward for the
+families that opt in).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import pytest
 import torch
 
 from tests.tiny_models import save_tiny_model
+from tokenmill import LLM, SamplingParams
 from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool
 from tokenmill.cache.view_builder import make_decode_view, make_prefill_view
@@ -241,10 +245,24 @@ def test_prefill_logits_and_greedy_decode_match_transformers(case: str, tmp_path
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 97, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     logits, tokens = greedy_through_cache(model, prompts)
-    for prompt, ours_logits, ours_tokens in zip(prompts, logits, tokens):
-        ref_logits, ref_tokens = hf_reference(hf_model, prompt)
+    references = [hf_reference(hf_model, prompt) for prompt in prompts]
+    for ours_logits, ours_tokens, (ref_logits, ref_tokens) in zip(logits, tokens, references):
         assert (ours_logits - ref_logits).abs().max().item() <= 1e-4
         assert ours_tokens == ref_tokens
+    # the default path: the engine with attention "auto" (the cpu backend where its kernels build)
+    # and the whole-step C++ decode forward where the family opts in
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", skip_tokenizer_init=True, num_kv_slots=512)
+    try:
+        limit = llm.engine.max_context_len
+        params = [
+            SamplingParams(max_tokens=min(NEW_TOKENS, limit - len(p)), temperature=0.0, ignore_eos=True)
+            for p in prompts
+        ]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out, sp, (_, ref_tokens) in zip(outputs, params, references):
+        assert out.outputs[0].token_ids == ref_tokens[: sp.max_tokens]
 
 
 def test_chunked_prefill_over_cached_prefix_matches_one_shot(tmp_path: Path) -> None:
@@ -273,8 +291,6 @@ def test_sharded_checkpoint_loads_identically(tmp_path: Path) -> None:
 def test_dynamic_rope_engages_past_max_position_embeddings_through_the_engine(tmp_path: Path) -> None:
     """Dynamic NTK rescales for sequences past ``max_position_embeddings``: the engine lets a request
     run to ``factor`` times it, and its tokens there equal transformers'."""
-    from tokenmill import LLM, SamplingParams
-
     hf_model = save_tiny_model(
         tmp_path, "llama", max_position_embeddings=24, rope_scaling={"rope_type": "dynamic", "factor": 2.0}
     )
