@@ -187,9 +187,15 @@ class SamplingParams:
                 )
 
 
+LOGPROB_FLOOR = -9999.0
+"""The lowest logprob reported: -inf (a zero probability) and NaN (non-finite logits, e.g. after a
+bad weight update) read as this, so a logprob is always a number JSON can carry."""
+
+
 @dataclass
 class Logprob:
-    """Log-probability of one token, with its rank (1 = most likely) under the model."""
+    """Log-probability of one token, with its rank (1 = most likely) under the model; always finite:
+    at least :data:`LOGPROB_FLOOR` (what a zero probability or a non-finite model output reads as)."""
 
     logprob: float
     rank: int

@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.engine.sampler import Sampler, apply_penalties
 from tokenmill.engine.sequence import Sequence
-from tokenmill.request import SamplingParams
+from tokenmill.request import LOGPROB_FLOOR, SamplingParams
 
 V = 32
 EOS = {2}
@@ -345,3 +345,18 @@ def test_greedy_ties_go_to_the_lowest_token_id(dtype: torch.dtype) -> None:
     logits[1, [V - 1, 1]] = 2.0
     result = sampler().sample(logits, [seq(row=i, temperature=0.0) for i in range(3)], EOS)
     assert result.token_ids == [3, 1, 0]
+
+
+def test_logprobs_are_always_finite_numbers() -> None:
+    """A zero probability (-inf) and non-finite logits (NaN, e.g. after a bad weight update) give
+    logprobs of LOGPROB_FLOOR, never a value JSON cannot carry."""
+    logits = torch.zeros(2, V)
+    logits[0, 3] = float("-inf")  # a token with zero probability
+    logits[1] = float("nan")  # a broken model output
+    seqs = [seq(row=0, temperature=0.0, logprobs=V), seq(row=1, temperature=0.0, logprobs=3)]
+    result = sampler().sample(logits, seqs, EOS)
+    for entry in result.logprobs:
+        values = [lp.logprob for lp in entry.values()]
+        assert all(math.isfinite(v) and v >= LOGPROB_FLOOR for v in values)
+    assert result.logprobs[0][3].logprob == LOGPROB_FLOOR
+    assert all(lp.logprob == LOGPROB_FLOOR for lp in result.logprobs[1].values())

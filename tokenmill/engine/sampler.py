@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.sequence import Sequence
-from tokenmill.request import Logprob
+from tokenmill.request import LOGPROB_FLOOR, Logprob
 
 
 @dataclass
@@ -245,11 +245,13 @@ def _logprobs(raw_logits: torch.Tensor, seqs: list[Sequence], token_ids: list[in
     """Chosen token plus the top ``params.logprobs`` tokens of the raw distribution, per sequence.
 
     A token's rank is 1 + the number of tokens with a strictly larger logprob (ties share a rank).
-    The chosen token comes first in each dict.
+    The chosen token comes first in each dict. Values are floored at ``LOGPROB_FLOOR`` (NaN and -inf
+    included), so they are always finite.
     """
     rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
     index = torch.tensor(rows, device=raw_logits.device)
     logprobs = torch.log_softmax(raw_logits[index].float(), dim=-1)
+    logprobs = torch.nan_to_num(logprobs, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
     chosen = torch.tensor([token_ids[i] for i in rows], device=logprobs.device)
     chosen_lp = logprobs.gather(1, chosen[:, None])
     chosen_rank = (logprobs > chosen_lp).sum(dim=-1) + 1
