@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import anthropic
 import httpx
 import pytest
@@ -112,3 +115,43 @@ def test_tool_blocks_become_text_and_errors_use_anthropics_shape(client: anthrop
         client.messages.create(model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"temperature": -1})
     assert bad.value.body["error"]["type"] == "invalid_request_error"
     assert "temperature" in bad.value.body["error"]["message"]
+
+
+def test_aborted_requests_end_in_an_error_never_end_turn(client: anthropic.Anthropic, server: Server) -> None:
+    """Requests the server aborts (here: an admin abort while generation is paused, so both are
+    surely unfinished) end in a 503 ``overloaded_error`` or, mid-stream, an ``error`` event; no
+    stop reason (``end_turn``) is ever reported for them."""
+    engine = server.engine
+    outcome: dict[str, object] = {}
+
+    def plain() -> None:
+        try:
+            client.messages.create(model=MODEL, max_tokens=50, messages=MESSAGES)
+            outcome["plain"] = "completed"
+        except anthropic.APIStatusError as exc:
+            outcome["plain"] = (exc.status_code, exc.body["error"]["type"])
+
+    def streamed() -> None:
+        body = {"model": MODEL, "max_tokens": 50, "stream": True, "messages": MESSAGES}
+        with httpx.stream("POST", f"{server.url}/v1/messages", json=body, timeout=30) as response:
+            outcome["stream"] = [line for line in response.iter_lines() if line.startswith(("event: ", "data: "))]
+
+    engine.pause_generation()
+    try:
+        workers = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+        for worker in workers:
+            worker.start()
+        deadline = time.monotonic() + 30
+        while engine.stats()["active_requests"] < 2:
+            assert time.monotonic() < deadline, "the two requests never arrived"
+            time.sleep(0.01)
+        assert engine.abort_all() == 2
+    finally:
+        engine.resume_generation()
+    for worker in workers:
+        worker.join(30)
+    assert outcome["plain"] == (503, "overloaded_error")
+    lines = outcome["stream"]
+    events = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    assert events[-1] == "error" and "message_delta" not in events
+    assert '"type": "overloaded_error"' in lines[-1] or '"type":"overloaded_error"' in lines[-1]

@@ -3,7 +3,9 @@
 The system prompt and messages go through the model's chat template. Content blocks: text;
 ``tool_use`` and ``tool_result`` blocks are rendered as text (the model sees them, the template
 gets plain strings); ``tools`` are refused. ``stop_reason``: end_turn (EOS), max_tokens,
-stop_sequence (with ``stop_sequence`` set). Streaming sends Anthropic's event sequence:
+stop_sequence (with ``stop_sequence`` set); a request the server aborts (shutdown, an admin abort)
+ends in an error instead (503 ``overloaded_error``, or an ``error`` event mid-stream), never a stop
+reason. Streaming sends Anthropic's event sequence:
 message_start, content_block_start, ping, content_block_delta*, content_block_stop,
 message_delta (stop_reason, usage), message_stop. Errors use Anthropic's error shape.
 """
@@ -19,7 +21,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.request import CompletionOutput
+from tokenmill.request import CompletionOutput, FinishReason
 from tokenmill.server.errors import APIError, engine_errors
 from tokenmill.server.generation import Generation, until_disconnected
 from tokenmill.server.params import sampling_params
@@ -56,6 +58,8 @@ async def messages(body: MessagesRequest, request: Request, state: State) -> Res
     out = output.outputs[0]
     if out.error:
         raise APIError(500, f"generation failed (request {rid}): {out.error}")
+    if out.finish_reason == FinishReason.ABORT.value:
+        raise APIError(503, _aborted(rid))
     message = _message(rid, state.model_name, len(output.prompt_token_ids))
     message["content"] = [{"type": "text", "text": out.text}]
     message.update(_stop(out))
@@ -92,6 +96,10 @@ def _message(rid: str, model: str, input_tokens: int) -> dict[str, Any]:
     }
 
 
+def _aborted(rid: str) -> str:
+    return f"request {rid} was aborted by the server before it finished (shutdown or an admin abort); retry"
+
+
 def _stop(out: CompletionOutput) -> dict[str, Any]:
     if out.finish_reason == "length":
         return {"stop_reason": "max_tokens", "stop_sequence": None}
@@ -117,6 +125,9 @@ async def _events(generation: Generation, rid: str, model: str) -> AsyncIterator
             if out.error:
                 error = {"type": "api_error", "message": f"generation failed (request {rid}): {out.error}"}
                 yield _event({"type": "error", "error": error})
+                return
+            if out.finish_reason == FinishReason.ABORT.value:
+                yield _event({"type": "error", "error": {"type": "overloaded_error", "message": _aborted(rid)}})
                 return
             output_tokens += len(out.token_ids)
             if out.text:
