@@ -15,7 +15,6 @@ import torch
 
 from tests.tiny_models import save_tiny_checkpoint, save_tiny_model
 from tokenmill import LLM, CompletionOutput, SamplingParams
-from tokenmill.attention.factory import make_backend
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool
 from tokenmill.cache.view_builder import make_prefill_view
 from tokenmill.config import EngineConfig
@@ -41,17 +40,7 @@ def bf16_prefill_logits(path: Path, prompts: list[list[int]]) -> torch.Tensor:
     """Prefill logits of every prompt token, as the engine computes them in bf16 on CPU."""
     model = load_model(path, torch.bfloat16, "cpu")
     cfg = model.config
-    windowed = any(cfg.layer_sliding_window(i) is not None for i in range(cfg.num_layers))
-    model.backend = make_backend(
-        EngineConfig(device="cpu"),
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        torch.bfloat16,
-        windowed,
-        scale=cfg.attention_scale,
-        softcap=cfg.attn_logit_softcapping,
-    )
+    model.backend = model.make_backend(EngineConfig(device="cpu"), torch.bfloat16)
     storage = KVStorage(cfg.num_layers, 256, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu")
     pool = ReqToTokenPool(len(prompts), 128, "cpu")
     rows = [pool.alloc() for _ in prompts]

@@ -20,7 +20,6 @@ from concurrent.futures import Future
 from dataclasses import asdict
 from typing import Any, TypeVar
 
-from tokenmill.attention.factory import make_backend
 from tokenmill.cache.manager import CacheManager
 from tokenmill.cache.sizing import kv_cache_slots
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool
@@ -80,17 +79,7 @@ class Engine:
         parallel regions; see the README.)"""
         cfg, mc, path = self.config, self.model_config, self.config.model_path()
         self.model = load_model(path, self.dtype, self.device)
-        windowed = any(mc.layer_sliding_window(i) is not None for i in range(mc.num_layers))
-        self.model.backend = make_backend(
-            cfg,
-            mc.num_heads,
-            mc.num_kv_heads,
-            mc.head_dim,
-            self.dtype,
-            windowed,
-            scale=mc.attention_scale,
-            softcap=mc.attn_logit_softcapping,
-        )
+        self.model.backend = self.model.make_backend(cfg, self.dtype)
         dtype = str(self.dtype).removeprefix("torch.") + (" (auto)" if cfg.dtype == "auto" else "")
         logger.info("%s on %s in %s, attention %s", mc.architecture, self.device, dtype, self.model.backend.name)
         self.max_context_len = min(cfg.max_context_len or mc.max_context_len, mc.max_context_len)

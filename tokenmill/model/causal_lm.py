@@ -36,7 +36,9 @@ import torch
 from torch import nn
 
 from tokenmill.attention.base import AttentionBackend
+from tokenmill.attention.factory import make_backend
 from tokenmill.cache.views import DecodeKVCache, KVView
+from tokenmill.config import EngineConfig
 from tokenmill.kernels.linear import Linear, linear
 from tokenmill.model.blocks import RMSNorm, RotaryEmbedding
 from tokenmill.model.config import ModelConfig
@@ -143,6 +145,22 @@ class CausalLM(nn.Module, ABC):
                     f"softcap {softcap}; got scale {backend.scale} and softcap {backend.softcap}"
                 )
         self._backend = backend
+
+    def make_backend(self, engine_config: EngineConfig, dtype: torch.dtype) -> AttentionBackend:
+        """The attention backend ``engine_config.attention_backend`` names for this model: its head
+        shape, softmax scale and soft-cap, and whether any layer slides (a backend that cannot
+        apply windows is then refused, or skipped by "auto")."""
+        cfg = self.config
+        return make_backend(
+            engine_config,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype,
+            any(cfg.layer_sliding_window(i) is not None for i in range(cfg.num_layers)),
+            scale=cfg.attention_scale,
+            softcap=cfg.attn_logit_softcapping,
+        )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of ``input_ids`` (a family may scale them)."""
