@@ -6,14 +6,22 @@ at bounded concurrency (asyncio + httpx), with random parameters: streaming or n
 penalties, and clients that leave mid-stream (or before a non-streamed answer). Every answer
 is checked: complete and well-formed (a finish reason for each choice) or a clean error status.
 
+Beside the measured batch, attack clients run (``--attackers`` of each kind): slow-body clients
+(headers, then a body byte at a time, never finished: the server must answer 408), idle
+connections (nothing sent: the server must close them) and oversized stop lists (the server
+must refuse them with a clean 4xx). Each attack connection is followed until the server ends it.
+The report gives the well-behaved clients' p99 latency beside the attack and the connections
+the server holds at the peak and afterwards.
+
 Afterwards the engine must be idle with nothing held (no running or waiting request, every
-request-table row free, KV pages in use == pages held by the prefix cache), no per-request
-object may survive a garbage collection, and RSS growth over a second batch after a warm-up
-must stay bounded. The engine and uvicorn run in this process, so the RSS is the server's plus
-the client's.
+request-table row free, KV pages in use == pages held by the prefix cache: 0 live KV pages), no
+per-request object may survive a garbage collection, the server may hold no connection, and RSS
+growth over a second batch after a warm-up must stay bounded. The engine and uvicorn run in this
+process, so the RSS is the server's plus the client's.
 
     python benchmarks/soak.py --requests 5000 --concurrency 32          # bundled default model
     python benchmarks/soak.py --model path/to/checkpoint --requests 20000 --json
+    python benchmarks/soak.py --attackers 8 --header-timeout-seconds 2 --body-timeout-seconds 2
 
 On a busy CPU, ``OMP_NUM_THREADS=1`` keeps torch's OpenMP threads from spin-waiting on each other.
 Exit status 1 when a request got a malformed answer or anything was left behind.
@@ -42,6 +50,7 @@ from tokenmill.engine.intake import RequestState
 from tokenmill.engine.sequence import Sequence
 from tokenmill.server.background import serve_in_background
 from tokenmill.server.generation import Generation
+from tokenmill.server.limits import ConnectionLimits
 
 WORDS = ["hello", "world", "the", "cat", "dog", "sat", "on", "mat", "one", "two", "three", "def", "return", "x"]
 OPENAI_FINISH = {"stop", "length"}
@@ -68,6 +77,11 @@ class SoakResult:
     refused: int = 0  # clean error statuses (error JSON in the route's shape)
     errors: list[str] = field(default_factory=list)  # malformed answers, 5xx, transport failures
     seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)  # seconds, of each completed request
+
+    def p99_latency(self) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("nan")
 
 
 def make_calls(n: int, seed: int, model: str, words: list[str] = WORDS) -> list[Call]:
@@ -180,6 +194,7 @@ def _is_clean_error(call: Call, response: httpx.Response) -> bool:
 
 # ------------------------------------------------------------------------------------------ client
 async def _one(client: httpx.AsyncClient, url: str, call: Call, result: SoakResult) -> None:
+    started = time.monotonic()
     try:
         if call.body.get("stream"):
             outcome = await _streamed(client, url, call)
@@ -194,6 +209,7 @@ async def _one(client: httpx.AsyncClient, url: str, call: Call, result: SoakResu
         outcome = f"transport error: {type(exc).__name__}: {exc}"
     if outcome is None:
         result.completed += 1
+        result.latencies.append(time.monotonic() - started)
     elif outcome == "left":
         result.disconnects += 1
     elif outcome == "refused":
@@ -249,6 +265,144 @@ async def run_calls(url: str, calls: list[Call], concurrency: int) -> SoakResult
     return result
 
 
+# ------------------------------------------------------------------------------------ attack clients
+ATTACKS = ("slow_body", "idle", "oversized_stop")
+OVERSIZED_STOP_STRINGS = 10_000
+ATTACK_BYTE_INTERVAL_S = 0.2  # a slow-body client sends one byte this often
+
+
+@dataclass
+class AttackResult:
+    """Per kind of attack: connections or requests made, and how many the server ended as it should."""
+
+    attempts: Counter[str] = field(default_factory=Counter)
+    ended: Counter[str] = field(default_factory=Counter)
+    errors: list[str] = field(default_factory=list)  # the server answered wrongly, or never ended one
+
+
+async def _slow_body(host: str, port: int, give_up_s: float) -> str | None:
+    """One connection: headers, then a byte of the announced body at a time; None if the server answers 408."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        head = "POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+        writer.write(f"{head}Content-Length: 1000\r\n\r\n{{".encode())
+        deadline = time.monotonic() + give_up_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(asyncio.TimeoutError):
+                answer = await asyncio.wait_for(reader.read(65536), ATTACK_BYTE_INTERVAL_S)
+                return None if answer.startswith(b"HTTP/1.1 408") else f"slow body answered {answer[:200]!r}"
+            writer.write(b" ")
+        return f"slow body held for {give_up_s} s"
+    except ConnectionError:
+        return None  # the server closed while a byte was on its way, after its 408
+    finally:
+        writer.close()
+
+
+async def _idle(host: str, port: int, give_up_s: float) -> str | None:
+    """One connection that sends nothing; None if the server closes it."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        answer = await asyncio.wait_for(reader.read(65536), give_up_s)
+        return None if answer == b"" else f"idle connection answered {answer[:200]!r}"
+    except asyncio.TimeoutError:
+        return f"idle connection held for {give_up_s} s"
+    finally:
+        writer.close()
+
+
+async def _oversized_stop(client: httpx.AsyncClient, url: str, model: str) -> str | None:
+    """One request with a huge stop list; None if it is refused with a clean 4xx."""
+    body = {
+        "model": model,
+        "prompt": "hello",
+        "max_tokens": 4,
+        "stop": [f"s{i}" for i in range(OVERSIZED_STOP_STRINGS)],
+    }
+    response = await client.post(url + "/v1/completions", json=body)
+    if 400 <= response.status_code < 500 and response.json().get("error", {}).get("message"):
+        return None
+    return f"oversized stop list answered {response.status_code}: {response.text[:200]}"
+
+
+async def _attacker(
+    kind: str, url: str, model: str, limits: ConnectionLimits, stop: asyncio.Event, result: AttackResult
+) -> None:
+    """Attack until ``stop`` is set, one connection or request at a time, each followed until the server ends it."""
+    host, port = url.removeprefix("http://").split(":")
+    give_up_s = max(limits.header_timeout_seconds, limits.body_timeout_seconds) + 30
+    async with httpx.AsyncClient(timeout=give_up_s) as client:
+        while not stop.is_set():
+            result.attempts[kind] += 1
+            try:
+                if kind == "slow_body":
+                    error = await _slow_body(host, int(port), give_up_s)
+                elif kind == "idle":
+                    error = await _idle(host, int(port), give_up_s)
+                else:
+                    error = await _oversized_stop(client, url, model)
+            except (OSError, httpx.HTTPError) as exc:
+                error = f"{kind}: {type(exc).__name__}: {exc}"
+            if error is None:
+                result.ended[kind] += 1
+            else:
+                result.errors.append(error)
+
+
+async def run_with_attacks(
+    url: str, calls: list[Call], concurrency: int, attackers: int, model: str, limits: ConnectionLimits
+) -> tuple[SoakResult, AttackResult, int]:
+    """``run_calls`` beside ``attackers`` clients of each kind in :data:`ATTACKS`.
+
+    Returns the workload's result, the attacks' result, and the most connections the server held at once.
+    """
+    attacks = AttackResult()
+    stop = asyncio.Event()
+    port = int(url.rsplit(":", 1)[1])
+    tasks = [
+        asyncio.create_task(_attacker(kind, url, model, limits, stop, attacks))
+        for kind in ATTACKS
+        for _ in range(attackers)
+    ]
+    peak = 0
+
+    async def sample_connections() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, server_connections(port))
+            await asyncio.sleep(0.1)
+
+    sampler = asyncio.create_task(sample_connections())
+    try:
+        workload = await run_calls(url, calls, concurrency)
+        stop.set()
+        await asyncio.gather(*tasks)
+    finally:
+        sampler.cancel()
+    return workload, attacks, peak
+
+
+def server_connections(port: int) -> int:
+    """TCP connections the server on ``port`` holds open (Linux ``/proc/net/tcp*``: established or closing)."""
+    held_states = {"01", "08"}  # ESTABLISHED, CLOSE_WAIT (the peer closed, the server has not)
+    count = 0
+    for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+        if not table.exists():
+            continue
+        for line in table.read_text().splitlines()[1:]:
+            local, _, state = line.split()[1:4]
+            count += int(local.rsplit(":", 1)[1], 16) == port and state in held_states
+    return count
+
+
+def wait_for_connections_closed(port: int, timeout: float = 10) -> int:
+    """``server_connections(port)`` once it is 0, or after ``timeout`` (a closing connection takes a moment)."""
+    deadline = time.monotonic() + timeout
+    while (held := server_connections(port)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return held
+
+
 # ------------------------------------------------------------------------------------ leak checks
 def wait_until_idle(engine: Engine, timeout: float = 60) -> dict[str, Any]:
     """``engine.stats()`` once nothing runs and only the prefix cache holds KV (aborts land a step late)."""
@@ -302,17 +456,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-kv-slots", type=int, default=8192)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--attackers", type=int, default=2, help="attack clients of each kind beside the soak")
+    defaults = ConnectionLimits()
+    parser.add_argument("--header-timeout-seconds", type=float, default=defaults.header_timeout_seconds)
+    parser.add_argument("--body-timeout-seconds", type=float, default=defaults.body_timeout_seconds)
     args = parser.parse_args(argv)
 
+    limits = ConnectionLimits(
+        header_timeout_seconds=args.header_timeout_seconds, body_timeout_seconds=args.body_timeout_seconds
+    )
     engine = Engine(model=args.model, num_kv_slots=args.num_kv_slots)
     model = engine.config.model_path().name
     try:
-        with serving(engine) as url:
+        with serving(engine, limits=limits) as url:
             warm = asyncio.run(run_calls(url, make_calls(args.warmup, args.seed, model), args.concurrency))
             leaks(engine)
             rss_before = rss_mb()
-            soak = asyncio.run(run_calls(url, make_calls(args.requests, args.seed + 1, model), args.concurrency))
+            calls = make_calls(args.requests, args.seed + 1, model)
+            soak, attacks, peak = asyncio.run(
+                run_with_attacks(url, calls, args.concurrency, args.attackers, model, limits)
+            )
             held = leaks(engine)
+            connections_after = wait_for_connections_closed(int(url.rsplit(":", 1)[1]))
             rss_after = rss_mb()
     finally:
         engine.shutdown()
@@ -324,6 +489,11 @@ def main(argv: list[str] | None = None) -> int:
         "errors": len(soak.errors),
         "seconds": round(soak.seconds, 1),
         "requests_per_s": round(soak.requests / soak.seconds, 1),
+        "p99_latency_s": round(soak.p99_latency(), 3),
+        **{f"attack_{kind}": f"{attacks.ended[kind]}/{attacks.attempts[kind]} ended by the server" for kind in ATTACKS},
+        "attack_errors": len(attacks.errors),
+        "server_connections_peak": peak,
+        "server_connections_after": connections_after,
         **held,
         "rss_before_mb": round(rss_before, 1),
         "rss_after_mb": round(rss_after, 1),
@@ -334,10 +504,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
     else:
         for key, value in report.items():
-            print(f"{key:>22}: {value}")
-        for error in (warm.errors + soak.errors)[:10]:
+            print(f"{key:>25}: {value}")
+        for error in (warm.errors + soak.errors + attacks.errors)[:10]:
             print("error:", error[:500])
-    return 0 if not soak.errors and not warm.errors and not any(held.values()) else 1
+    clean = not soak.errors and not warm.errors and not attacks.errors and not connections_after
+    return 0 if clean and not any(held.values()) else 1
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.request import SamplingParams
+from tokenmill.server.limits import ConnectionLimits
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +39,23 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the options given on the command line (others keep their defaults)."""
     given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in given.items() if v is not None})
+
+
+def _add_connection_limit_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("connection limits")
+    hints = typing.get_type_hints(ConnectionLimits)
+    for f in dataclasses.fields(ConnectionLimits):
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        kind = hints[f.name]
+        group.add_argument(
+            "--" + f.name.replace("_", "-"), type=kind, default=None, metavar=kind.__name__.upper(), help=help_text
+        )
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    """ConnectionLimits from the options given on the command line (others keep their defaults)."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ConnectionLimits)}
+    return ConnectionLimits(**{k: v for k, v in given.items() if v is not None})
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -125,6 +143,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         allowed_weight_roots=args.allowed_weight_roots,
+        limits=connection_limits(args),
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         **grace,
     )
     return 0
@@ -171,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="on SIGTERM/SIGINT, seconds running requests get to finish before they are aborted (default: 10)",
     )
+    serve.add_argument(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        help="tokenize special-token text typed in chat messages as control tokens (default: as plain text)",
+    )
+    _add_connection_limit_options(serve)
     _add_engine_options(serve)
     serve.set_defaults(func=cmd_serve)
 

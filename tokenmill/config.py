@@ -98,6 +98,14 @@ class EngineConfig:
     """Most alternatives per token in logprobs / prompt_logprobs."""
     max_stop_strings: int = 16
     """Most stop strings per request."""
+    max_stop_chars: int = 2048
+    """Most characters in all of a request's stop strings together (bounds the stop-string matching
+    state and the streaming hold-back, which is shorter than the longest stop string)."""
+    max_stop_token_ids: int = 64
+    """Most entries in a request's ``stop_token_ids`` (checked as a set built once per sequence)."""
+    tokenizer_threads: int = 4
+    """Threads that tokenize off the event loop (AsyncEngine and the HTTP server); more concurrent
+    tokenizations wait for one of them instead of taking other worker threads."""
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size > 256 or self.page_size & (self.page_size - 1):
@@ -118,10 +126,12 @@ class EngineConfig:
             "cuda_graph_max_batch",
             "decode_split_min_tokens",
             "max_n",
+            "tokenizer_threads",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name, low in (("max_tokens_cap", 1), ("max_top_logprobs", 0), ("max_stop_strings", 0)):
+        caps = ("max_top_logprobs", "max_stop_strings", "max_stop_chars", "max_stop_token_ids")
+        for name, low in (("max_tokens_cap", 1), *((cap, 0) for cap in caps)):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
@@ -139,7 +149,15 @@ class EngineConfig:
 
     def request_limits(self, vocab_size: int) -> RequestLimits:
         """The caps above, for a model with ``vocab_size`` tokens."""
-        return RequestLimits(vocab_size, self.max_n, self.max_tokens_cap, self.max_top_logprobs, self.max_stop_strings)
+        return RequestLimits(
+            vocab_size,
+            max_n=self.max_n,
+            max_tokens_cap=self.max_tokens_cap,
+            max_top_logprobs=self.max_top_logprobs,
+            max_stop_strings=self.max_stop_strings,
+            max_stop_chars=self.max_stop_chars,
+            max_stop_token_ids=self.max_stop_token_ids,
+        )
 
     def model_path(self) -> Path:
         return Path(self.model) if self.model else DEFAULT_MODEL_DIR

@@ -38,7 +38,9 @@ class LLM:
 
         ``prompts``: a string, a list of token ids, ``{"prompt_token_ids": [...]}`` or
         ``{"prompt": "..."}``, or a list of those. All prompts are validated before any runs, so a
-        bad one raises ValueError without leaving others half done.
+        bad one raises ValueError without leaving others half done. An interrupt (Ctrl-C) aborts the
+        batch's requests before it propagates; if the engine shuts down meanwhile, the unfinished
+        outputs end with ``finish_reason == "abort"``.
         """
         batch = _as_batch(prompts)
         params = _params_for(batch, sampling_params)
@@ -51,12 +53,22 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        allow_special_tokens_in_content: bool = False,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of conversations (the chat template)."""
+        """Generate replies to one conversation or a list of conversations (the chat template).
+
+        Special-token text inside messages or tools is tokenized as plain text unless
+        ``allow_special_tokens_in_content`` (see :meth:`tokenmill.tokenizer.Tokenizer.apply_chat_template`).
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         batch: list[Prompt] = [
-            tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools)
+            tok.apply_chat_template(
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                allow_special_tokens_in_content=allow_special_tokens_in_content,
+            )
             for conv in conversations
         ]
         return self._run(batch, _params_for(batch, sampling_params), use_tqdm)
@@ -77,16 +89,23 @@ class LLM:
         deltas: queue.Queue[RequestOutput] = queue.Queue()
         # validate (and tokenize) everything before queueing anything
         states = [engine.intake(_prompt_value(prompt), p, deltas.put) for prompt, p in zip(batch, params)]
-        ids = [engine.submit(state) for state in states]
+        ids: list[str] = []
         totals: dict[str, RequestOutput] = {}
-        done = 0
-        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while done < len(ids):
-                delta = deltas.get()
-                totals[delta.request_id] = accumulate(totals.get(delta.request_id), delta)
-                if delta.finished:
-                    done += 1
-                    bar.update(1)
+        try:
+            for state in states:
+                ids.append(engine.submit(state))
+            done = 0
+            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while done < len(ids):
+                    delta = deltas.get()  # the engine sends every request a final delta, even when it stops
+                    totals[delta.request_id] = accumulate(totals.get(delta.request_id), delta)
+                    if delta.finished:
+                        done += 1
+                        bar.update(1)
+        except BaseException:  # Ctrl-C, or a submit refused part-way: nobody waits for the batch any more
+            for request_id in ids:
+                engine.abort(request_id)
+            raise
         return [totals[i] for i in ids]
 
 

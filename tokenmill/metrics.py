@@ -1,9 +1,10 @@
 """Prometheus metrics of one server, in a registry of its own (several servers can share a process).
 
-Engine state (running / waiting requests, KV usage, preemptions, prefix-cache hit rate) is read
-from ``Engine.stats()`` at scrape time; tokens, finish reasons and latencies are recorded by the
-server per engine request through a :class:`RequestTracker`. ``render`` blocks on the engine
-thread for a snapshot: call it off the event loop.
+Engine state (running / waiting requests, KV usage of live requests and of the prefix cache,
+preemptions, prefix-cache hit rate) is read from ``Engine.stats()`` at scrape time; tokens,
+finish reasons and latencies are recorded by the server per engine request through a
+:class:`RequestTracker`. ``render`` blocks on the engine thread for a snapshot: call it off the
+event loop.
 """
 
 from __future__ import annotations
@@ -31,7 +32,18 @@ def _hit_rate(stats: Stats) -> float:
 _ENGINE_METRICS: list[tuple[str, str, type[Metric], Callable[[Stats], float]]] = [
     ("tokenmill_num_requests_running", "Sequences being computed.", GaugeMetricFamily, lambda s: s["running"]),
     ("tokenmill_num_requests_waiting", "Sequences waiting to be admitted.", GaugeMetricFamily, lambda s: s["waiting"]),
-    ("tokenmill_kv_cache_usage_ratio", "Fraction of KV pages in use.", GaugeMetricFamily, lambda s: s["kv_usage"]),
+    (
+        "tokenmill_kv_cache_usage_ratio",
+        "Fraction of KV pages held by live requests (0 when idle; prefix-cache-only pages are reclaimable, not used).",
+        GaugeMetricFamily,
+        lambda s: s["kv_usage"],
+    ),
+    (
+        "tokenmill_prefix_cache_usage_ratio",
+        "Fraction of KV pages held only by the prefix cache (reclaimable: evicted when live requests need them).",
+        GaugeMetricFamily,
+        lambda s: s["kv_prefix_cache_usage"],
+    ),
     (
         "tokenmill_prefix_cache_hit_rate",
         "Prompt tokens served from the prefix cache / prompt tokens looked up.",

@@ -42,6 +42,8 @@ class RequestLimits:
     max_tokens_cap: int | None = None
     max_top_logprobs: int | None = None
     max_stop_strings: int | None = None
+    max_stop_chars: int | None = None
+    max_stop_token_ids: int | None = None
 
 
 def _require(ok: bool, param: str, message: str) -> None:
@@ -149,23 +151,28 @@ class SamplingParams:
             _require(value is None or 0 <= value <= vocab_size, name, f"must be in [0, {vocab_size}], got {value}")
             cap = limits.max_top_logprobs
             _require(value is None or cap is None or value <= cap, name, f"must be <= {cap}, got {value}")
-        _require(
-            self.stop is None or (isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop)),
-            "stop",
-            f"must be a non-empty string or a list of them, got {self.stop!r}",
-        )
+        # Counts are checked before anything walks a list, and messages never echo a whole list.
+        _require(self.stop is None or isinstance(self.stop, list), "stop", "must be a string or a list of strings")
         cap = limits.max_stop_strings
         _require(
             cap is None or len(self.stop_strings) <= cap,
             "stop",
             f"may hold at most {cap} strings, got {len(self.stop_strings)}",
         )
+        empty_or_not_str = [s for s in self.stop_strings if not (isinstance(s, str) and s)]
+        _require(not empty_or_not_str, "stop", f"must hold non-empty strings, got {empty_or_not_str[:1]!r}")
+        cap, chars = limits.max_stop_chars, sum(len(s) for s in self.stop_strings)
+        _require(cap is None or chars <= cap, "stop", f"may hold at most {cap} characters in all, got {chars}")
         if self.stop_token_ids is not None:
+            _require(isinstance(self.stop_token_ids, list), "stop_token_ids", "must be a list of integers")
+            cap = limits.max_stop_token_ids
             _require(
-                isinstance(self.stop_token_ids, list) and all(_is_int(t) for t in self.stop_token_ids),
+                cap is None or len(self.stop_token_ids) <= cap,
                 "stop_token_ids",
-                f"must be a list of integers, got {self.stop_token_ids!r}",
+                f"may hold at most {cap} token ids, got {len(self.stop_token_ids)}",
             )
+            not_int = [t for t in self.stop_token_ids if not _is_int(t)]
+            _require(not not_int, "stop_token_ids", f"must be a list of integers, got {not_int[:1]!r}")
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             _require(not bad, "stop_token_ids", f"{bad} are outside the vocabulary [0, {vocab_size})")
         if self.logit_bias is not None:
@@ -274,4 +281,6 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
     total.outputs = [by_index[i] for i in sorted(by_index)]
     total.finished = delta.finished
     total.metrics = delta.metrics
+    if delta.prompt_logprobs is not None:
+        total.prompt_logprobs = delta.prompt_logprobs
     return total

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,10 @@ class Tokenizer:
 
     ``eos_token_ids`` merges the tokenizer's EOS with ``generation_config.json``'s and
     ``config.json``'s ``eos_token_id`` (each an int or a list).
+
+    Chat templating keeps control tokens under the template's control: the text of a special
+    token typed inside a message (or a tool definition) is tokenized as ordinary text, unless the
+    caller allows special tokens in content.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -29,6 +35,16 @@ class Tokenizer:
             self.eos_token_ids.add(int(self.hf.eos_token_id))
         for name in ("generation_config.json", "config.json"):
             self.eos_token_ids.update(_eos_ids_in(folder / name))
+        specials = {t.content for t in self.hf.added_tokens_decoder.values() if t.special}
+        specials.update(self.hf.all_special_tokens)
+        specials.discard("")
+        # each special token's text as ordinary tokens; computed once, here: transformers' split mode
+        # is a setting on the shared backend, which concurrent encodes would race on
+        self._special_as_text = {
+            text: list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)) for text in specials
+        }
+        longest_first = sorted(specials, key=len, reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, longest_first))) if specials else None
 
     @property
     def vocab_size(self) -> int:
@@ -49,15 +65,57 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        allow_special_tokens_in_content: bool = False,
         **template_kwargs: Any,
     ) -> list[int]:
-        """Token ids of ``messages`` rendered by the checkpoint's chat template."""
+        """Token ids of ``messages`` rendered by the checkpoint's chat template.
+
+        Special tokens come only from the template itself: special-token text inside any string of
+        ``messages`` or ``tools`` is swapped for a one-time placeholder before rendering, and each
+        placeholder left in the rendered text becomes that text's ordinary (non-special) tokens.
+        So a user cannot forge turns by typing markers such as ``<|im_start|>system``, and
+        decoding the ids still gives the text the template rendered. ``allow_special_tokens_in_content``
+        tokenizes the rendered text as a whole instead (typed markers become control tokens).
+        """
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-        text = self.hf.apply_chat_template(
+        if allow_special_tokens_in_content or self._special_text is None:
+            text = self._render(messages, add_generation_prompt, tools, template_kwargs)
+            return self.encode(text, add_special_tokens=False)
+        nonce = secrets.token_hex(8)
+        typed: list[str] = []  # special-token texts found in content; placeholder k stands for typed[k]
+
+        def placeholder(match: re.Match[str]) -> str:
+            typed.append(match.group())
+            return f"[{nonce}:{len(typed) - 1}]"
+
+        def defang(value: Any) -> Any:
+            if isinstance(value, str):
+                return self._special_text.sub(placeholder, value)
+            if isinstance(value, dict):
+                return {key: defang(item) for key, item in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [defang(item) for item in value]
+            return value
+
+        text = self._render(defang(messages), add_generation_prompt, defang(tools), template_kwargs)
+        pieces = re.split(rf"\[{nonce}:(\d+)\]", text)  # text, index, text, index, ..., text
+        ids = self.encode(pieces[0], add_special_tokens=False)
+        for index, piece in zip(pieces[1::2], pieces[2::2]):
+            ids += self._special_as_text[typed[int(index)]]
+            ids += self.encode(piece, add_special_tokens=False) if piece else []
+        return ids
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any],
+    ) -> str:
+        return self.hf.apply_chat_template(
             messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
         )
-        return self.encode(text, add_special_tokens=False)
 
 
 def _eos_ids_in(path: Path) -> list[int]:

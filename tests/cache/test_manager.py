@@ -96,6 +96,21 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        """An n > 1 sibling: the parent's full pages shared, its partial last page copied."""
+        parent = data.draw(st.sampled_from(self.live))
+        child = new_seq(parent.tokens)
+        copies = self.mgr.fork(parent.kv, child.kv)
+        if copies is None:
+            return
+        src, dst = copies
+        self.mgr.copy_kv(src, dst)
+        for s, d in zip(src.tolist(), dst.tolist()):
+            self.shadow[d] = self.shadow[s]
+        self.live.append(child)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
     def cache_prompt(self, data: st.DataObject) -> None:
         seq = data.draw(st.sampled_from(self.live))
         self.mgr.cache_prompt(seq.kv, seq.tokens)
@@ -133,6 +148,17 @@ class ManagerMachine(RuleBasedStateMachine):
             assert count == holders[page], f"page {page}: refcount {count}, holders {holders[page]}"
             assert alloc.is_free(page) == (count == 0)
         assert alloc.n_free + alloc.n_used == alloc.capacity
+
+    @invariant()
+    def usage_counts_live_pages_and_the_prefix_cache_the_rest(self) -> None:
+        """``usage``: the pages live sequences hold (like vLLM's gauge); ``prefix_cache_usage``: the
+        pages only the tree holds, which eviction would free."""
+        mgr, ps = self.mgr, self.ps
+        live = {p for seq in self.live for p in (mgr.req_pool.table[seq.row, : seq.n_kv].long() // ps).tolist()}
+        tree = {p for node in mgr.radix._nodes() for p in node.pages.tolist()}
+        capacity = mgr.allocator.capacity
+        assert mgr.usage() == len(live) / capacity
+        assert mgr.prefix_cache_usage() == len(tree - live) / capacity
 
     @invariant()
     def rows_map_exactly_their_tokens(self) -> None:

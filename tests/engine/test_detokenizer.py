@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+import tracemalloc
+
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -180,3 +183,85 @@ def test_shorter_stop_string_wins_a_tie(words: Tokenizer) -> None:
 def test_skip_special_tokens(words: Tokenizer, skip: bool, expected: str) -> None:
     det = IncrementalDetokenizer(words, [], SamplingParams(skip_special_tokens=skip))
     assert "".join(stream(det, [*words_ids(words, "hello world"), 2])) == det.text == expected
+
+
+def reference_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """Brute force: the earliest-starting stop string in ``text`` (the shorter on a tie)."""
+    found = [(text.find(s), len(s), s) for s in stops if s in text]
+    return min(found)[::2] if found else None
+
+
+def reference_held_back(text: str, stops: list[str]) -> int:
+    """Brute force: the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    sizes = [k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])]
+    return max(sizes, default=0)
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_stop_strings_and_hold_back_match_a_brute_force_search(byte_bpe: Tokenizer, include_stop: bool) -> None:
+    """Self-overlapping stop strings over a two-letter alphabet, one character per token, against a
+    search of the whole text after every token."""
+    rng = random.Random(0)
+    char_ids = {c: byte_bpe.encode(c, add_special_tokens=False)[0] for c in "ab"}
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(2, 6))) for _ in range(rng.randint(1, 3))]
+        chars = "".join(rng.choice("ab") for _ in range(rng.randint(1, 30)))
+        det = IncrementalDetokenizer(byte_bpe, [], SamplingParams(stop=stops, include_stop_str_in_output=include_stop))
+        sent = ""
+        for i, char in enumerate(chars):
+            det.add_token(char_ids[char])
+            expected = reference_stop(chars[: i + 1], stops)
+            if expected is not None:
+                start, stop = expected
+                assert det.stopped_by == stop
+                assert det.text == chars[: start + len(stop) if include_stop else start]
+                sent += det.take_delta(finished=False)
+                assert sent == det.text
+                break
+            assert det.stopped_by is None and det.text == chars[: i + 1]
+            sent += det.take_delta(finished=False)
+            assert len(det.text) - len(sent) == reference_held_back(det.text, stops)
+        else:
+            sent += det.take_delta(finished=True)
+        assert sent == det.text
+
+
+def test_work_per_token_does_not_grow_with_the_output(words: Tokenizer) -> None:
+    """Memory allocated while adding tokens and taking their deltas is the same around the 1,000th
+    token and the 20,000th (rebuilding the whole text per token would allocate its full length)."""
+    sentence = words_ids(words, "the cat sat on the mat and the dog sat on the cat")
+    ids = sentence * (20_000 // len(sentence))
+    stops = ["the cat sat on the dog", "mat and the dog sat on a", "x"]
+    det = IncrementalDetokenizer(words, [], SamplingParams(stop=stops))
+    transient = []
+    tracemalloc.start()
+    try:
+        for token in ids:
+            before = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            det.add_token(token)
+            det.take_delta(finished=False)
+            transient.append(tracemalloc.get_traced_memory()[1] - before)
+    finally:
+        tracemalloc.stop()
+    assert det.stopped_by is None and len(det.text) > 75_000
+    early, late = sum(transient[1000:2000]), sum(transient[-1000:])  # sums: the parts list grows now and then
+    assert late < 1.5 * early
+
+
+def test_tokens_without_text_do_not_widen_the_decoded_window(words: Tokenizer) -> None:
+    seen: list[int] = []
+
+    class Spy(Tokenizer):
+        def __init__(self) -> None:
+            self.hf = words.hf
+
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+            seen.append(len(token_ids))
+            return words.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    eos = 2  # a special token: no text with skip_special_tokens
+    ids = words_ids(words, "hello") + [eos] * 200 + words_ids(words, "world the cat")
+    det = IncrementalDetokenizer(Spy(), [], SamplingParams())
+    assert "".join(stream(det, ids)) == det.text == "hello world the cat"
+    assert max(seen) <= 20

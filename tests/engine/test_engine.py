@@ -219,7 +219,7 @@ def test_n_completions_compute_the_prompt_once(llm: LLM) -> None:
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert all(len(c.token_ids) == 6 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    assert computed == len(prompt) + 3  # siblings reuse the cached prompt, recomputing only its last token
+    assert computed == len(prompt)  # siblings are forked from sequence 0's computed prompt
     # sibling i samples with seed + i * SIBLING_SEED_STRIDE: it is that request run alone (n=1)
     alone = llm.generate(
         [prompt] * 4,

@@ -1,11 +1,14 @@
 """Weight updates under load: no torn weights, versions tagged per token, all-or-nothing
-validation, and no reuse of KV computed under old weights after a cache flush."""
+validation (every failure leaves weights, version and prefix cache as they were), updates equal to
+transformers with the same weights, and no reuse of KV computed under old weights after a cache flush."""
 
 from __future__ import annotations
 
 import shutil
 import threading
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,8 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import LLM, Engine, SamplingParams
-from tokenmill.model.loader import WeightError
-from tokenmill.request import RequestOutput, accumulate
+from tokenmill.engine.weight_update import apply_update, stage_update
+from tokenmill.model.loader import WeightError, load_model
+from tokenmill.model.weights import checkpoint_targets
+from tokenmill.request import ParameterError, RequestOutput, accumulate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PERTURBED = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)] + ["model.layers.0.self_attn.k_proj.weight"]
@@ -200,3 +205,164 @@ def test_pause_holds_steps_and_resume_continues(checkpoint: Path) -> None:
         assert done.wait(30) and len(total[0].outputs[0].token_ids) == 6
     finally:
         llm.shutdown()
+
+
+DOWN_0, DOWN_1 = "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"  # [64, 96] each
+SHARED_PROMPT = list(range(10, 30))
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint: Path) -> Iterator[LLM]:
+    """An engine that has served a prompt: the prefix cache holds it, blocked weight copies are made.
+    Tests using it leave it unchanged (they only try updates that must be refused)."""
+    llm = LLM(dtype="float32", model=str(checkpoint), num_kv_slots=1024)
+    llm.generate([SHARED_PROMPT, [5, 6, 7, 8]], GREEDY, use_tqdm=False)
+    yield llm
+    llm.shutdown()
+
+
+def engine_state(llm: LLM) -> tuple[dict[str, torch.Tensor], int, int]:
+    """The model's tensors (copied), the weight version and the number of prefix-cached pages."""
+    tensors = {name: t.detach().clone() for name, t in llm.engine.model.state_dict().items()}
+    return tensors, llm.weight_version, llm.engine.stats()["kv_cached_pages"]
+
+
+def assert_untouched(llm: LLM, before: tuple[dict[str, torch.Tensor], int, int]) -> None:
+    """Same weights, version and prefix-cached pages as ``before``, and the cache still serves hits."""
+    assert_same_state(llm, before)
+    hits = llm.engine.stats()["cache"]["prefix_hit_tokens"]
+    llm.generate([SHARED_PROMPT], GREEDY, use_tqdm=False)
+    assert llm.engine.stats()["cache"]["prefix_hit_tokens"] == hits + len(SHARED_PROMPT) - 1  # cache still served
+
+
+def assert_same_state(llm: LLM, before: tuple[dict[str, torch.Tensor], int, int]) -> None:
+    tensors, version, cached_pages = engine_state(llm)
+    assert tensors.keys() == before[0].keys()
+    assert all(torch.equal(tensors[name], before[0][name]) for name in tensors), "weights changed"
+    assert (version, cached_pages) == before[1:] and cached_pages > 0
+
+
+def quantized() -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # quantized tensors are deprecated in recent torch
+        return torch.quantize_per_tensor(torch.zeros(64, 96), 0.1, 0, torch.qint8)
+
+
+def with_value(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    tensor = torch.zeros(64, 96, dtype=dtype)
+    tensor[3, 5] = value
+    return tensor
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda: torch.empty(64, 96, device="meta"), "is on device meta"),
+        (lambda: torch.zeros(64, 96).to_sparse(), "is torch.sparse_coo, expected a dense strided tensor"),
+        (quantized, "is quantized"),
+        (lambda: torch.zeros(1, 96), r"has shape \(1, 96\), expected \(64, 96\)"),  # would broadcast
+        (lambda: torch.zeros(96), r"has shape \(96,\), expected \(64, 96\)"),  # would broadcast
+        (lambda: with_value(float("nan")), r"holds 1 non-finite value\(s\)"),
+        (lambda: with_value(float("-inf")), r"holds 1 non-finite value\(s\)"),
+        (lambda: with_value(1e300, torch.float64), "converted to torch.float32 holds 1 non-finite"),  # overflows
+        (lambda: torch.zeros(64, 96), "appears more than once"),  # DOWN_1 twice
+    ],
+    ids=["meta", "sparse", "quantized", "row-broadcast", "vector-broadcast", "nan", "inf", "overflow", "duplicate"],
+)
+def test_refused_tensor_leaves_weights_version_and_prefix_cache_untouched(served: LLM, bad, message: str) -> None:
+    before = engine_state(served)
+    bad_name = DOWN_1 if message == "appears more than once" else DOWN_0
+    with pytest.raises(WeightError, match=message):
+        served.update_weights([(DOWN_1, torch.ones(64, 96)), (bad_name, bad())])
+    assert_untouched(served, before)
+
+
+@pytest.mark.parametrize("version", [2**63, -1, True, 1.0, "7", 0])
+def test_refused_version_leaves_everything_untouched_and_aborts_nothing(served: LLM, version: object) -> None:
+    before = engine_state(served)
+    engine = served.engine
+    engine.pause_generation()  # a request stays running across the refused update
+    done = threading.Event()
+    total: list[RequestOutput | None] = [None]
+
+    def collect(delta: RequestOutput) -> None:
+        total[0] = accumulate(total[0], delta)
+        if delta.finished:
+            done.set()
+
+    try:
+        engine.add_request([5, 6, 7], GREEDY, collect)
+        with pytest.raises(ParameterError, match="^version ") as refused:
+            served.update_weights([(DOWN_1, torch.ones(64, 96))], version=version, abort_running=True)
+        assert refused.value.param == "version"
+        assert_same_state(served, before)  # the request has not run yet: the cache is as it was
+    finally:
+        engine.resume_generation()
+    assert done.wait(30) and total[0].outputs[0].finish_reason == "length"  # not aborted
+
+
+def test_versions_stop_at_the_int64_maximum(checkpoint: Path) -> None:
+    llm = LLM(dtype="float32", model=str(checkpoint), num_kv_slots=256, enable_prefix_caching=False)
+    try:
+        assert llm.update_weights([(DOWN_1, torch.ones(64, 96))], version=2**63 - 1) == 2**63 - 1
+        with pytest.raises(ParameterError, match=r"version must lie in \[0, 2\*\*63 - 1\], got 9223372036854775808"):
+            llm.update_weights([(DOWN_1, torch.zeros(64, 96))])
+        assert llm.weight_version == 2**63 - 1
+        assert torch.equal(llm.engine.model.state_dict()["model.layers.1.mlp.down_proj.weight"], torch.ones(64, 96))
+    finally:
+        llm.shutdown()
+
+
+def test_a_folder_is_read_when_staged_and_not_again_when_applied(checkpoint: Path, tmp_path: Path) -> None:
+    """A checkpoint rewritten between validation and the step boundary: the update applies the
+    tensors as they were validated, all of them, never a mix of the two files."""
+    model = load_model(checkpoint, torch.float32, "cpu")
+    first = {name: torch.full((64, 96), 0.25) for name in (DOWN_0, DOWN_1)}
+    rewritten = {DOWN_0: torch.full((64, 96), float("nan")), DOWN_1: torch.full((64, 48), 2.0)}
+    save_file(first, tmp_path / "model.safetensors")
+    staged = stage_update(model, tmp_path)
+    save_file(rewritten, tmp_path / "model.safetensors")  # now invalid: NaN and a wrong shape
+    apply_update(staged)
+    targets = checkpoint_targets(model)
+    for name, tensor in first.items():
+        target = targets[name]
+        assert torch.equal(target.param[target.index], tensor)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_update_equals_transformers_with_the_same_weights(tmp_path: Path, tied: bool) -> None:
+    """Packed rows (k_proj into qkv, up_proj into gate_up), the embedding (also the LM head when
+    tied), the LM head, a non-contiguous and an fp64 tensor: after the update the engine's greedy
+    tokens and their logprobs are transformers' with the same weights, though blocked weight copies
+    and the prefix cache were made under the old ones."""
+    hf_model = save_tiny_checkpoint(tmp_path, "llama", tie_word_embeddings=tied)
+    hf_model.generation_config.eos_token_id = None
+    gen = torch.Generator().manual_seed(11)
+    update = {
+        "model.layers.0.self_attn.k_proj.weight": torch.randn(32, 64, generator=gen) * 0.1,
+        "model.embed_tokens.weight": torch.randn(97, 64, generator=gen, dtype=torch.float64) * 0.1,
+        "model.norm.weight": 1 + torch.randn(64, generator=gen) * 0.1,
+    }
+    update["model.layers.1.mlp.up_proj.weight"] = torch.randn(64, 96, generator=gen).t() * 0.1  # non-contiguous
+    if not tied:
+        update["lm_head.weight"] = torch.randn(97, 64, generator=gen) * 0.1
+    prompts = [SHARED_PROMPT, [5, 6, 7, 8, 9, 10]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    llm = LLM(dtype="float32", model=str(tmp_path), num_kv_slots=1024)
+    try:
+        llm.generate(prompts, params, use_tqdm=False)  # old weights: prefix cache and blocked copies
+        assert llm.update_weights(list(update.items())) == 1
+        got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    hf_params = dict(hf_model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in update.items():
+            hf_params[name].copy_(tensor)
+    for prompt, out in zip(prompts, got):
+        ids = torch.tensor([prompt + out.token_ids[:-1]])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf_model(ids).logits[0, len(prompt) - 1 :].float(), dim=-1)
+        assert out.token_ids == logprobs.argmax(-1).tolist()
+        for step, token in enumerate(out.token_ids):
+            assert abs(out.logprobs[step][token].logprob - float(logprobs[step, token])) <= 1e-4

@@ -290,13 +290,13 @@ HOSTILE = {  # id: (path, raw body, expected status)
         b'"assistant", "tool_calls": [{"function": {"name": "f", "arguments": "'
         + deep_json(100_000).encode()
         + b'"}}]}]}',
-        200,
+        400,  # JSON text nested deeper than MAX_NESTING_DEPTH
     ),
     "deep-tool-use-input": (
         "/v1/messages",
         b'{"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", '
         b'"content": [{"type": "tool_use", "name": "f", "input": ' + deep_json(900).encode() + b"}]}]}",
-        200,
+        400,  # a body nested deeper than MAX_NESTING_DEPTH
     ),
     "invalid-utf8-key": ("/v1/chat/completions", CHAT_START + b', "\xff": 1}', 400),
 }

@@ -1,21 +1,25 @@
 """A short soak for CI (``benchmarks/soak.py`` is the long one): random valid requests through a
 live server, then nothing may be left behind — no running request, no row or KV page held
 outside the prefix cache, no per-request object alive — and RSS may not grow over a second,
-identical batch."""
+identical batch. A third batch runs beside attack clients (slow bodies, idle connections,
+oversized stop lists): each attack is ended by the server, no well-behaved request is refused,
+nothing is left behind and the server holds no connection afterwards."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
-from benchmarks.soak import leaks, make_calls, rss_mb, run_calls
+from benchmarks.soak import ATTACKS, leaks, make_calls, rss_mb, run_calls, run_with_attacks, wait_for_connections_closed
 from tests.server.conftest import serve
 from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import Engine
+from tokenmill.server.limits import ConnectionLimits
 
 BATCH = 100  # two batches: 200 requests
 CONCURRENCY = 16
 RSS_GROWTH_LIMIT_MB = 50
+LIMITS = ConnectionLimits(header_timeout_seconds=0.5, body_timeout_seconds=0.5)  # attack connections end fast
 
 
 def test_soak_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -23,7 +27,7 @@ def test_soak_leaves_nothing_behind(tmp_path: Path) -> None:
     # few KV slots for 16 clients x up to 3 choices: exercises preemption and prefix-cache eviction
     engine = Engine(dtype="float32", model=str(tmp_path), num_kv_slots=256, max_running_requests=32)
     model = tmp_path.name
-    with serve(engine) as server:
+    with serve(engine, limits=LIMITS) as server:
         baseline = leaks(engine)
         calls = make_calls(BATCH, seed=1234, model=model)
         assert sum(c.leave_after_events is not None or c.leave_after_s is not None for c in calls) > 5
@@ -38,14 +42,22 @@ def test_soak_leaves_nothing_behind(tmp_path: Path) -> None:
         assert again.errors == [] and again.refused == 0, again.errors[:5]
         held = leaks(engine)
         rss_after = rss_mb()
+
+        attacked, attacks, peak = asyncio.run(run_with_attacks(server.url, calls, CONCURRENCY, 1, model, LIMITS))
+        assert attacked.errors == [] and attacked.refused == 0, attacked.errors[:5]
+        assert attacks.errors == [], attacks.errors[:5]
+        assert all(attacks.ended[kind] >= 1 for kind in ATTACKS), attacks
+        assert wait_for_connections_closed(server.port) == 0
+        held_after_attacks = leaks(engine)
         stats = engine.stats()
     print(
-        f"\nsoak: {2 * BATCH} requests, {warmup.disconnects + again.disconnects} disconnects, "
+        f"\nsoak: {3 * BATCH} requests, {warmup.disconnects + again.disconnects} disconnects, "
         f"{warmup.seconds:.1f}s + {again.seconds:.1f}s, held after: {held}, "
         f"RSS {rss_before:.1f} -> {rss_after:.1f} MiB ({rss_after - rss_before:+.1f}), "
-        f"preemptions {stats['scheduler']['preemptions']}"
+        f"preemptions {stats['scheduler']['preemptions']}; beside attacks {dict(attacks.ended)}: "
+        f"p99 latency {attacked.p99_latency():.2f}s (alone {again.p99_latency():.2f}s), peak connections {peak}"
     )
-    assert held == baseline
+    assert held == held_after_attacks == baseline
     assert held["leaked_rows"] == held["leaked_kv_pages"] == held["active_requests"] == 0
     assert held["live_Sequence"] == held["live_RequestState"] == 0
     assert stats["failed_requests"] == 0

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tests.server.conftest import MODEL, Server, engine_generate, serve
 from tests.tiny_models import save_tiny_checkpoint, save_tiny_model
@@ -31,6 +32,10 @@ def layout(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     save_tiny_checkpoint(root / "second", "llama", seed=1, max_position_embeddings=512)
     save_tiny_model(outside, "llama", seed=2, max_position_embeddings=512)
     save_tiny_model(root / "wrong-shapes", "llama", seed=3, intermediate_size=128)
+    save_tiny_model(root / "non-finite", "llama", seed=4, max_position_embeddings=512)
+    weights = load_file(root / "non-finite" / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][7, 3] = float("nan")
+    save_file(weights, root / "non-finite" / "model.safetensors", metadata={"format": "pt"})
     pickled = root / "pickle-only"
     pickled.mkdir()
     (pickled / "config.json").write_text((root / "first" / "config.json").read_text())
@@ -128,6 +133,7 @@ def test_paths_outside_the_allowed_roots_are_403(admin_server: Server, layout: d
     "folder, message",
     [
         ("wrong-shapes", "has shape"),
+        ("non-finite", "'model.layers.1.mlp.down_proj.weight' holds 1 non-finite value(s)"),
         ("pickle-only", "safetensors"),
         ("corrupt", "header"),
         ("does-not-exist", "no model.safetensors"),
@@ -142,6 +148,14 @@ def test_bad_checkpoints_are_400_and_change_nothing(
     error = error_of(update(admin_server, layout["root"] / folder), 400)
     assert error["code"] == "invalid_weights" and message in error["message"], error
     assert weight_version(admin_server) == version and greedy_text(admin_server) == before
+
+
+@pytest.mark.parametrize("version", [2**63, -1, True, 1.5, "3"])
+def test_bad_versions_are_400_and_change_nothing(admin_server: Server, layout: dict[str, Path], version) -> None:
+    before, current = greedy_text(admin_server), weight_version(admin_server)
+    error = error_of(update(admin_server, layout["root"] / "second", version=version), 400)
+    assert error["param"] == "version", error
+    assert weight_version(admin_server) == current and greedy_text(admin_server) == before
 
 
 def test_pause_holds_a_request_until_resume(admin_server: Server) -> None:

@@ -70,7 +70,8 @@ def assert_still_serves(server: Server, **kwargs) -> None:
         ("/v1/completions", {"prompt": [5, 100000]}, "prompt"),
         ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
         ("/v1/completions", {"logprobs": 21}, "logprobs"),
-        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
     ],
 )
 def test_bad_parameters_are_400_naming_the_param(server: Server, path: str, change: dict, param: str) -> None:

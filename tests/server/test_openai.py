@@ -214,3 +214,70 @@ def test_logit_bias_and_vllm_extras(client: openai.OpenAI, server: Server) -> No
         },
     )
     assert shaped.usage.completion_tokens == 8 and shaped.choices[0].finish_reason == "length"
+
+
+def expected_prompt_logprobs(server: Server, entries: list) -> list:
+    """vLLM's JSON shape of ``RequestOutput.prompt_logprobs``."""
+    decode = server.engine.tokenizer.decode
+    return [None] + [
+        {
+            str(t): {
+                "logprob": pytest.approx(lp.logprob, abs=1e-5),
+                "rank": lp.rank,
+                "decoded_token": decode([t], skip_special_tokens=False),
+            }
+            for t, lp in entry.items()
+        }
+        for entry in entries[1:]
+    ]
+
+
+def test_completions_echo_leads_with_the_prompt_and_its_logprobs(client: openai.OpenAI, server: Server) -> None:
+    prompt = "the cat sat on the"
+    ids = server.engine.tokenizer.encode(prompt)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    truth = engine_generate(server.engine, ids, params)
+    out = truth.outputs[0]
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=2, echo=True, **GREEDY)
+    (choice,) = reply.choices
+    assert choice.text == prompt + out.text
+    lp = choice.logprobs
+    all_ids = ids + out.token_ids
+    strings = [server.engine.tokenizer.decode([t], skip_special_tokens=False) for t in all_ids]
+    assert lp.tokens == strings
+    assert lp.text_offset == [sum(len(s) for s in strings[:i]) for i in range(len(strings))]
+    entries = truth.prompt_logprobs + out.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [entry[t].logprob for t, entry in zip(all_ids[1:], entries[1:])]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-5)
+    decode = server.engine.tokenizer.decode
+    for top, entry in zip(lp.top_logprobs[1:], entries[1:]):
+        assert top == pytest.approx({decode([t], skip_special_tokens=False): v.logprob for t, v in entry.items()})
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, logprobs=2, echo=True, stream=True, **GREEDY
+    )
+    chunks = [c.choices[0] for c in streamed]
+    assert "".join(c.text for c in chunks) == choice.text
+    assert [t for c in chunks for t in c.logprobs.tokens] == lp.tokens
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, echo=True, **GREEDY).choices[0]
+    assert plain.text == server.engine.tokenizer.decode(ids) + out.text and plain.logprobs is None
+
+
+def test_vllm_prompt_logprobs_on_completions_and_chat(client: openai.OpenAI, server: Server) -> None:
+    ids = server.engine.tokenizer.encode("the cat sat")
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    truth = engine_generate(server.engine, ids, params)
+    reply = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=2, n=2, temperature=0, extra_body={"prompt_logprobs": 1, "ignore_eos": True}
+    )
+    for choice in reply.choices:
+        assert choice.model_extra["prompt_logprobs"] == expected_prompt_logprobs(server, truth.prompt_logprobs)
+    prompt = chat_prompt(server, MESSAGES)
+    truth = engine_generate(server.engine, prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0))
+    body = dict(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0.0, extra_body={"prompt_logprobs": 0})
+    chat = client.chat.completions.create(**body)
+    expected = expected_prompt_logprobs(server, truth.prompt_logprobs)
+    assert chat.model_extra["prompt_logprobs"] == expected
+    assert all(len(entry) == 1 for entry in expected[1:])  # k=0: only the actual prompt token
+    streamed = [c.model_extra.get("prompt_logprobs") for c in client.chat.completions.create(**body, stream=True)]
+    assert [p for p in streamed if p is not None] == [expected]

@@ -18,5 +18,4 @@ class KVHandle:
     n_kv: int = 0
     prefix_node: RadixNode | None = None  # radix node locked on behalf of the sequence
     n_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
-    prompt_cached: bool = False  # the prompt's full pages are in the radix cache
     epoch: int = -1  # the prefix-cache epoch its KV was computed in (see CacheManager.epoch)

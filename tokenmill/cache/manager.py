@@ -84,22 +84,39 @@ class CacheManager:
         return -(-(kv.n_kv + n_tokens) // self.page_size) - held
 
     def usage(self) -> float:
-        return self.allocator.usage
+        """Fraction of the pages held by live sequences (a page the prefix cache also stores counts
+        once; pages only the prefix cache holds are reclaimable and count in :meth:`prefix_cache_usage`)."""
+        return (self.allocator.n_used - self.n_reclaimable_pages()) / self.allocator.capacity
+
+    def prefix_cache_usage(self) -> float:
+        """Fraction of the pages held only by the prefix cache: no live sequence uses them, eviction frees them."""
+        return self.n_reclaimable_pages() / self.allocator.capacity
+
+    def n_reclaimable_pages(self) -> int:
+        """Pages that only the prefix cache holds (refcount 1, the tree's own reference). Walks the tree."""
+        if self.radix is None:
+            return 0
+        nodes = [self.radix.root]
+        for node in nodes:  # grows while iterated: breadth-first over the tree
+            nodes.extend(node.children.values())
+        pages = torch.cat([node.pages for node in nodes])
+        return int((self.allocator.refcount(pages) == 1).sum()) if pages.numel() else 0
 
     # ----------------------------------------------------------------- lifecycle
-    def alloc(self, kv: KVHandle, tokens: Sequence[int]) -> bool:
+    def alloc(self, kv: KVHandle, tokens: Sequence[int], use_prefix_cache: bool = True) -> bool:
         """Give ``kv`` a row and the cached prefix of ``tokens`` (the sequence's token ids).
         All or nothing: False leaves nothing allocated.
 
         The prefix match is capped so at least one token remains to compute (the step that
-        computes it yields the logits for the next token).
+        computes it yields the logits for the next token). ``use_prefix_cache=False`` matches
+        nothing: every token is computed (e.g. for its logits).
         """
         assert kv.row is None, "handle already holds a row"
         row = self.req_pool.alloc()
         if row is None:
             return False
         kv.row, kv.n_kv, kv.n_cached_tokens, kv.epoch = row, 0, 0, self.epoch
-        if self.radix is not None:
+        if self.radix is not None and use_prefix_cache:
             tokens = tokens[:-1]
             match = self.radix.match_prefix(tokens)
             self.stats.prefix_queries += 1
@@ -183,7 +200,39 @@ class CacheManager:
         if kv.prefix_node is not None:
             self.radix.unlock(kv.prefix_node)
         kv.prefix_node = match.node
-        kv.prompt_cached = True
+
+    def fork(self, parent: KVHandle, child: KVHandle) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Give ``child`` (holding nothing) ``parent``'s positions ``0 .. n_kv-1``: a row that shares
+        its full pages and a page of its own for the partial last one. All or nothing: None leaves
+        nothing allocated.
+
+        Returns the partial page's (source, destination) slots: the caller copies their K/V with
+        :meth:`copy_kv` once ``parent``'s KV there is computed (it may be computed in a step still to
+        run), before either sequence writes past ``n_kv``. The child inserts into the radix cache
+        only if the parent would (same epoch).
+        """
+        assert child.row is None and parent.row is not None
+        n, ps = parent.n_kv, self.page_size
+        n_full = n // ps * ps
+        row = self.req_pool.alloc()
+        if row is None:
+            return None
+        own_page = self._alloc_pages(1 if n > n_full else 0)
+        if own_page is None:
+            self.req_pool.free(row)
+            return None
+        shared = self._row_pages(parent.row, n_full)
+        if shared.numel():
+            self.allocator.incref(shared)
+        slots = self.req_pool.table[parent.row, :n].long().cpu()
+        copies = self.allocator.slots_of(own_page)[: n - n_full]
+        self.req_pool.write(row, 0, torch.cat([slots[:n_full], copies]))
+        child.row, child.n_kv, child.n_cached_tokens, child.epoch = row, n, n, parent.epoch
+        return slots[n_full:], copies
+
+    def copy_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of slots ``src`` to slots ``dst`` in every layer (see :meth:`fork`)."""
+        self.storage.copy_slots(src, dst)
 
     def free(self, kv: KVHandle, tokens: Sequence[int], cache_pages: bool = True) -> None:
         """Release the row and page references of ``kv`` (holding ``tokens``); with

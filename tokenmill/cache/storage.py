@@ -47,6 +47,12 @@ class KVStorage:
     def n_slots(self) -> int:
         return self.k_buffer.shape[1]
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the keys and values of slots ``src`` into slots ``dst``, in every layer."""
+        src, dst = src.to(self.k_buffer.device), dst.to(self.k_buffer.device)
+        self.k_buffer[:, dst] = self.k_buffer[:, src]
+        self.v_buffer[:, dst] = self.v_buffer[:, src]
+
     @staticmethod
     def bytes_per_slot(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes that one token's keys and values take over all layers."""

@@ -1,7 +1,9 @@
 """AsyncEngine: asyncio streams over an :class:`~tokenmill.engine.engine.Engine`.
 
 ``generate`` is an async iterator of output deltas. Intake (tokenization, validation) runs in a
-worker thread, never on the event loop. If the consumer stops iterating early (e.g. the HTTP
+worker thread, never on the event loop; tokenizer work runs on a pool of its own
+(``EngineConfig.tokenizer_threads`` threads), so a flood of huge prompts waits there instead of
+taking every thread of the loop's default executor. If the consumer stops iterating early (e.g. the HTTP
 client went away), the request is aborted and its KV freed at the next step boundary.
 """
 
@@ -10,15 +12,27 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from tokenmill.engine.engine import Engine
 from tokenmill.request import RequestOutput, SamplingParams
+
+T = TypeVar("T")
 
 
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._tokenizer_pool = ThreadPoolExecutor(
+            engine.config.tokenizer_threads, thread_name_prefix="tokenmill-tokenize"
+        )
+
+    async def run_tokenizer(self, work: Callable[[], T]) -> T:
+        """``work()`` on the tokenizer pool: at most ``tokenizer_threads`` run at once, the rest wait
+        their turn there."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
@@ -40,7 +54,7 @@ class AsyncEngine:
                 self.engine.abort(rid)
 
         try:
-            await asyncio.to_thread(submit)
+            await (self.run_tokenizer(submit) if isinstance(prompt, str) else asyncio.to_thread(submit))
             while not finished:
                 delta = await deltas.get()
                 finished = delta.finished

@@ -5,12 +5,14 @@ and receive results through per-request callbacks. Commands are applied between 
 weight update never meets a half-finished forward. A step is three calls in one direction:
 schedule -> run (the runner picks eager, C++ decode or CUDA graph) -> sample, then the output
 stage appends, applies stop rules and emits. A failure inside a step fails that step's requests
-with an error and the loop goes on; if the loop itself dies, :meth:`Engine.is_healthy` says so
-and every later call fails fast.
+with an error (a sampling failure only its own sequence's) and the loop goes on; if the loop
+itself dies, :meth:`Engine.is_healthy` says so and every later call fails fast. However the loop
+ends (shutdown or death), every request and command it still holds is answered.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -28,12 +30,12 @@ from tokenmill.engine.cuda_graphs import make_cuda_graph_runner
 from tokenmill.engine.intake import Intake, RequestState
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.sampler import Sampler, prompt_logprobs
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.weight_update import WeightsSource, apply_update, plan_update
+from tokenmill.engine.weight_update import WeightsSource, apply_update, next_version, stage_update
 from tokenmill.model.loader import load_model
 from tokenmill.model.registry import load_model_config
-from tokenmill.request import OutputCallback, SamplingParams, now
+from tokenmill.request import FinishReason, OutputCallback, SamplingParams, now
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenmill.engine")
@@ -65,6 +67,9 @@ class Engine:
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._stop = threading.Event()
         self._dead: str | None = None
+        self._crash: str | None = None  # why the loop died, if it did (not set by a shutdown)
+        self._closing = threading.Lock()  # orders every enqueue against the loop's final drain
+        self._closed = False  # set under _closing when the loop ends: no command is queued after it
         self._paused = False
         built: Future[None] = Future()
         self._thread = threading.Thread(target=self._run, args=(built,), name="tokenmill-engine", daemon=True)
@@ -101,7 +106,6 @@ class Engine:
             cfg.request_limits(mc.vocab_size),
             self.context_limit,
             self.device,
-            share_prompt=self.cache.radix is not None,
         )
 
     # ------------------------------------------------------------------ public API
@@ -118,6 +122,11 @@ class Engine:
         """
         return self._intake.make(prompt, params, callback, request_id)
 
+    def check_text_fits(self, text: str, max_tokens: int | None = None) -> None:
+        """Raise ParameterError ("prompt") for a text prompt too long for the context however it
+        tokenizes, without tokenizing it (:meth:`intake` checks this too)."""
+        self._intake.check_text_fits(text, max_tokens)
+
     def submit(self, state: RequestState) -> str:
         """Queue a validated request; ``state.callback`` receives its deltas on the engine thread.
 
@@ -125,12 +134,16 @@ class Engine:
         gone, ValueError when the state was submitted before or its request id is in use.
         """
         self._check_alive()
-        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+        if not self.output.reserve(state, self.config.max_waiting_requests):  # queued ones count too
             raise EngineOverloadedError(
                 f"too many waiting requests (max_waiting_requests={self.config.max_waiting_requests})"
             )
-        self.output.reserve(state)
-        self._commands.put(lambda: self.output.admit(state))
+        try:
+            self._enqueue(lambda: self.output.admit(state), lambda: self._close_request(state))
+        except EngineDeadError:
+            self.output.stop_waiting(state)
+            self.output.release(state.request_id)
+            raise
         return state.request_id
 
     def add_request(
@@ -142,8 +155,8 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its KV is released at the next step boundary."""
-        if self.is_healthy():
-            self._commands.put(lambda: self.output.abort(request_id))
+        with contextlib.suppress(EngineDeadError):  # a stopped engine already ended every request
+            self._enqueue(lambda: self.output.abort(request_id), lambda: None)
 
     def abort_all(self) -> int:
         """Abort every request the engine holds, between steps; returns how many were aborted."""
@@ -160,7 +173,7 @@ class Engine:
             except BaseException as exc:  # delivered to the caller
                 future.set_exception(exc)
 
-        self._commands.put(run)
+        self._enqueue(run, lambda: future.set_exception(EngineDeadError(self._dead_message())))
         return future.result(timeout)
 
     def update_weights(
@@ -174,23 +187,25 @@ class Engine:
         """Replace model weights between steps; returns the new weight version.
 
         ``weights``: ``(name, tensor)`` pairs with Hugging Face names (partial updates allowed)
-        or a safetensors checkpoint folder. Everything is validated first: an invalid update
-        raises :class:`~tokenmill.model.loader.WeightError` and leaves the engine exactly as it
-        was. In-flight requests keep running (each token is tagged with the version that
+        or a safetensors checkpoint folder. Every tensor is read, validated (finite values
+        included) and staged on the calling thread first: an invalid update raises
+        :class:`~tokenmill.model.loader.WeightError` (a bad ``version``: ParameterError) and
+        leaves the engine exactly as it was. Between steps the version is checked again before
+        anything changes; then the staged copy, the cache flush and the version bump happen
+        together. In-flight requests keep running (each token is tagged with the version that
         produced it) unless ``abort_running``; ``flush_cache`` drops the prefix cache so no later
-        request reuses KV computed under the old weights. ``version`` defaults to current + 1 and
-        must increase.
+        request reuses KV computed under the old weights. ``version`` (an int below 2**63)
+        defaults to current + 1 and must increase.
         """
         self._check_alive()
-        planned = plan_update(self.model, weights)
+        next_version(self.weight_version, version)  # fail fast, before reading any weights
+        staged = stage_update(self.model, weights)
 
         def apply() -> int:
-            new_version = self.weight_version + 1 if version is None else version
-            if new_version <= self.weight_version:
-                raise ValueError(f"version must increase: {new_version} <= current {self.weight_version}")
+            new_version = next_version(self.weight_version, version)
             if abort_running:
                 self._abort_all()
-            apply_update(planned)
+            apply_update(staged)
             if flush_cache:
                 self.cache.reset_prefix_cache()
             self.weight_version = new_version
@@ -220,7 +235,8 @@ class Engine:
                 "cache": asdict(cache.stats),
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
-                "kv_usage": cache.usage(),
+                "kv_usage": cache.usage(),  # pages of live sequences
+                "kv_prefix_cache_usage": cache.prefix_cache_usage(),  # pages only the prefix cache holds
                 "kv_free_pages": cache.allocator.n_free,
                 "kv_capacity_pages": cache.allocator.capacity,
                 "kv_cached_pages": cache.radix.n_cached_pages if cache.radix is not None else 0,
@@ -237,14 +253,35 @@ class Engine:
         return self.call(snapshot, timeout)
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop after its current step and wait up to ``timeout`` seconds for it. Every request
+        still held ends with "abort", queued calls raise EngineDeadError, and later ones raise it too."""
         self._stop.set()
-        self._commands.put(lambda: None)
+        self._commands.put(lambda: None)  # wakes a waiting loop
         self._thread.join(timeout)
 
     # ------------------------------------------------------------------ engine thread
     def _check_alive(self) -> None:
         if not self.is_healthy():
-            raise EngineDeadError(f"the engine loop is not running: {self._dead or 'stopped'}")
+            raise EngineDeadError(self._dead_message())
+
+    def _dead_message(self) -> str:
+        return f"the engine loop is not running: {self._dead or 'stopped'}"
+
+    def _enqueue(self, run: Callable[[], None], cancel: Callable[[], None]) -> None:
+        """Queue ``run`` for the loop thread, or raise EngineDeadError once the loop has ended.
+        A command still queued when the loop ends runs ``cancel`` instead (in the final drain), so
+        every command is answered."""
+        with self._closing:
+            if self._closed:
+                raise EngineDeadError(self._dead_message())
+            self._commands.put(lambda: cancel() if self._closed else run())
+
+    def _close_request(self, state: RequestState) -> None:
+        """The final delta of a request the loop will not run: "abort" after a shutdown, "error" after a crash."""
+        if self._crash is None:
+            self.output.close(state, FinishReason.ABORT.value, None)
+        else:
+            self.output.close(state, FinishReason.ERROR.value, f"the engine loop died: {self._crash}")
 
     def _abort_all(self) -> int:
         request_ids = list(self.output.requests)
@@ -269,13 +306,32 @@ class Engine:
                 if self.scheduler.has_work() and not self._paused:
                     self._step()
         except BaseException as exc:  # the loop itself failed: make it visible, fail everyone
-            self._dead = f"{type(exc).__name__}: {exc}"
+            self._dead = self._crash = f"{type(exc).__name__}: {exc}"
             logger.exception("engine loop died")
-            for state in list(self.output.requests.values()):
-                self.output.fail(state.seqs, self._dead)
         finally:
             if self._dead is None:
                 self._dead = "shut down"
+            self._close()
+
+    def _close(self) -> None:
+        """Answer everyone still waiting on the ended loop: later enqueues raise, queued commands are
+        cancelled, and every request held gets its final delta."""
+        with self._closing:
+            self._closed = True
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                command()
+            except Exception:
+                logger.exception("cancelling a queued command failed")
+        for state in list(self.output.requests.values()):
+            try:
+                self._close_request(state)
+            except Exception:
+                logger.exception("ending request %s failed", state.request_id)
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -299,18 +355,27 @@ class Engine:
             metrics = seq.group.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = started
+                self.output.stop_waiting(seq.group)
         output = self.output
         try:
             logits = self.runner.forward(plan)
-            for seq, _ in plan.prefill:
-                if seq.n_kv == seq.n_tokens:
-                    self.cache.cache_prompt(seq.kv, seq.all_token_ids)
             sample_seqs = plan.sample_seqs
-            result = self.sampler.sample(logits, sample_seqs, self.eos_token_ids)
+            for seq in sample_seqs[len(plan.decode) :]:  # computed prompts, each parent before its forked children
+                self.cache.cache_prompt(seq.kv, seq.all_token_ids)
+            n_sample = len(sample_seqs)
+            spans = plan.prompt_logprobs
+            for (seq, _), entries in zip(spans, prompt_logprobs(logits[n_sample:], spans)):
+                seq.prompt_logprobs.extend(entries)
+            sampled, result, failures = self.sampler.sample_isolating_failures(
+                logits[:n_sample], sample_seqs, self.eos_token_ids
+            )
         except Exception as exc:
             logger.error("step failed; failing its %d sequence(s):\n%s", len(plan.seqs), traceback.format_exc())
             output.fail(plan.seqs, f"internal error in engine step: {type(exc).__name__}: {exc}")
             return
-        output.process(sample_seqs, result.token_ids, result.logprobs)
+        for seq, exc in failures:  # only these sequences (and their siblings) fail; the others go on
+            logger.error("sampling failed for sequence %d: %s: %s", seq.seq_id, type(exc).__name__, exc)
+            output.fail([seq], f"internal error in sampling: {type(exc).__name__}: {exc}")
+        output.process(sampled, result.token_ids, result.logprobs)
         self.step_time += now() - started
         self.forward_time += self.runner.last_forward_time

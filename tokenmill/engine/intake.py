@@ -2,7 +2,8 @@
 
 ``Intake.make`` tokenizes a text prompt once, validates every parameter against the engine's
 limits and the prompt against the context limit (the model's, the engine's and the KV cache's
-capacity), and returns the state that is then submitted as is. A refusal raises
+capacity), and returns the state that is then submitted as is. A text whose UTF-8 length alone
+proves it cannot fit is refused before it is tokenized. A refusal raises
 :class:`~tokenmill.request.ParameterError` naming the parameter; nothing is allocated before
 that, and nothing touches the engine's loop, scheduler or cache.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.prompt_size import bytes_per_token_bound, min_tokens
 from tokenmill.engine.sequence import Sequence
 from tokenmill.request import (
     INT63,
@@ -47,7 +49,9 @@ class RequestState:
     detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)  # empty without a tokenizer
     emitted_tokens: list[int] = field(default_factory=list)  # per sequence: tokens already sent
     final_sent: list[bool] = field(default_factory=list)  # per sequence: its last delta was sent
+    prompt_logprobs_sent: bool = False  # they go out once, with the first delta after they are complete
     submitted: bool = False  # set once by Engine.submit: a state runs at most once
+    waiting: bool = False  # submitted, not yet scheduled nor finished: counts against max_waiting_requests
 
     @property
     def finished(self) -> bool:
@@ -63,15 +67,13 @@ class Intake:
         limits: RequestLimits,
         context_limit: int,
         device: torch.device,
-        share_prompt: bool,
     ) -> None:
-        """``context_limit``: most tokens (prompt + output) one sequence may hold; ``share_prompt``:
-        siblings of an ``n > 1`` request wait for the first one's cached prompt (prefix caching on)."""
+        """``context_limit``: most tokens (prompt + output) one sequence may hold."""
         self.tokenizer = tokenizer
         self.limits = limits
         self.context_limit = context_limit
         self.device = device
-        self.share_prompt = share_prompt
+        self.bytes_per_token = bytes_per_token_bound(tokenizer) if tokenizer is not None else None
 
     def make(
         self, prompt: str | list[int], params: SamplingParams, callback: OutputCallback, request_id: str | None
@@ -82,6 +84,8 @@ class Intake:
             raise ParameterError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
         params = copy.deepcopy(params)
         params.validate(self.limits)
+        if isinstance(prompt, str):
+            self.check_text_fits(prompt, params.max_tokens)
         text, ids = self._tokens(prompt)
         limit = self.context_limit
         max_tokens = params.max_tokens
@@ -104,7 +108,7 @@ class Intake:
             if params.seed is not None:
                 seed = (params.seed + SIBLING_SEED_STRIDE * i) % INT63
                 seq.generator = torch.Generator(device=self.device).manual_seed(seed)
-            if i > 0 and self.share_prompt:
+            if i > 0:  # forked from sequence 0 once its prompt is computed (see the scheduler)
                 seq.wait_for = state.seqs[0]
             state.seqs.append(seq)
             if self.tokenizer is not None:
@@ -112,6 +116,21 @@ class Intake:
             state.emitted_tokens.append(0)
             state.final_sent.append(False)
         return state
+
+    def check_text_fits(self, text: str, max_tokens: int | None = None) -> None:
+        """Refuse (ParameterError "prompt") a text too long for the context limit with ``max_tokens``
+        (None: 1) output tokens however it tokenizes, without tokenizing it; never refuses a text
+        that fits (see :mod:`~tokenmill.engine.prompt_size`)."""
+        if self.bytes_per_token is None:
+            return
+        least = min_tokens(text, self.bytes_per_token)
+        outputs = max_tokens or 1
+        if least + outputs > self.context_limit:
+            raise ParameterError(
+                "prompt",
+                f"is at least {least} tokens long ({self.bytes_per_token} bytes of text per token at most), so with "
+                f"max_tokens ({outputs}) it exceeds the context limit of {self.context_limit} tokens",
+            )
 
     def _tokens(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """The prompt's text (None for token ids) and token ids, checked against the vocabulary."""

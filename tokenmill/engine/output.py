@@ -34,18 +34,32 @@ class OutputProcessor:
         self.finished_requests = 0
         self.failed_requests = 0
         self._live_ids: set[str] = set()  # ids from reserve() until the request's final delta
+        self._n_waiting = 0  # requests from reserve() until first scheduled or finished (state.waiting)
         self._ids_lock = threading.Lock()
 
-    def reserve(self, state: RequestState) -> None:
-        """Claim ``state``'s request id for it (any thread); ValueError if the state was submitted
-        before or the id belongs to a request that has not finished."""
+    def reserve(self, state: RequestState, max_waiting: int) -> bool:
+        """Claim ``state``'s request id and a waiting place for it (any thread); False, claiming
+        nothing, when ``max_waiting`` requests are waiting already (queued for the loop or in the
+        scheduler's waiting list, not yet scheduled); ValueError if the state was submitted before
+        or the id belongs to a request that has not finished."""
         with self._ids_lock:
             if state.submitted:
                 raise ValueError(f"request {state.request_id!r} was already submitted")
             if state.request_id in self._live_ids:
                 raise ValueError(f"request_id {state.request_id!r} is already in use")
-            state.submitted = True
+            if self._n_waiting >= max_waiting:
+                return False
+            state.submitted = state.waiting = True
+            self._n_waiting += 1
             self._live_ids.add(state.request_id)
+            return True
+
+    def stop_waiting(self, state: RequestState) -> None:
+        """The request was scheduled, finished or never queued: its waiting place is free (idempotent)."""
+        with self._ids_lock:
+            if state.waiting:
+                state.waiting = False
+                self._n_waiting -= 1
 
     def release(self, request_id: str) -> None:
         """Free a reserved id (the request finished, or was never queued)."""
@@ -103,7 +117,7 @@ class OutputProcessor:
         if not params.ignore_eos and token in self.eos_token_ids:
             self.finish(seq, FinishReason.STOP.value)
             return
-        if params.stop_token_ids and token in params.stop_token_ids:
+        if token in seq.stop_token_ids:
             self.finish(seq, FinishReason.STOP.value, stop_reason=token)
             return
         detok = state.detokenizers[seq.index] if state.detokenizers else None
@@ -139,6 +153,16 @@ class OutputProcessor:
                     self.finish(seq, FinishReason.ERROR.value, cache=False)
             self.emit(state)
 
+    def close(self, state: RequestState, reason: str, error: str | None) -> None:
+        """End a request the loop will never run again (the engine stopped; any thread once the loop
+        has ended): its unfinished sequences end with ``reason`` and ``error`` and its final delta is
+        sent. Its KV is left as it is: nothing uses the cache after the loop ends."""
+        for seq in state.seqs:
+            if not seq.is_finished:
+                seq.status = SeqStatus.FINISHED
+                seq.finish_reason, seq.error = reason, error
+        self.emit(state)
+
     def emit(self, state: RequestState) -> None:
         """Send the request's new tokens/text since the last emit; drop it once finished."""
         outputs = []
@@ -163,10 +187,16 @@ class OutputProcessor:
                     weight_versions=seq.weight_versions[start:],
                 )
             )
+        prompt_logprobs = state.seqs[0].prompt_logprobs
+        if state.prompt_logprobs_sent or prompt_logprobs is None or state.seqs[0].needs_prompt_logits:
+            prompt_logprobs = None
+        else:
+            state.prompt_logprobs_sent = True
         finished = state.finished
         if finished:
             state.metrics.finished_time = now()
             self.requests.pop(state.request_id, None)
+            self.stop_waiting(state)
             self.release(state.request_id)
             if any(s.finish_reason == FinishReason.ERROR.value for s in state.seqs):
                 self.failed_requests += 1
@@ -179,6 +209,7 @@ class OutputProcessor:
             outputs=outputs,
             finished=finished,
             metrics=state.metrics,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=state.seqs[0].kv.n_cached_tokens,
         )
         try:

@@ -1,4 +1,5 @@
-"""ModelRunner: StepPlan -> flat batch tensors + KV view -> model -> logits of the sampled rows.
+"""ModelRunner: StepPlan -> flat batch tensors + KV view -> model -> logits of the rows that need them:
+the sampled rows, then the prompt rows of ``prompt_logprobs`` (only in steps that have some).
 
 The runner is the one place that picks a step's execution path: a pure decode step replays a CUDA
 graph when one is available and fits, else runs the C++ decode forward when the backend and the
@@ -26,7 +27,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     kv_view: KVView
-    logits_indices: torch.Tensor | None  # [n_sampled] rows of the flat batch that need logits; None: all
+    logits_indices: torch.Tensor | None  # [n_sampled + n_prompt] rows of the flat batch that need logits; None: all
 
 
 class ModelRunner:
@@ -57,12 +58,16 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         logits_rows: list[int] = []
+        first_row: dict[int, int] = {}  # id(sequence) -> its first row in the flat batch
         for seq, n in zip(seqs, extend_lens):
             start = seq.n_kv - n
+            first_row[id(seq)] = len(ids) - start
             ids.extend(seq.tokens(start, seq.n_kv))
             pos.extend(range(start, seq.n_kv))
             if seq.n_kv == seq.n_tokens:
-                logits_rows.append(len(ids) - 1)
+                logits_rows.extend([len(ids) - 1] * (1 + len(plan.children(seq))))  # forked children share it
+        for seq, positions in plan.prompt_logprobs:
+            logits_rows.extend(first_row[id(seq)] + p for p in positions)
         parts = ([plan.decode_slots] if plan.decode else []) + plan.prefill_slots
         view = self.cache.bind_prefill([s.kv for s in seqs], extend_lens, torch.cat(parts))
         return ForwardBatch(
@@ -73,7 +78,8 @@ class ModelRunner:
         )
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Logits ``[len(plan.sample_seqs), vocab]`` in ``plan.sample_seqs`` order."""
+        """Logits ``[len(plan.sample_seqs) + n_prompt, vocab]``: ``plan.sample_seqs`` order, then the
+        positions of ``plan.prompt_logprobs`` in order. Then copies the forked children's partial pages."""
         batch = self.prepare(plan)
         start = time.perf_counter()
         n_decode = len(plan.decode)
@@ -83,6 +89,10 @@ class ModelRunner:
             logits = self.cpu_decode(batch.input_ids, batch.positions, batch.kv_view)
         else:
             logits = self.model(batch.input_ids, batch.positions, batch.kv_view, batch.logits_indices)
+        if plan.forks:
+            self.cache.copy_kv(
+                torch.cat([f.src_slots for f in plan.forks]), torch.cat([f.dst_slots for f in plan.forks])
+            )
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         self.last_forward_time = time.perf_counter() - start

@@ -16,6 +16,7 @@ Logprobs come from ``log_softmax`` of the raw model logits, before any of the ab
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +137,36 @@ class Sampler:
         logprobs = _logprobs(logits, seqs, token_ids) if wants_logprobs else [None] * len(seqs)
         return SampleResult(token_ids, logprobs)
 
+    def sample_isolating_failures(
+        self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]
+    ) -> tuple[list[Sequence], SampleResult, list[tuple[Sequence, Exception]]]:
+        """:meth:`sample`, where one sequence's failure does not fail the others.
+
+        Returns the sequences that got a token, their result, and each failed sequence with its
+        error. If the batch raises, every sequence is sampled alone, its own generator first rewound
+        to where the batch found it (so it draws what it would have drawn in a clean batch), and
+        only the sequences that fail alone fail.
+        """
+        generators = [(g, g.get_state()) for seq in seqs if (g := seq.generator) is not None]
+        try:
+            return seqs, self.sample(logits, seqs, eos_token_ids), []
+        except Exception:
+            for generator, state in generators:
+                generator.set_state(state)
+        sampled: list[Sequence] = []
+        result = SampleResult([], [])
+        failures: list[tuple[Sequence, Exception]] = []
+        for i, seq in enumerate(seqs):
+            try:
+                alone = self.sample(logits[i : i + 1], [seq], eos_token_ids)
+            except Exception as exc:
+                failures.append((seq, exc))
+                continue
+            sampled.append(seq)
+            result.token_ids += alone.token_ids
+            result.logprobs += alone.logprobs
+        return sampled, result, failures
+
     def _apply_bias_and_bans(self, work: torch.Tensor, seqs: list[Sequence], banned: list[set[int]]) -> None:
         rows: list[int] = []
         cols: list[int] = []
@@ -235,37 +266,62 @@ def _banned_ids(seq: Sequence, eos_token_ids: set[int]) -> set[int]:
     params = seq.params
     if len(seq.output_token_ids) >= params.min_tokens:
         return set()
-    banned = set(params.stop_token_ids or [])
+    banned = set(seq.stop_token_ids)
     if not params.ignore_eos:
         banned |= eos_token_ids
     return banned
 
 
 def _logprobs(raw_logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list[dict[int, Logprob] | None]:
-    """Chosen token plus the top ``params.logprobs`` tokens of the raw distribution, per sequence.
-
-    A token's rank is 1 + the number of tokens with a strictly larger logprob (ties share a rank).
-    The chosen token comes first in each dict. Values are floored at ``LOGPROB_FLOOR`` (NaN and -inf
-    included), so they are always finite.
-    """
+    """Chosen token plus the top ``params.logprobs`` tokens of the raw distribution, per sequence
+    (None for a sequence that did not ask); see :func:`token_logprobs`."""
     rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
     index = torch.tensor(rows, device=raw_logits.device)
-    logprobs = torch.log_softmax(raw_logits[index].float(), dim=-1)
+    entries = token_logprobs(
+        raw_logits[index], [token_ids[i] for i in rows], [seqs[i].params.logprobs or 0 for i in rows]
+    )
+    result: list[dict[int, Logprob] | None] = [None] * len(seqs)
+    for i, entry in zip(rows, entries):
+        result[i] = entry
+    return result
+
+
+def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, range]]) -> list[list[dict[int, Logprob]]]:
+    """Per span ``(sequence, positions)``: the entries of prompt tokens ``p + 1`` for ``p`` in
+    ``positions`` (the actual token plus the top ``params.prompt_logprobs``), from the rows of
+    ``logits`` that hold the spans' positions in order."""
+    targets: list[int] = []
+    top_k: list[int] = []
+    for seq, positions in spans:
+        targets += seq.prompt_token_ids[positions.start + 1 : positions.stop + 1]
+        top_k += [seq.params.prompt_logprobs or 0] * len(positions)
+    entries = token_logprobs(logits, targets, top_k) if targets else []
+    starts = list(itertools.accumulate((len(p) for _, p in spans), initial=0))
+    return [entries[a:b] for a, b in itertools.pairwise(starts)]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_k: list[int]) -> list[dict[int, Logprob]]:
+    """Per row of ``logits`` ``[R, V]``: ``token_ids[r]`` plus the ``top_k[r]`` most likely tokens
+    under the fp32 log-softmax of the row (also what prompt logprobs are).
+
+    A token's rank is 1 + the number of tokens with a strictly larger logprob (ties share a rank).
+    The given token comes first in each dict. Values are floored at ``LOGPROB_FLOOR`` (NaN and -inf
+    included), so they are always finite.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
     logprobs = torch.nan_to_num(logprobs, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
-    chosen = torch.tensor([token_ids[i] for i in rows], device=logprobs.device)
+    chosen = torch.tensor(token_ids, device=logprobs.device)
     chosen_lp = logprobs.gather(1, chosen[:, None])
     chosen_rank = (logprobs > chosen_lp).sum(dim=-1) + 1
-    k_max = max(seqs[i].params.logprobs or 0 for i in rows)
-    top_lp, top_ids = logprobs.topk(k_max, dim=-1)
+    top_lp, top_ids = logprobs.topk(max(top_k, default=0), dim=-1)
     top_rank = torch.searchsorted(-top_lp, -top_lp, side="left") + 1
 
-    result: list[dict[int, Logprob] | None] = [None] * len(seqs)
     chosen_lp_list, chosen_rank_list = chosen_lp[:, 0].tolist(), chosen_rank.tolist()
     top_lp_list, top_ids_list, top_rank_list = top_lp.tolist(), top_ids.tolist(), top_rank.tolist()
-    for j, i in enumerate(rows):
-        k = seqs[i].params.logprobs or 0
-        entry = {token_ids[i]: Logprob(chosen_lp_list[j], chosen_rank_list[j])}
-        for token, value, rank in zip(top_ids_list[j][:k], top_lp_list[j][:k], top_rank_list[j][:k]):
-            entry.setdefault(token, Logprob(value, rank))
-        result[i] = entry
+    result = []
+    for r, (token, k) in enumerate(zip(token_ids, top_k)):
+        entry = {token: Logprob(chosen_lp_list[r], chosen_rank_list[r])}
+        for top, value, rank in zip(top_ids_list[r][:k], top_lp_list[r][:k], top_rank_list[r][:k]):
+            entry.setdefault(top, Logprob(value, rank))
+        result.append(entry)
     return result

@@ -5,21 +5,38 @@ Every step (engine thread only):
    admitted sequence is preempted (its pages freed — full ones kept in the prefix cache — and it
    goes back to the head of the queue to be recomputed later; its generated tokens are kept);
 2. running sequences part-way through their prompt get the next chunk (chunked prefill);
-3. waiting sequences are admitted FIFO while rows, pages and the budget last.
-Decode and prefill tokens of one step run in one ragged forward.
+3. waiting sequences are admitted FIFO while rows, pages and the budget last;
+4. the siblings of an ``n > 1`` request wait until sequence 0's prompt is computed: in the step
+   that computes its last prompt token, each sibling is forked from it (the full pages shared, the
+   partial last page copied after the forward) and samples its first token from the same logits,
+   so the prompt runs once and every sibling starts decoding in the same step. A sibling that finds
+   no row or page then is admitted as a sequence of its own once sequence 0 has its first token.
+Decode and prefill tokens of one step run in one ragged forward. A sequence asking
+``prompt_logprobs`` is admitted without a prefix-cache match, so every prompt token has logits.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tokenmill.cache.manager import CacheManager
 from tokenmill.config import EngineConfig
 from tokenmill.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass
+class Fork:
+    """``child`` got ``parent``'s prompt KV this step; after the forward, the K/V of ``src_slots``
+    (the parent's partial last page) is copied to ``dst_slots`` (the child's own page)."""
+
+    parent: Sequence
+    child: Sequence
+    src_slots: torch.Tensor
+    dst_slots: torch.Tensor
 
 
 @dataclass
@@ -30,6 +47,9 @@ class StepPlan:
     prefill: list[tuple[Sequence, int]]  # (sequence, tokens computed this step)
     decode_slots: torch.Tensor | None
     prefill_slots: list[torch.Tensor]
+    forks: list[Fork] = field(default_factory=list)
+    prompt_logprobs: list[tuple[Sequence, range]] = field(default_factory=list)
+    """Prefill positions whose logits give prompt logprobs (``Sequence.prompt_logprob_positions``)."""
 
     @property
     def is_pure_decode(self) -> bool:
@@ -41,12 +61,22 @@ class StepPlan:
 
     @property
     def sample_seqs(self) -> list[Sequence]:
-        """Sequences that get a next token from this step (prefill ones only on their last chunk)."""
-        return self.decode + [s for s, _ in self.prefill if s.n_kv == s.n_tokens]
+        """Sequences that get a next token from this step (prefill ones only on their last chunk),
+        each forked child right after its parent (it samples from the parent's logits)."""
+        seqs = list(self.decode)
+        for seq, _ in self.prefill:
+            if seq.n_kv == seq.n_tokens:
+                seqs.append(seq)
+                seqs.extend(self.children(seq))
+        return seqs
+
+    def children(self, seq: Sequence) -> list[Sequence]:
+        """Sequences forked from ``seq`` this step."""
+        return [f.child for f in self.forks if f.parent is seq]
 
     @property
     def seqs(self) -> list[Sequence]:
-        return self.decode + [s for s, _ in self.prefill]
+        return self.decode + [s for s, _ in self.prefill] + [f.child for f in self.forks]
 
 
 @dataclass
@@ -116,10 +146,11 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.cache.req_pool.max_rows:
             seq = self.waiting.popleft()
-            if seq.wait_for is not None and not (seq.wait_for.kv.prompt_cached or seq.wait_for.is_finished):
-                skipped.append(seq)
+            parent = seq.wait_for
+            if parent is not None and not (parent.output_token_ids or parent.is_finished):
+                skipped.append(seq)  # forked once the parent's prompt is computed
                 continue
-            if not self.cache.alloc(seq.kv, seq.all_token_ids):
+            if not self.cache.alloc(seq.kv, seq.all_token_ids, use_prefix_cache=not seq.needs_prompt_logits):
                 self.waiting.appendleft(seq)
                 break
             remaining = seq.n_tokens - seq.n_kv
@@ -141,8 +172,29 @@ class Scheduler:
         if not decode and not prefill:
             return None
         plan = StepPlan(decode=decode, prefill=prefill, decode_slots=decode_slots, prefill_slots=slots)
+        for seq, n in prefill:
+            if seq.n_kv == seq.n_tokens and not seq.output_token_ids and seq.params.n > 1:
+                plan.forks += self._fork_siblings(seq)
+            positions = seq.prompt_logprob_positions(seq.n_kv - n, seq.n_kv)
+            if positions:
+                plan.prompt_logprobs.append((seq, positions))
         self._count(plan)
         return plan
+
+    def _fork_siblings(self, parent: Sequence) -> list[Fork]:
+        """Fork the waiting siblings of ``parent``, whose prompt this step completes, while rows and
+        pages last; they run from now on."""
+        forks = []
+        for child in [s for s in self.waiting if s.wait_for is parent]:
+            slots = self.cache.fork(parent.kv, child.kv)
+            if slots is None:
+                break
+            self.waiting.remove(child)
+            child.status = SeqStatus.RUNNING
+            child.admit_order = next(self._admissions)
+            self.running.append(child)
+            forks.append(Fork(parent, child, *slots))
+        return forks
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

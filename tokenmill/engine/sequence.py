@@ -40,11 +40,30 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
-    wait_for: Sequence | None = None  # admitted only once this one's prompt is cached (n > 1)
+    wait_for: Sequence | None = None  # a sibling: forked from this one once its prompt is computed (n > 1)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # sequence 0 only, when asked: see below
     generator: torch.Generator | None = None  # per-request seed; None = the engine's generator
 
     kv: KVHandle = field(default_factory=KVHandle)
     admit_order: int = -1  # written by the scheduler at each admission
+    stop_token_ids: frozenset[int] = field(init=False)  # params.stop_token_ids as a set, built once
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = frozenset(self.params.stop_token_ids or ())
+        if self.index == 0 and self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob
+
+    def prompt_logprob_positions(self, start: int, end: int) -> range:
+        """Positions of ``start .. end-1`` whose logits give a prompt logprob not yet collected:
+        position ``p`` gives the entry of prompt token ``p + 1`` (``prompt_logprobs[p + 1]``)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(end, len(self.prompt_token_ids) - 1))
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Some prompt logprob is still to be collected (so no prompt token may come from the prefix cache)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

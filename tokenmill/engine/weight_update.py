@@ -1,15 +1,25 @@
 """Validated, all-or-nothing weight updates from (name, tensor) pairs or a safetensors folder.
 
-``plan_update`` checks every name, shape and dtype against the model before anything is
-touched (on the caller's thread), with the loader's own checks (``model/weights.py``);
-``apply_update`` copies the tensors in place (on the engine thread, between steps), so the
-parameters keep their storage. Names are Hugging Face checkpoint names; a tensor of a packed
-projection (q/k/v, gate/up) updates its rows only. An update may name any subset of the weights.
+Two phases. :func:`stage_update` (on the caller's thread, the engine untouched) reads every
+tensor, checks it with the loader's own checks (``model/weights.py``: expected name, exact shape,
+floating dtype, dense readable data, finite values) and copies it into staging memory already in
+its parameter's dtype, device and layout, where it is checked again (a value may overflow the
+narrower dtype). A folder's files are read completely here, so rewriting them afterwards changes
+nothing. :func:`apply_update` (on the engine thread, between steps) then only copies staged
+tensors of identical shape, dtype and device in place, which cannot fail halfway; the parameters
+keep their storage (CUDA graphs stay valid). Staging holds one extra copy of the updated weights
+until the update is applied.
+
+Derived copies of the weights are never stale: a oneDNN blocked copy (``kernels/linear.py``
+``BlockedCopy``) is remade on its next use from the weight's version counter, which the in-place
+copy moves, and is replaced only once remade. Names are Hugging Face checkpoint names; a tensor
+of a packed projection (q/k/v, gate/up) or of one expert updates its rows only; a tied LM head is
+the embedding. An update may name any subset of the weights, each at most once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,61 +28,79 @@ from safetensors import safe_open
 
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.loader import weight_files
-from tokenmill.model.weights import WeightError, WeightTarget, check_tensor, checkpoint_targets
+from tokenmill.model.weights import WeightError, WeightTarget, check_finite, check_tensor, checkpoint_targets
+from tokenmill.request import ParameterError
 
 WeightsSource = Iterable[tuple[str, torch.Tensor]] | str | Path
 
-SAFETENSORS_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-"""safetensors dtype codes -> torch dtypes, to check a file's tensors before reading them."""
+MAX_WEIGHT_VERSION = 2**63 - 1
+"""Weight versions are int64 (they tag every generated token)."""
 
 
-@dataclass
-class PlannedTensor:
-    """A validated tensor of an update: its name, where it goes, and how to read it."""
+@dataclass(frozen=True)
+class StagedTensor:
+    """A validated tensor of an update, in its parameter's dtype, device and shape, and where it goes."""
 
     name: str
     target: WeightTarget
-    read: Callable[[], torch.Tensor]
+    tensor: torch.Tensor
 
 
-def plan_update(model: CausalLM, weights: WeightsSource) -> list[PlannedTensor]:
-    """Validate everything; raise :class:`WeightError` naming the first bad tensor, touching nothing."""
+def next_version(current: int, requested: int | None) -> int:
+    """The version an update moves to: ``requested``, or ``current + 1`` when None.
+
+    Raises :class:`ParameterError` (``version``) unless it is an int (not a bool) in
+    ``[0, MAX_WEIGHT_VERSION]`` greater than ``current``.
+    """
+    if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int)):
+        raise ParameterError("version", f"must be an integer, got {type(requested).__name__}")
+    version = current + 1 if requested is None else requested
+    if not 0 <= version <= MAX_WEIGHT_VERSION:
+        raise ParameterError("version", f"must lie in [0, 2**63 - 1], got {version}")
+    if version <= current:
+        raise ParameterError("version", f"must increase: {version} <= current {current}")
+    return version
+
+
+def stage_update(model: CausalLM, weights: WeightsSource) -> list[StagedTensor]:
+    """Read, validate and stage every tensor of ``weights``; raise :class:`WeightError` naming the
+    first bad tensor (nothing of the model is touched either way)."""
     targets = checkpoint_targets(model)
-    planned: list[PlannedTensor] = []
+    staged: dict[str, StagedTensor] = {}
+    for name, tensor, source in _read(weights):
+        target = check_tensor(model, targets, name, tensor, source)
+        if target is None:
+            continue
+        if name in staged:
+            raise WeightError(f"{source}: tensor {name!r} appears more than once in the update")
+        copy = target.stage(tensor)
+        if copy.dtype != tensor.dtype:
+            check_finite(copy, f"{source}: tensor {name!r} converted to {copy.dtype}")
+        staged[name] = StagedTensor(name, target, copy)
+    if not staged:
+        raise WeightError("the update contains no weights of this model")
+    return list(staged.values())
+
+
+def _read(weights: WeightsSource) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """``(name, tensor, source)`` for each tensor of ``weights``; a folder's files one at a time."""
     if isinstance(weights, (str, Path)):
         for file in weight_files(weights):
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 for name in handle.keys():
-                    sliced = handle.get_slice(name)
-                    dtype = SAFETENSORS_FLOAT_DTYPES.get(sliced.get_dtype(), torch.int64)  # int64: not a float
-                    meta = torch.empty(sliced.get_shape(), dtype=dtype, device="meta")
-                    target = check_tensor(model, targets, name, meta, str(file))
-                    if target is not None:
-                        planned.append(PlannedTensor(name, target, _file_reader(file, name)))
-        return planned
+                    yield name, handle.get_tensor(name), str(file)
+        return
     for item in weights:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
             raise WeightError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
         name, tensor = item
         if not isinstance(tensor, torch.Tensor):
             raise WeightError(f"weight {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
-        target = check_tensor(model, targets, name, tensor, "update")
-        if target is not None:
-            planned.append(PlannedTensor(name, target, lambda t=tensor: t))
-    if not planned:
-        raise WeightError("the update contains no weights of this model")
-    return planned
+        yield name, tensor, "update"
 
 
-def _file_reader(file: Path, name: str) -> Callable[[], torch.Tensor]:
-    def read() -> torch.Tensor:
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            return handle.get_tensor(name)
-
-    return read
-
-
-def apply_update(planned: list[PlannedTensor]) -> None:
-    """Copy validated tensors into the model (call only between forwards)."""
-    for item in planned:
-        item.target.load(item.read())
+def apply_update(staged: list[StagedTensor]) -> None:
+    """Copy staged tensors into the model (call only between forwards). Each copy is between
+    tensors of one shape, dtype and device, so this does not fail partway."""
+    for item in staged:
+        item.target.load(item.tensor)

@@ -23,7 +23,7 @@ from tokenmill.model.moe import CheckpointShards
 
 
 class WeightError(ValueError):
-    """A checkpoint tensor that is missing, unexpected, or of the wrong shape or dtype."""
+    """A checkpoint tensor that is missing, unexpected, or not a valid value for its parameter."""
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,19 @@ class WeightTarget:
         return tuple(self.param[self.index].shape)
 
     def load(self, tensor: torch.Tensor) -> None:
-        """Copy a tensor that passed :func:`check_tensor` into its place."""
+        """Copy a tensor that passed :func:`check_tensor` into its place (converted to the parameter's
+        dtype and device on the way; with a tensor from :meth:`stage`, a plain copy that cannot fail)."""
         with torch.no_grad():
             self.param[self.index].copy_(tensor)
+
+    def stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` (which passed :func:`check_tensor`) in fresh contiguous memory, in the
+        parameter's dtype and on its device: what :meth:`load` then copies from as is. Shares no
+        memory with ``tensor`` (nor with the file a safetensors tensor maps)."""
+        staged = torch.empty(self.shape, dtype=self.param.dtype, device=self.param.device)
+        with torch.no_grad():
+            staged.copy_(tensor)
+        return staged
 
 
 def checkpoint_targets(model: CausalLM) -> dict[str, WeightTarget]:
@@ -80,20 +90,36 @@ def check_tensor(
 ) -> WeightTarget | None:
     """Where checkpoint tensor ``name`` goes; None for tensors to skip.
 
-    ``tensor`` may be on the meta device (only its shape and dtype are read). Raises
-    :class:`WeightError` naming ``source`` and the tensor for unknown names, wrong shapes or
-    non-floating dtypes.
+    Raises :class:`WeightError` naming ``source`` and the tensor unless the name is expected and
+    ``tensor`` holds readable data in the plain layout (dense and strided: not sparse, quantized,
+    nested or on the meta device; on the CPU or the parameter's kind of device), has exactly the
+    target's shape (no broadcasting), a floating-point dtype, and finite values only.
     """
     if model.skips_weight(name):
         return None
     target = targets.get(name)
     if target is None:
         raise WeightError(f"{source}: unexpected tensor {name!r} (not part of a {model.config.architecture})")
+    where = f"{source}: tensor {name!r}"
+    if tensor.is_meta or tensor.device.type not in ("cpu", target.param.device.type):
+        raise WeightError(f"{where} is on device {tensor.device}, expected real data on the CPU or the model's device")
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+        kind = "quantized" if tensor.is_quantized else "nested" if tensor.is_nested else str(tensor.layout)
+        raise WeightError(f"{where} is {kind}, expected a dense strided tensor")
     if tuple(tensor.shape) != target.shape:
-        raise WeightError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {target.shape}")
+        raise WeightError(f"{where} has shape {tuple(tensor.shape)}, expected {target.shape}")
     if not tensor.is_floating_point():
-        raise WeightError(f"{source}: tensor {name!r} has dtype {tensor.dtype}, expected a floating-point dtype")
+        raise WeightError(f"{where} has dtype {tensor.dtype}, expected a floating-point dtype")
+    check_finite(tensor, where)
     return target
+
+
+def check_finite(tensor: torch.Tensor, where: str) -> None:
+    """Raise :class:`WeightError` (message starting with ``where``) if ``tensor`` holds a NaN or an infinity."""
+    finite = torch.isfinite(tensor)
+    if not bool(finite.all()):
+        n_bad = finite.numel() - int(finite.sum())
+        raise WeightError(f"{where} holds {n_bad} non-finite value(s) (NaN or infinity)")
 
 
 def check_complete(targets: dict[str, WeightTarget], loaded: set[str]) -> None:

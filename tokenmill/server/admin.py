@@ -6,7 +6,8 @@
   ``{"success": true, "weight_version": N}``. ``model_path`` and every weight file it names must
   resolve (``..`` and symlinks followed) to a path under one of the server's allowed weight roots;
   with no roots configured every path is refused. Outside the roots -> 403; a missing folder, a
-  non-safetensors or invalid checkpoint, or a version that does not increase -> 400, engine unchanged.
+  non-safetensors or invalid checkpoint (non-finite values included), or a ``version`` that is not
+  an integer in ``[0, 2**63)`` above the current one -> 400, engine unchanged.
 - ``POST /pause_generation`` / ``POST /resume_generation`` -> ``{"success": true, "paused": bool}``:
   requests stay queued or running, no step runs while paused.
 - ``GET /weight_version`` -> ``{"weight_version": N}``.
@@ -19,14 +20,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter
-from pydantic import Field
+from pydantic import Field, StrictInt
 from safetensors import SafetensorError
 
 from tokenmill.engine.engine import Engine, EngineDeadError
+from tokenmill.engine.weight_update import MAX_WEIGHT_VERSION
 from tokenmill.model.loader import weight_files
+from tokenmill.request import ParameterError
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import Body
 from tokenmill.server.state import State
@@ -34,7 +37,7 @@ from tokenmill.server.state import State
 
 class UpdateWeightsRequest(Body):
     model_path: str = Field(min_length=1)
-    version: int | None = None
+    version: Annotated[StrictInt, Field(ge=0, le=MAX_WEIGHT_VERSION)] | None = None
     flush_cache: bool = True
     abort_running: bool = False
 
@@ -99,7 +102,7 @@ def build_router(allowed_weight_roots: Iterable[str | Path] = ()) -> APIRouter:
         try:
             version = await _engine_call(update)
         except (ValueError, OSError, SafetensorError) as exc:  # WeightError is a ValueError
-            param = "version" if str(exc).startswith("version") else "model_path"
+            param = exc.param if isinstance(exc, ParameterError) else "model_path"
             raise APIError(
                 400, f"cannot update weights from {body.model_path!r}: {exc}", param=param, code="invalid_weights"
             ) from exc

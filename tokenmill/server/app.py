@@ -8,19 +8,19 @@ Anthropic (:mod:`tokenmill.server.anthropic`),
 pause/resume, weight version).
 
 With ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer KEY`` or
-``x-api-key: KEY``. Request bodies over ``max_body_bytes`` are refused with 413
-(:class:`~tokenmill.server.body_limit.BodySizeLimit`). Starting and stopping a server:
-:mod:`tokenmill.server.lifecycle`.
+``x-api-key: KEY``, checked before the body is read (:class:`~tokenmill.server.auth.APIKeyCheck`).
+Request bodies over ``max_body_bytes`` are refused with 413, bodies not complete within
+``body_timeout_seconds`` with 408 (:class:`~tokenmill.server.body_limit.BodyLimits`). Starting and
+stopping a server: :mod:`tokenmill.server.lifecycle`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -28,28 +28,13 @@ from tokenmill import __version__
 from tokenmill.engine.engine import Engine
 from tokenmill.metrics import ServerMetrics
 from tokenmill.server import admin, anthropic, openai, openai_chat, openai_completions
-from tokenmill.server.body_limit import BodySizeLimit
-from tokenmill.server.errors import APIError, install_error_handlers
+from tokenmill.server.auth import APIKeyCheck
+from tokenmill.server.body_limit import BodyLimits
+from tokenmill.server.errors import install_error_handlers
+from tokenmill.server.limits import ConnectionLimits
 from tokenmill.server.state import ServerState, State
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-
-
-def _api_key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
-    """A dependency that lets a request through only if it carries ``api_key`` (constant-time compare)."""
-    expected = api_key.encode() if api_key is not None else None
-
-    async def check(request: Request) -> None:
-        if expected is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        offered = [request.headers.get("x-api-key", ""), token.strip() if scheme.lower() == "bearer" else ""]
-        if not any(key and hmac.compare_digest(key.encode(), expected) for key in offered):
-            raise APIError(
-                401, "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)", code="invalid_api_key"
-            )
-
-    return check
 
 
 def create_app(
@@ -58,6 +43,8 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     allowed_weight_roots: Iterable[str | Path] = (),
+    body_timeout_seconds: float = ConnectionLimits.body_timeout_seconds,
+    allow_special_tokens_in_content: bool = False,
 ) -> FastAPI:
     """An app serving ``engine`` (which the caller owns and shuts down).
 
@@ -66,15 +53,16 @@ def create_app(
     """
     name = served_model_name or engine.config.model_path().name
     app = FastAPI(title="tokenmill", version=__version__, openapi_url=None if api_key else "/openapi.json")
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    app.state.server = ServerState(engine, name, ServerMetrics(engine))
+    app.add_middleware(BodyLimits, max_bytes=max_body_bytes, timeout_s=body_timeout_seconds)
+    if api_key is not None:  # added last, so it runs first: before anything reads the body
+        app.add_middleware(APIKeyCheck, api_key=api_key)
+    app.state.server = ServerState(engine, name, ServerMetrics(engine), allow_special_tokens_in_content)
     install_error_handlers(app, max_body_bytes)
-    auth = [Depends(_api_key_check(api_key))]
-    app.include_router(openai.router, dependencies=auth)
-    app.include_router(openai_chat.router, dependencies=auth)
-    app.include_router(openai_completions.router, dependencies=auth)
-    app.include_router(anthropic.router, dependencies=auth)
-    app.include_router(admin.build_router(allowed_weight_roots), dependencies=auth)
+    app.include_router(openai.router)
+    app.include_router(openai_chat.router)
+    app.include_router(openai_completions.router)
+    app.include_router(anthropic.router)
+    app.include_router(admin.build_router(allowed_weight_roots))
 
     @app.get("/health")
     async def health(state: State) -> JSONResponse:
@@ -82,11 +70,11 @@ def create_app(
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "engine is not running"}, status_code=503)
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics")
     async def metrics(state: State) -> Response:
         return Response(await asyncio.to_thread(state.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/version", dependencies=auth)
+    @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
 

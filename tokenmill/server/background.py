@@ -1,4 +1,8 @@
-"""Serve an engine from a background thread on a free loopback port (tests, benchmarks, notebooks)."""
+"""Serve an engine from a background thread on a free loopback port (tests, benchmarks, notebooks).
+
+The server is the one ``run_server`` runs (:func:`~tokenmill.server.lifecycle.build_server`): the
+same connection limits, and the same graceful drain when the block ends.
+"""
 
 from __future__ import annotations
 
@@ -9,23 +13,29 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import uvicorn
-
 from tokenmill.engine.engine import Engine
-from tokenmill.server.app import create_app
+from tokenmill.server.lifecycle import DEFAULT_SHUTDOWN_GRACE_S, SHUTDOWN_BACKSTOP_S, build_server
+from tokenmill.server.limits import ConnectionLimits
 
 
 @contextlib.contextmanager
-def serve_in_background(engine: Engine, start_timeout: float = 60.0, **app_options: Any) -> Iterator[int]:
-    """Run uvicorn on 127.0.0.1 for the duration of the block; yields the port.
+def serve_in_background(
+    engine: Engine,
+    start_timeout: float = 60.0,
+    limits: ConnectionLimits | None = None,
+    shutdown_grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_S,
+    **app_options: Any,
+) -> Iterator[int]:
+    """Run the server on 127.0.0.1 for the duration of the block; yields the port.
 
-    The server is stopped when the block ends; the engine is left to the caller.
+    When the block ends the server shuts down gracefully (requests in flight get
+    ``shutdown_grace_seconds``); the engine is left to the caller. ``app_options`` go to
+    :func:`~tokenmill.server.app.create_app`.
     """
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    config = uvicorn.Config(create_app(engine, **app_options), host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
+    server = build_server(engine, "127.0.0.1", port, limits, shutdown_grace_seconds, log_level="warning", **app_options)
     thread = threading.Thread(target=server.run, name="tokenmill-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout
@@ -37,4 +47,4 @@ def serve_in_background(engine: Engine, start_timeout: float = 60.0, **app_optio
         yield port
     finally:
         server.should_exit = True
-        thread.join(30)
+        thread.join(shutdown_grace_seconds + SHUTDOWN_BACKSTOP_S + 30)

@@ -1,23 +1,30 @@
-"""BodySizeLimit: an ASGI middleware that refuses request bodies over a byte limit with 413.
+"""BodyLimits: an ASGI middleware that bounds each request body in size (413) and in arrival time (408).
 
-The limit is enforced where the body is read: the wrapped ``receive`` raises
-``HTTPException(413)`` at once when Content-Length announces too many bytes, and otherwise as soon
-as the bytes received exceed the limit (a chunked body has no Content-Length). FastAPI re-raises
-HTTPExceptions from body reading, so the app's own handler renders the 413 in the route's error
-shape, and an over-long body is never buffered whole.
+The limits are enforced where the body is read: the wrapped ``receive`` raises
+``HTTPException(413)`` at once when Content-Length announces more than ``max_bytes``, and
+otherwise as soon as the bytes received exceed it (a chunked body has no Content-Length); it
+raises ``HTTPException(408)`` when the body is not complete ``timeout_s`` after the request's
+headers. FastAPI re-raises HTTPExceptions from body reading, so the app's own handler renders
+them in the route's error shape; an over-long body is never buffered whole. After either error
+the response carries ``connection: close``: the rest of the body is never read.
+Once the body is complete, ``receive`` is passed through untimed (it then waits for a disconnect).
 """
 
 from __future__ import annotations
 
-from starlette.datastructures import Headers
+import asyncio
+import time
+
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
-class BodySizeLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+class BodyLimits:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -25,17 +32,34 @@ class BodySizeLimit:
             return
         announced = Headers(scope=scope).get("content-length", "")
         too_long = announced.isdigit() and int(announced) > self.max_bytes
+        deadline = time.monotonic() + self.timeout_s
         received = 0
+        body_complete = False
+        refused = False
 
         async def limited_receive() -> Message:
-            nonlocal received
+            nonlocal received, body_complete, refused
+            if body_complete:
+                return await receive()
             if too_long:
+                refused = True
                 raise HTTPException(413)
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                refused = True
+                raise HTTPException(408, f"the request body did not arrive within {self.timeout_s:g} s") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
+                    refused = True
                     raise HTTPException(413)
+            body_complete = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def closing_send(message: Message) -> None:
+            if refused and message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["connection"] = "close"
+            await send(message)
+
+        await self.app(scope, limited_receive, closing_send)

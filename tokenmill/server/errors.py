@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 from tokenmill.engine.engine import EngineDeadError, EngineOverloadedError
 from tokenmill.request import ParameterError
+from tokenmill.server.nesting import too_deep_message
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -102,6 +103,8 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):  # FastAPI's json.loads of the body
+            return error_response(request, APIError(400, too_deep_message("the request body")))
         if exc.status_code == 413:
             message = f"the request body is larger than the limit of {max_body_bytes} bytes"
             return error_response(request, APIError(413, message, code="request_too_large"))

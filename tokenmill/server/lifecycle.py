@@ -2,29 +2,43 @@
 
 ``run_server`` shuts down gracefully on SIGTERM or SIGINT: the listening socket is closed, requests
 that still arrive get 503, those in flight get ``shutdown_grace_seconds`` to finish, then the
-engine aborts the rest (streams end with ``finish_reason: "abort"``), the engine stops, and
-``run_server`` returns normally (``tokenmill serve`` exits 0).
+engine aborts the rest (streams end with ``finish_reason: "abort"``) and a request whose body is
+still arriving is answered 503, the engine stops, and ``run_server`` returns normally
+(``tokenmill serve`` exits 0).
+
+Every connection's time is bounded (:class:`~tokenmill.server.limits.ConnectionLimits`): headers
+(:mod:`~tokenmill.server.header_deadline`), body (:class:`~tokenmill.server.body_limit.BodyLimits`),
+keep-alive idle time and the number of connections (uvicorn's own settings); messages that a
+client or a lack of file descriptors can repeat at will are throttled in the log
+(:mod:`~tokenmill.server.log_throttle`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import socket
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from fastapi import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine, EngineDeadError
+from tokenmill.request import ParameterError
 from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, create_app
 from tokenmill.server.errors import APIError, error_response
+from tokenmill.server.header_deadline import HeaderDeadlineH11Protocol
+from tokenmill.server.limits import ConnectionLimits
+from tokenmill.server.log_throttle import install_log_throttle
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -34,7 +48,12 @@ ABORT_POLL_S = 0.1
 
 
 class DrainGate:
-    """ASGI wrapper that counts HTTP requests in flight and, once ``closed``, answers new ones 503."""
+    """ASGI wrapper that counts HTTP requests in flight and, once ``closed``, answers new ones 503.
+
+    A request whose body is still arriving counts as in flight. Once ``body_reads_cut`` is set
+    (at the end of the grace period), reading the rest of such a body raises ``HTTPException(503)``
+    at once, so a half-sent body cannot hold a shutdown.
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -42,6 +61,7 @@ class DrainGate:
         self.in_flight = 0
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
+        self.body_reads_cut = asyncio.Event()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -56,18 +76,44 @@ class DrainGate:
         self.in_flight += 1
         self.idle.clear()
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, self._receive_until_cut(receive), send)
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self.idle.set()
+
+    def _receive_until_cut(self, receive: Receive) -> Receive:
+        """``receive``, except that a body still arriving when ``body_reads_cut`` is set is refused."""
+        body_complete = False
+
+        async def receive_until_cut() -> Message:
+            nonlocal body_complete
+            if body_complete:
+                return await receive()
+            receiving = asyncio.ensure_future(receive())
+            cut = asyncio.ensure_future(self.body_reads_cut.wait())
+            try:
+                await asyncio.wait((receiving, cut), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                cut.cancel()
+                received = receiving.done()
+                if not received:
+                    receiving.cancel()
+            if not received:
+                raise HTTPException(503, "the server is shutting down and the request body is not complete")
+            message = receiving.result()
+            body_complete = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        return receive_until_cut
 
 
 class GracefulServer(uvicorn.Server):
     """A uvicorn server that drains before it stops.
 
     On exit it closes ``gate`` (new requests: 503) while uvicorn stops listening, waits up to
-    ``grace_s`` for the requests in flight, then aborts whatever the engine still runs (again
+    ``grace_s`` for the requests in flight, then cuts the bodies still arriving (503) and aborts
+    whatever the engine still runs (again
     every ``ABORT_POLL_S``, for requests admitted just before the gate closed) until every
     connection has finished. Configure uvicorn's ``timeout_graceful_shutdown`` above ``grace_s``:
     it is only the backstop.
@@ -90,6 +136,7 @@ class GracefulServer(uvicorn.Server):
     async def _abort_after_grace(self) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.gate.idle.wait(), self.grace_s)
+        self.gate.body_reads_cut.set()
         with contextlib.suppress(EngineDeadError):
             while True:
                 aborted = await asyncio.to_thread(self.engine.abort_all)
@@ -118,6 +165,40 @@ def _exit_signals_consumed() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def build_server(
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    limits: ConnectionLimits | None = None,
+    shutdown_grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_S,
+    log_level: str | None = None,
+    **app_options: Any,
+) -> GracefulServer:
+    """The server for ``engine``, with every connection limit and the graceful drain; ``.run()`` serves.
+
+    ``app_options`` go to :func:`~tokenmill.server.app.create_app`. ``log_level``: uvicorn's
+    (None: its default configuration).
+    """
+    if not shutdown_grace_seconds >= 0:
+        raise ParameterError("shutdown_grace_seconds", f"must be >= 0, got {shutdown_grace_seconds}")
+    limits = limits or ConnectionLimits()
+    gate = DrainGate(create_app(engine, body_timeout_seconds=limits.body_timeout_seconds, **app_options))
+    uvicorn_config = uvicorn.Config(
+        gate,
+        host=host,
+        port=port,
+        http=functools.partial(HeaderDeadlineH11Protocol, header_timeout_s=limits.header_timeout_seconds),
+        ws="none",
+        timeout_keep_alive=limits.keep_alive_timeout_seconds,  # type: ignore[arg-type]  # a float works
+        limit_concurrency=limits.max_connections + 1,  # uvicorn counts the asking connection too
+        h11_max_incomplete_event_size=limits.max_header_bytes,
+        timeout_graceful_shutdown=int(shutdown_grace_seconds + SHUTDOWN_BACKSTOP_S),
+        log_level=log_level,
+    )
+    install_log_throttle()
+    return GracefulServer(uvicorn_config, gate, engine, shutdown_grace_seconds)
+
+
 def run_server(
     config: EngineConfig,
     host: str = "127.0.0.1",
@@ -127,21 +208,31 @@ def run_server(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     allowed_weight_roots: Iterable[str | Path] = (),
     shutdown_grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_S,
+    limits: ConnectionLimits | None = None,
+    allow_special_tokens_in_content: bool = False,
 ) -> None:
     """Start an engine and serve it until SIGINT/SIGTERM, then shut down gracefully and return.
 
     Graceful shutdown: see the module docstring; requests still running ``shutdown_grace_seconds``
-    after the signal are aborted.
+    after the signal are aborted. ``limits``: per-connection bounds (default: ``ConnectionLimits()``).
     """
     if not shutdown_grace_seconds >= 0:
-        raise ValueError(f"shutdown_grace_seconds must be >= 0, got {shutdown_grace_seconds}")
+        raise ParameterError("shutdown_grace_seconds", f"must be >= 0, got {shutdown_grace_seconds}")
     engine = Engine(config)
     try:
-        gate = DrainGate(create_app(engine, served_model_name, api_key, max_body_bytes, allowed_weight_roots))
-        uvicorn_config = uvicorn.Config(
-            gate, host=host, port=port, timeout_graceful_shutdown=int(shutdown_grace_seconds + SHUTDOWN_BACKSTOP_S)
+        server = build_server(
+            engine,
+            host,
+            port,
+            limits,
+            shutdown_grace_seconds,
+            served_model_name=served_model_name,
+            api_key=api_key,
+            max_body_bytes=max_body_bytes,
+            allowed_weight_roots=allowed_weight_roots,
+            allow_special_tokens_in_content=allow_special_tokens_in_content,
         )
         with _exit_signals_consumed():
-            GracefulServer(uvicorn_config, gate, engine, shutdown_grace_seconds).run()
+            server.run()
     finally:
         engine.shutdown()

@@ -17,7 +17,7 @@ from fastapi import APIRouter
 from tokenmill.request import Logprob, RequestOutput
 from tokenmill.server.errors import APIError
 from tokenmill.server.sse import sse_event
-from tokenmill.server.state import State
+from tokenmill.server.state import ServerState, State
 
 router = APIRouter()
 
@@ -37,6 +37,21 @@ async def list_models(state: State) -> dict[str, Any]:
 def top_logprobs(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     """The ``k`` most likely entries of one token's logprobs, most likely first."""
     return sorted(entry.items(), key=lambda item: -item[1].logprob)[:k]
+
+
+async def prompt_logprobs_json(
+    state: ServerState, entries: list[dict[int, Logprob] | None] | None
+) -> list[dict[int, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first None) token id -> logprob, rank, decoded token."""
+    if entries is None:
+        return None
+    strings = await state.token_strings([t for entry in entries if entry for t in entry])
+    return [
+        None
+        if entry is None
+        else {t: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": strings[t]} for t, lp in entry.items()}
+        for entry in entries
+    ]
 
 
 def usage_json(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

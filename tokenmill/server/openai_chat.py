@@ -22,7 +22,14 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.request import CompletionOutput, Logprob, RequestOutput
 from tokenmill.server.errors import APIError, engine_errors
 from tokenmill.server.generation import Generation, until_disconnected
-from tokenmill.server.openai import completion_object, raise_on_error, stream_error, top_logprobs, usage_json
+from tokenmill.server.openai import (
+    completion_object,
+    prompt_logprobs_json,
+    raise_on_error,
+    stream_error,
+    top_logprobs,
+    usage_json,
+)
 from tokenmill.server.params import openai_params
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, ContentPart
 from tokenmill.server.sse import SSEResponse, sse_event
@@ -116,7 +123,7 @@ def _text_content(content: str | list[ContentPart] | None) -> str:
 def _json_object_or_text(arguments: str) -> Any:
     try:
         value = json.loads(arguments)
-    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested too deeply to parse: keep the text
+    except json.JSONDecodeError:  # not JSON: keep the text (its depth is bounded: ``FunctionCall``)
         return arguments
     return value if isinstance(value, dict) else arguments
 
@@ -171,7 +178,10 @@ class _Chat:
                 {"index": out.index, "message": message, "logprobs": await self._logprobs(out), "finish_reason": finish}
             )
         usage = usage_json(len(output.prompt_token_ids), sum(len(o.token_ids) for o in output.outputs))
-        return completion_object("chat.completion", self.id, self.created, self.state.model_name, choices, usage)
+        body = completion_object("chat.completion", self.id, self.created, self.state.model_name, choices, usage)
+        if output.prompt_logprobs is not None:  # vLLM's extension, at the top level
+            body["prompt_logprobs"] = await prompt_logprobs_json(self.state, output.prompt_logprobs)
+        return body
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         model = self.state.model_name
@@ -194,6 +204,10 @@ class _Chat:
         prompt_tokens = completion_tokens = 0
         async for _, delta in generation:
             prompt_tokens = len(delta.prompt_token_ids)
+            if delta.prompt_logprobs is not None:  # vLLM's extension: a chunk of its own, without choices
+                model, entries = self.state.model_name, delta.prompt_logprobs
+                chunk = completion_object("chat.completion.chunk", self.id, self.created, model, [], None)
+                yield sse_event({**chunk, "prompt_logprobs": await prompt_logprobs_json(self.state, entries)})
             for out in delta.outputs:
                 if out.error:
                     yield stream_error(self.id, out.error)

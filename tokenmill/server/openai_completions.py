@@ -1,12 +1,19 @@
 """OpenAI (legacy) completions: ``POST /v1/completions``.
 
 ``prompt`` is a string, a list of strings, token ids or a list of token-id lists; each prompt is
-one engine request with ``n`` choices (choice index = prompt index * n + i). ``echo`` and
-``suffix`` are refused. Without ``max_tokens`` a completion stops at 16 tokens, as in OpenAI's API.
+one engine request with ``n`` choices (choice index = prompt index * n + i). ``suffix`` is
+refused. Without ``max_tokens`` a completion stops at 16 tokens, as in OpenAI's API.
+
+``echo``: each choice's text (its first chunk, when streamed) starts with the prompt (a string
+prompt as given, token ids decoded); with ``logprobs`` the prompt's tokens lead ``logprobs`` too,
+the first with ``None``, as in OpenAI's legacy API (the engine computes them as
+``prompt_logprobs=logprobs``). vLLM's ``prompt_logprobs=k`` adds a choice's ``prompt_logprobs``
+(per prompt token, the first None: token id -> ``logprob``, ``rank``, ``decoded_token``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,10 +22,17 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.request import CompletionOutput, RequestOutput
+from tokenmill.request import CompletionOutput, Logprob, RequestOutput
 from tokenmill.server.errors import APIError, engine_errors
 from tokenmill.server.generation import Generation, until_disconnected
-from tokenmill.server.openai import completion_object, raise_on_error, stream_error, top_logprobs, usage_json
+from tokenmill.server.openai import (
+    completion_object,
+    prompt_logprobs_json,
+    raise_on_error,
+    stream_error,
+    top_logprobs,
+    usage_json,
+)
 from tokenmill.server.params import openai_params
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.sse import SSEResponse, sse_event
@@ -33,8 +47,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 async def completions(body: CompletionRequest, request: Request, state: State) -> Response:
     arrival = time.monotonic()
     state.check_model(body.model)
-    if body.echo:
-        raise APIError(400, "echo is not supported", param="echo")
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     prompts = await _completion_prompts(state, body.prompt)
@@ -45,10 +57,13 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     rid = f"cmpl-{uuid.uuid4().hex}"
     with engine_errors({}):
         params = openai_params(body, max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = body.logprobs  # the echoed prompt's tokens get logprobs too
         generation = await until_disconnected(
             request, Generation.start(state, prompts, [params] * len(prompts), rid, arrival)
         )
-    completion = _Completion(state, rid, params.n, len(prompts))
+    echoed = await _echo_texts(state, body.prompt, prompts) if body.echo else None
+    completion = _Completion(state, rid, params.n, prompts, echoed)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(completion.events(generation, include_usage), on_close=generation.close)
@@ -72,50 +87,83 @@ async def _completion_prompts(
     return [prompt]  # type: ignore[list-item]
 
 
-class _Completion:
-    """Formats one completions call's outputs, as a whole or as chunks."""
+async def _echo_texts(
+    state: ServerState, prompt: str | list[str] | list[int] | list[list[int]], ids: list[list[int]]
+) -> list[str]:
+    """The text ``echo`` repeats, per prompt: string prompts as given, token-id prompts decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    return await asyncio.to_thread(lambda: [state.tokenizer.decode(p) for p in ids])
 
-    def __init__(self, state: ServerState, request_id: str, n: int, n_prompts: int) -> None:
+
+class _Completion:
+    """Formats one completions call's outputs, as a whole or as chunks. A choice's first chunk
+    carries the echoed prompt (text and legacy logprobs) and ``prompt_logprobs``."""
+
+    def __init__(
+        self, state: ServerState, request_id: str, n: int, prompts: list[list[int]], echoed: list[str] | None
+    ) -> None:
         self.state = state
         self.id = request_id
         self.n = n
         self.created = int(time.time())
-        self._offsets = [0] * (n * n_prompts)  # text_offset reached so far, per choice
+        self._prompts = prompts
+        self._echoed = echoed
+        self._prompt_logprobs: dict[int, list[dict[int, Logprob] | None]] = {}  # per prompt, once sent
+        self._offsets = [0] * (n * len(prompts))  # text_offset reached so far, per choice
+        self._started = [False] * (n * len(prompts))  # per choice: its first chunk went out
 
-    async def _logprobs(self, choice: int, out: CompletionOutput) -> dict[str, Any] | None:
-        """Legacy shape; ``text_offset`` is cumulative over the choice's token strings."""
+    async def _logprobs(self, choice: int, prompt_index: int, out: CompletionOutput) -> dict[str, Any] | None:
+        """Legacy shape, the echoed prompt's tokens first; ``text_offset`` is cumulative over the
+        choice's token strings."""
         if out.logprobs is None:
             return None
-        strings = await self.state.token_strings([t for entry in out.logprobs for t in entry])
-        tokens = [strings[t] for t in out.token_ids]
+        ids = list(out.token_ids)
+        entries: list[dict[int, Logprob] | None] = list(out.logprobs)
+        if self._echoed is not None and not self._started[choice]:
+            prompt = self._prompts[prompt_index]
+            ids = prompt + ids
+            entries = self._prompt_logprobs.get(prompt_index, [None] * len(prompt)) + entries
+        strings = await self.state.token_strings(ids + [t for entry in entries if entry for t in entry])
+        tokens = [strings[t] for t in ids]
         offsets = []
         for text in tokens:
             offsets.append(self._offsets[choice])
             self._offsets[choice] += len(text)
         return {
             "tokens": tokens,
-            "token_logprobs": [entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs)],
+            "token_logprobs": [None if entry is None else entry[t].logprob for t, entry in zip(ids, entries)],
             "top_logprobs": [
-                {strings[t]: lp.logprob for t, lp in top_logprobs(entry, len(entry))} for entry in out.logprobs
+                None if entry is None else {strings[t]: lp.logprob for t, lp in top_logprobs(entry, len(entry))}
+                for entry in entries
             ],
             "text_offset": offsets,
         }
 
     async def _choice(self, prompt_index: int, out: CompletionOutput) -> dict[str, Any]:
         index = prompt_index * self.n + out.index
-        return {
+        first = not self._started[index]
+        choice = {
             "index": index,
-            "text": out.text,
-            "logprobs": await self._logprobs(index, out),
+            "text": (self._echoed[prompt_index] if self._echoed is not None and first else "") + out.text,
+            "logprobs": await self._logprobs(index, prompt_index, out),
             "finish_reason": out.finish_reason,
         }
+        if first and prompt_index in self._prompt_logprobs:
+            choice["prompt_logprobs"] = await prompt_logprobs_json(self.state, self._prompt_logprobs[prompt_index])
+        self._started[index] = True
+        return choice
 
     def _body(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
         return completion_object("text_completion", self.id, self.created, self.state.model_name, choices, usage)
 
     async def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        for output in outputs:
+        for prompt_index, output in enumerate(outputs):
             raise_on_error(output)
+            if output.prompt_logprobs is not None:
+                self._prompt_logprobs[prompt_index] = output.prompt_logprobs
         choices = [await self._choice(i, out) for i, output in enumerate(outputs) for out in output.outputs]
         usage = usage_json(
             sum(len(o.prompt_token_ids) for o in outputs), sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -127,6 +175,8 @@ class _Completion:
         completion_tokens = 0
         async for prompt_index, delta in generation:
             prompt_tokens[prompt_index] = len(delta.prompt_token_ids)
+            if delta.prompt_logprobs is not None:
+                self._prompt_logprobs[prompt_index] = delta.prompt_logprobs
             for out in delta.outputs:
                 if out.error:
                     yield stream_error(self.id, out.error)

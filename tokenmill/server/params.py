@@ -27,6 +27,7 @@ _OPENAI_FIELDS = (
     "ignore_eos",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "prompt_logprobs",
 )
 
 

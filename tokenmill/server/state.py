@@ -1,12 +1,12 @@
 """ServerState: what every route needs — the engine, the served model's name, tokenizer work.
 
-Tokenizer work (encoding, chat templating, token strings for logprobs) runs in worker threads,
-never on the event loop.
+Tokenizer work (encoding, chat templating, token strings for logprobs) runs on the AsyncEngine's
+tokenizer pool, never on the event loop; a text prompt too long for the context whatever its
+tokens is refused before it is tokenized.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -17,7 +17,7 @@ from fastapi import Depends, Request
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine
 from tokenmill.metrics import ServerMetrics
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, engine_errors
 from tokenmill.tokenizer import Tokenizer
 
 
@@ -26,6 +26,7 @@ class ServerState:
     engine: Engine
     model_name: str
     metrics: ServerMetrics
+    allow_special_tokens_in_content: bool = False  # see Tokenizer.apply_chat_template
     started: int = field(default_factory=lambda: int(time.time()))
     async_engine: AsyncEngine = field(init=False)
     _token_strings: dict[int, str] = field(default_factory=dict, init=False)
@@ -49,9 +50,13 @@ class ServerState:
             )
 
     async def encode(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text; text that is not valid Unicode -> 400."""
+        """Token ids of each text; text that is not valid Unicode, or too long for the context
+        whatever its tokens -> 400."""
         check_unicode(texts, "prompt")
-        return await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts])
+        for text in texts:  # a text too long for the context whatever its tokens: refused untokenized
+            with engine_errors({}):
+                self.engine.check_text_fits(text)
+        return await self.async_engine.run_tokenizer(lambda: [self.tokenizer.encode(t) for t in texts])
 
     async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         """Token ids of ``messages`` through the chat template; invalid Unicode or a template that
@@ -59,7 +64,10 @@ class ServerState:
         check_unicode(messages, "messages")
         check_unicode(tools, "tools")
         try:
-            return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, True, tools)
+            special = self.allow_special_tokens_in_content
+            return await self.async_engine.run_tokenizer(
+                lambda: self.tokenizer.apply_chat_template(messages, True, tools, special)
+            )
         except (ValueError, jinja2.TemplateError) as exc:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
 
@@ -68,7 +76,9 @@ class ServerState:
         missing = [t for t in set(ids) if t not in self._token_strings]
         if missing:
             decode = self.tokenizer.decode
-            texts = await asyncio.to_thread(lambda: [decode([t], skip_special_tokens=False) for t in missing])
+            texts = await self.async_engine.run_tokenizer(
+                lambda: [decode([t], skip_special_tokens=False) for t in missing]
+            )
             self._token_strings.update(zip(missing, texts))
         return {t: self._token_strings[t] for t in ids}
 

@@ -6,9 +6,10 @@
   ``{"name": ..., "parameters": {...}}`` (``"arguments"`` also accepted), several of them separated
   by ``;``, or a JSON list of them; there is no content then.
 
-A call counts only if it is well-formed JSON with a string ``name`` among the offered tool names
-and an object of arguments. If any candidate call is malformed, the whole text is plain content:
-a half-understood tool call is never returned.
+A call counts only if it is well-formed JSON, nested at most
+:data:`~tokenmill.server.nesting.MAX_NESTING_DEPTH` levels, with a string ``name`` among the
+offered tool names and an object of arguments. If any candidate call is malformed, the whole text
+is plain content: a half-understood tool call is never returned.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokenmill.server.nesting import MAX_NESTING_DEPTH, text_depth
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -53,13 +56,20 @@ def _call(obj: Any, names: Collection[str], *argument_keys: str) -> ToolCall | N
     key = next((k for k in argument_keys if k in obj), None)
     arguments = obj[key] if key else {}
     if isinstance(arguments, str):  # some models emit the arguments already serialized
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
+        arguments = _decode(arguments)
     if not isinstance(arguments, dict):
         return None
     return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _decode(text: str) -> Any:
+    """``text`` as JSON; None if it is not JSON or nests too deeply to decode safely."""
+    if text_depth(text) > MAX_NESTING_DEPTH:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
 
 
 def _parse_hermes(text: str, names: Collection[str]) -> ParsedOutput | None:
@@ -68,10 +78,7 @@ def _parse_hermes(text: str, names: Collection[str]) -> ParsedOutput | None:
         return None
     calls = []
     for block in blocks:
-        try:
-            call = _call(json.loads(block.group(1)), names, "arguments", "parameters")
-        except json.JSONDecodeError:
-            return None
+        call = _call(_decode(block.group(1)), names, "arguments", "parameters")
         if call is None:
             return None
         calls.append(call)
@@ -81,6 +88,8 @@ def _parse_hermes(text: str, names: Collection[str]) -> ParsedOutput | None:
 def _parse_llama_json(text: str, names: Collection[str]) -> list[ToolCall]:
     body = text.strip()
     body = body.removeprefix(PYTHON_TAG).strip()
+    if text_depth(body) > MAX_NESTING_DEPTH:
+        return []
     decoder, pos, objects = json.JSONDecoder(), 0, []
     while pos < len(body):
         try:
