@@ -83,6 +83,15 @@ class EngineConfig:
     decode_split_min_tokens: int = 256
     """A decode split covers at least this many context tokens."""
 
+    # Tensor parallelism
+    tensor_parallel_size: int = 1
+    """Processes the model is split over (``tokenmill.distributed``): this one (rank 0: scheduler,
+    cache bookkeeping, sampling) and ``tensor_parallel_size - 1`` workers it spawns (gloo on CPU,
+    NCCL on GPU: one GPU each). 1 runs everything in this process."""
+    distributed_timeout_s: float = 60.0
+    """Seconds any collective of the tensor-parallel group may take before it fails (a worker that
+    hangs or dies then fails the engine instead of blocking it; idle workers get heartbeats)."""
+
     # CUDA graphs
     cuda_graphs: bool = True
     """Capture steady-state decode steps in CUDA graphs (GPU only)."""
@@ -103,6 +112,15 @@ class EngineConfig:
     state and the streaming hold-back, which is shorter than the longest stop string)."""
     max_stop_token_ids: int = 64
     """Most entries in a request's ``stop_token_ids`` (checked as a set built once per sequence)."""
+    max_structured_output_chars: int = 32_768
+    """Most characters in a request's ``structured_outputs`` spec (a schema counts as its compact JSON
+    text; choices as their total length): bounds the grammar compile time and memory."""
+    structured_output_compile_timeout: float = 10.0
+    """Seconds a request's grammar may take to compile at intake before the request is refused
+    (ParameterError "structured_outputs"). A compile cannot be interrupted: an overrunning one
+    finishes in the background, and its result goes to the compile cache."""
+    structured_output_cache_bytes: int = 64 * 2**20
+    """Memory for compiled grammars kept for reuse (least recently used dropped first)."""
     tokenizer_threads: int = 4
     """Threads that tokenize off the event loop (AsyncEngine and the HTTP server); more concurrent
     tokenizations wait for one of them instead of taking other worker threads."""
@@ -127,14 +145,29 @@ class EngineConfig:
             "decode_split_min_tokens",
             "max_n",
             "tokenizer_threads",
+            "tensor_parallel_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        caps = ("max_top_logprobs", "max_stop_strings", "max_stop_chars", "max_stop_token_ids")
+        caps = (
+            "max_top_logprobs",
+            "max_stop_strings",
+            "max_stop_chars",
+            "max_stop_token_ids",
+            "max_structured_output_chars",
+        )
         for name, low in (("max_tokens_cap", 1), *((cap, 0) for cap in caps)):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
+        if not self.structured_output_compile_timeout > 0:
+            raise ValueError(
+                f"structured_output_compile_timeout must be > 0, got {self.structured_output_compile_timeout}"
+            )
+        if self.structured_output_cache_bytes < 0:
+            raise ValueError(f"structured_output_cache_bytes must be >= 0, got {self.structured_output_cache_bytes}")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if self.num_kv_slots is not None and self.num_kv_slots < self.page_size:
             raise ValueError(f"num_kv_slots must be >= page_size ({self.page_size}), got {self.num_kv_slots}")
 
@@ -157,6 +190,7 @@ class EngineConfig:
             max_stop_strings=self.max_stop_strings,
             max_stop_chars=self.max_stop_chars,
             max_stop_token_ids=self.max_stop_token_ids,
+            max_structured_output_chars=self.max_structured_output_chars,
         )
 
     def model_path(self) -> Path:

@@ -7,6 +7,7 @@ Names and defaults follow vLLM so users can switch engines without relearning th
 from __future__ import annotations
 
 import enum
+import json
 import math
 import time
 from collections.abc import Callable
@@ -33,6 +34,13 @@ class ParameterError(ValueError):
         self.param = param
 
 
+class ContextLengthError(ParameterError):
+    """A prompt that, with the output asked for, does not fit the context limit (``param``: "prompt")."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("prompt", message)
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What the engine accepts: the model's vocabulary and the operator's caps (None: no cap)."""
@@ -44,6 +52,7 @@ class RequestLimits:
     max_stop_strings: int | None = None
     max_stop_chars: int | None = None
     max_stop_token_ids: int | None = None
+    max_structured_output_chars: int | None = None
 
 
 def _require(ok: bool, param: str, message: str) -> None:
@@ -57,6 +66,73 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's names); exactly one field must be set.
+
+    ``json``: a JSON schema (a dict or its JSON text); objects allow no properties beyond the
+    schema's unless it says ``additionalProperties`` (as OpenAI's ``strict`` mode). ``regex``: the
+    whole output matches it. ``choice``: the output is one of these strings. ``grammar``: an EBNF
+    grammar in the GBNF dialect of xgrammar and llama.cpp (``root ::= ...``) or a Lark grammar
+    (``start: ...``); text containing ``::=`` is read as EBNF, any other as Lark. ``json_object``:
+    any JSON object. The output ends ("stop") as soon as the constraint allows nothing more.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    @property
+    def kind(self) -> str:
+        """The name of the field that is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        set_fields = self._set_fields()
+        if len(set_fields) != 1:
+            raise ParameterError("structured_outputs", f"must set exactly one field, got {set_fields or 'none'}")
+        return set_fields[0]
+
+    def _set_fields(self) -> list[str]:
+        names = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        return names + (["json_object"] if self.json_object is not False else [])
+
+    def validate(self, max_chars: int | None) -> None:
+        """Raise ParameterError("structured_outputs") unless exactly one field is set, with the right
+        type, and the spec holds at most ``max_chars`` characters (None: no cap). Whether the schema,
+        regex or grammar compiles is checked when it is compiled, at intake."""
+        param = "structured_outputs"
+        _require(isinstance(self.json_object, bool), param, f"json_object must be a boolean, got {self.json_object!r}")
+        set_fields = self._set_fields()
+        _require(
+            len(set_fields) == 1,
+            param,
+            f"must set exactly one of json, regex, choice, grammar, json_object; got {set_fields or 'none'}",
+        )
+        _require(self.json is None or isinstance(self.json, (str, dict)), param, "json must be a schema (dict or text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _require(value is None or isinstance(value, str), param, f"{name} must be a string")
+        if self.choice is not None:
+            _require(isinstance(self.choice, list) and bool(self.choice), param, "choice must be a non-empty list")
+            bad = [c for c in self.choice if not (isinstance(c, str) and c)]
+            _require(not bad, param, f"choice must hold non-empty strings, got {bad[:1]!r}")
+        chars = self.size()
+        _require(
+            max_chars is None or chars <= max_chars, param, f"may hold at most {max_chars} characters, got {chars}"
+        )
+
+    def size(self) -> int:
+        """Characters in the spec (a dict schema counts as its compact JSON text)."""
+        if isinstance(self.json, dict):
+            try:
+                return len(json.dumps(self.json, separators=(",", ":")))
+            except (TypeError, ValueError) as exc:
+                raise ParameterError("structured_outputs", f"json is not a JSON document: {exc}") from exc
+        if self.choice is not None:
+            return sum(len(c) for c in self.choice)
+        return len(self.json or self.regex or self.grammar or "")
 
 
 @dataclass
@@ -87,6 +163,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -192,6 +269,13 @@ class SamplingParams:
                     "logit_bias",
                     f"value for token {token} must be in [-100, 100], got {bias!r}",
                 )
+        if self.structured_outputs is not None:
+            _require(
+                isinstance(self.structured_outputs, StructuredOutputsParams),
+                "structured_outputs",
+                f"must be StructuredOutputsParams, got {type(self.structured_outputs).__name__}",
+            )
+            self.structured_outputs.validate(limits.max_structured_output_chars)
 
 
 LOGPROB_FLOOR = -9999.0

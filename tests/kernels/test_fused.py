@@ -122,14 +122,3 @@ def test_bf16_rotary_split_qkv(reference, rows: int) -> None:
     for g, w in zip(got, want):
         assert g.is_contiguous() and close_bf16(g, w, atol=2 * 2**-8 * 4)  # terms up to ~4: two of their steps
     assert torch.equal(got[2], want[2])  # values are copied, not computed
-
-
-def test_builds_are_kept_apart_per_cpu_feature_set() -> None:
-    """The build is compiled for the host CPU: its cache folder (the extension's name) must differ
-    between CPUs, or a shared home would hand an AVX2 machine kernels built for AVX-512."""
-    from tokenmill.kernels.cpu import extension_name
-
-    avx2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
-    avx512 = avx2 | {"avx512f", "avx512bw", "avx512_bf16", "amx_bf16"}
-    assert extension_name(avx2) != extension_name(avx512)
-    assert extension_name(avx2) == extension_name(frozenset(sorted(avx2, reverse=True)))

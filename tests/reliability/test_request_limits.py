@@ -248,8 +248,8 @@ def test_a_burst_past_max_waiting_requests_is_refused_at_once_over_http(checkpoi
                 refused.append(future.result())
                 if len(refused) == 3:
                     break
-        assert [r.status_code for r in refused] == [503] * 3  # the accepted two cannot answer while paused
-        assert all(r.json()["error"]["code"] == "overloaded" for r in refused)
+        assert [r.status_code for r in refused] == [429] * 3  # the accepted two cannot answer while paused
+        assert all(r.json()["error"]["code"] == "rate_limit_exceeded" and r.headers["retry-after"] for r in refused)
         engine.resume_generation()
         statuses = sorted(future.result().status_code for future in burst)
-        assert statuses == [200, 200, 503, 503, 503]
+        assert statuses == [200, 200, 429, 429, 429]

@@ -39,7 +39,8 @@ def test_message_matches_the_engine(client: anthropic.Anthropic, greedy: tuple[l
     assert [block.type for block in message.content] == ["text"]
     assert message.content[0].text == text
     assert message.stop_reason == "max_tokens" and message.stop_sequence is None
-    assert (message.usage.input_tokens, message.usage.output_tokens) == (len(prompt), 10)
+    usage = message.usage  # the greedy fixture ran this prompt: most of it comes from the prefix cache
+    assert (usage.input_tokens + usage.cache_read_input_tokens, usage.output_tokens) == (len(prompt), 10)
     blocks = client.messages.create(
         model=MODEL,
         system=[{"type": "text", "text": SYSTEM}],
@@ -60,7 +61,51 @@ def test_stream_events_text_and_final_message(client: anthropic.Anthropic, greed
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == text
     assert final.content[0].text == text and final.stop_reason == "max_tokens"
-    assert (final.usage.input_tokens, final.usage.output_tokens) == (len(prompt), 10)
+    usage = final.usage
+    assert (usage.input_tokens + usage.cache_read_input_tokens, usage.output_tokens) == (len(prompt), 10)
+
+
+def test_count_tokens_counts_the_prompt_a_message_call_reads(
+    client: anthropic.Anthropic, greedy: tuple[list[int], str]
+) -> None:
+    """``count_tokens`` is the whole prompt through the chat template; a messages call splits the same
+    number into ``input_tokens`` and the cache's share (Anthropic's usage arithmetic)."""
+    prompt, _ = greedy
+    counted = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=MESSAGES)
+    assert counted.input_tokens == len(prompt)
+    blocks = [{"role": "user", "content": [{"type": "text", "text": "hello world"}]}]
+    assert client.messages.count_tokens(model=MODEL, system=[{"type": "text", "text": SYSTEM}], messages=blocks) == (
+        counted
+    )
+    usage = client.messages.create(model=MODEL, system=SYSTEM, messages=MESSAGES, max_tokens=2, **GREEDY).usage
+    assert usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens == len(prompt)
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.count_tokens(model="other", messages=MESSAGES)
+    assert missing.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as empty:
+        client.messages.count_tokens(model=MODEL, messages=[])
+    assert empty.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_usage_reports_prefix_cache_reads(client: anthropic.Anthropic, server: Server) -> None:
+    """The second identical prompt is read from the prefix cache (page size 1, ample KV slots): all of
+    it but the last token, which is computed for its logits; nothing is ever billed as a cache write."""
+    system = " ".join(f"w{i}" for i in range(20, 60))  # words no other test sends: the first call misses
+    prompt = server.engine.tokenizer.apply_chat_template([{"role": "system", "content": system}, *MESSAGES])
+    first = client.messages.create(model=MODEL, system=system, messages=MESSAGES, max_tokens=2, **GREEDY).usage
+    assert first.cache_read_input_tokens < 10 and first.cache_creation_input_tokens == 0
+    assert first.input_tokens + first.cache_read_input_tokens == len(prompt)
+    second = client.messages.create(model=MODEL, system=system, messages=MESSAGES, max_tokens=2, **GREEDY).usage
+    expected = {"input_tokens": 1, "cache_read_input_tokens": len(prompt) - 1, "cache_creation_input_tokens": 0}
+    assert second.model_dump(include=set(expected)) == expected
+    with client.messages.stream(model=MODEL, system=system, messages=MESSAGES, max_tokens=2, **GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    (start,) = [e for e in events if e.type == "message_start"]
+    (end,) = [e for e in events if e.type == "message_delta"]
+    assert start.message.usage.model_dump(include=set(expected)) == expected
+    assert end.usage.model_dump(include=set(expected)) == expected and end.usage.output_tokens == 2
+    assert final.usage.model_dump(include=set(expected)) == expected
 
 
 def test_raw_stream_has_the_full_event_sequence(server: Server) -> None:
@@ -82,7 +127,9 @@ def test_stop_sequence(client: anthropic.Anthropic, greedy: tuple[list[int], str
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
 
 
-def test_tool_blocks_become_text_and_errors_use_anthropics_shape(client: anthropic.Anthropic, server: Server) -> None:
+def test_tool_blocks_become_tool_messages_and_errors_use_anthropics_shape(
+    client: anthropic.Anthropic, server: Server
+) -> None:
     history = [
         {"role": "user", "content": "hello"},
         {
@@ -94,18 +141,20 @@ def test_tool_blocks_become_text_and_errors_use_anthropics_shape(client: anthrop
             "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "the dog sat on the mat"}],
         },
     ]
-    # the model sees the blocks as text: the call's name and JSON input, the result's content (words in the tiny
+    # the template gets the call as the assistant's tool_calls and the result as a tool message (words in the tiny
     # tokenizer's vocabulary, so that the prompt's tokens, not only their count, depend on them)
+    call = {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "the cat sat"}}}
     rendered = [
         {"role": "user", "content": "hello"},
-        {"role": "assistant", "content": '[tool call get_weather] {"city": "the cat sat"}'},
-        {"role": "user", "content": "[tool result] the dog sat on the mat"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "t1", "content": "the dog sat on the mat"},
     ]
     engine = server.engine
     prompt = engine.tokenizer.apply_chat_template(rendered)
     expected = engine_generate(engine, prompt, SamplingParams(max_tokens=8, temperature=0)).outputs[0]
     reply = client.messages.create(model=MODEL, messages=history, max_tokens=8, **GREEDY)
-    assert reply.usage.input_tokens == len(prompt) and reply.usage.output_tokens == len(expected.token_ids)
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == len(prompt)
+    assert reply.usage.output_tokens == len(expected.token_ids)
     assert reply.content[0].text == expected.text
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.messages.create(model="other", messages=MESSAGES, max_tokens=2)

@@ -64,7 +64,7 @@ def assert_still_serves(server: Server, **kwargs) -> None:
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
         ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": [5, 100000]}, "prompt"),
@@ -90,12 +90,22 @@ def test_one_bad_prompt_refuses_the_whole_call_and_aborts_the_others(server: Ser
     assert after["scheduler"]["steps"] - before["scheduler"]["steps"] < 100
 
 
-def test_prompt_too_long_names_both_lengths(server: Server) -> None:
+def test_prompt_too_long_is_context_length_exceeded_naming_what_the_request_set(server: Server) -> None:
     error = openai_error(post(server, "/v1/completions", {**COMPLETION, "prompt": [5] * 600, "max_tokens": 16}), 400)
     assert re.search(r"prompt \(600 tokens\) \+ max_tokens \(16\) .* context limit of 512 tokens", error["message"])
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
     long_chat = {**CHAT, "messages": [{"role": "user", "content": "hello " * 600}], "max_tokens": None}
     error = openai_error(post(server, "/v1/chat/completions", long_chat), 400)
-    assert error["param"] == "messages" and "context limit of 512 tokens" in error["message"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert "context limit of 512 tokens" in error["message"] and "max_tokens" not in error["message"]
+    huge_text = {**COMPLETION, "prompt": "hello " * 5000}  # refused before it is tokenized
+    error = openai_error(post(server, "/v1/completions", huge_text), 400)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0).chat.completions.create(
+            model=MODEL, messages=long_chat["messages"]
+        )
+    assert refused.value.code == "context_length_exceeded"
     assert_still_serves(server)
 
 
@@ -121,17 +131,22 @@ def test_malformed_json_never_reaches_the_engine(server: Server) -> None:
     assert_still_serves(server)
 
 
-def test_overloaded_engine_is_503(server: Server) -> None:
+def test_overloaded_engine_is_429_with_retry_after(server: Server) -> None:
     config = server.engine.config
     saved, config.max_waiting_requests = config.max_waiting_requests, 0  # every add now finds the queue full
     try:
-        error = openai_error(post(server, "/v1/chat/completions", CHAT), 503)
-        assert error["code"] == "overloaded"
-        streamed = openai_error(post(server, "/v1/completions", {**COMPLETION, "stream": True}), 503)
-        assert streamed["code"] == "overloaded"
+        response = post(server, "/v1/chat/completions", CHAT)
+        error = openai_error(response, 429)
+        assert error["code"] == "rate_limit_exceeded" and int(response.headers["retry-after"]) >= 1
+        streamed = openai_error(post(server, "/v1/completions", {**COMPLETION, "stream": True}), 429)
+        assert streamed["code"] == "rate_limit_exceeded"
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0).completions.create(
+                model=MODEL, prompt="hello", max_tokens=2
+            )
         anthropic_error = post(server, "/v1/messages", {**CHAT, "max_tokens": 2})
-        assert anthropic_error.status_code == 503
-        assert anthropic_error.json()["error"]["type"] == "overloaded_error"
+        assert anthropic_error.status_code == 429 and int(anthropic_error.headers["retry-after"]) >= 1
+        assert anthropic_error.json()["error"]["type"] == "rate_limit_error"
     finally:
         config.max_waiting_requests = saved
     assert_still_serves(server)

@@ -258,7 +258,7 @@ def test_completions_echo_leads_with_the_prompt_and_its_logprobs(client: openai.
     )
     chunks = [c.choices[0] for c in streamed]
     assert "".join(c.text for c in chunks) == choice.text
-    assert [t for c in chunks for t in c.logprobs.tokens] == lp.tokens
+    assert [t for c in chunks if c.finish_reason is None for t in c.logprobs.tokens] == lp.tokens
     plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, echo=True, **GREEDY).choices[0]
     assert plain.text == server.engine.tokenizer.decode(ids) + out.text and plain.logprobs is None
 
@@ -281,3 +281,65 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(client: openai.OpenAI, ser
     assert all(len(entry) == 1 for entry in expected[1:])  # k=0: only the actual prompt token
     streamed = [c.model_extra.get("prompt_logprobs") for c in client.chat.completions.create(**body, stream=True)]
     assert [p for p in streamed if p is not None] == [expected]
+
+
+def test_the_finish_chunk_carries_no_text(client: openai.OpenAI) -> None:
+    """As OpenAI streams: each choice's ``finish_reason`` comes in a chunk of its own with an empty
+    delta, so a client that stops reading a choice at its first ``finish_reason`` has all its text."""
+    sampled = dict(n=2, max_tokens=6, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, **sampled)
+    texts: dict[int, str] = {0: "", 1: ""}
+    finished: set[int] = set()
+    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **sampled):
+        for choice in chunk.choices:
+            assert choice.index not in finished, "a chunk after the choice's finish_reason"
+            if choice.finish_reason is not None:
+                assert choice.delta.content is None and choice.delta.role is None and not choice.delta.tool_calls
+                finished.add(choice.index)
+            else:
+                texts[choice.index] += choice.delta.content or ""
+    assert finished == {0, 1} and texts == {c.index: c.message.content for c in whole.choices}
+
+    prompts = ["hello", "the cat"]
+    whole = client.completions.create(model=MODEL, prompt=prompts, echo=True, **sampled)
+    texts = {i: "" for i in range(4)}
+    finished = set()
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, echo=True, stream=True, **sampled):
+        for choice in chunk.choices:
+            assert choice.index not in finished, "a chunk after the choice's finish_reason"
+            if choice.finish_reason is not None:
+                assert choice.text == "" and choice.logprobs is None
+                finished.add(choice.index)
+            else:
+                texts[choice.index] += choice.text
+    assert finished == {0, 1, 2, 3} and texts == {c.index: c.text for c in whole.choices}
+
+
+def test_cached_tokens_are_the_engines_prefix_cache_hits(client: openai.OpenAI, server: Server) -> None:
+    """``usage.prompt_tokens_details.cached_tokens`` is the engine's own count of prompt tokens
+    served from the prefix cache: a repeated prompt hits the cache, whole or streamed."""
+    ids = server.engine.tokenizer.encode("a dog sat on the mat the dog x y")
+    first = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, **GREEDY)
+    again = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, **GREEDY)
+    streamed = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=2, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
+    streamed_usage = list(streamed)[-1].usage
+    truth = engine_generate(server.engine, ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    assert 0 < truth.num_cached_tokens < len(ids)
+    assert first.usage.prompt_tokens_details.cached_tokens < truth.num_cached_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == truth.num_cached_tokens
+    assert streamed_usage.prompt_tokens_details.cached_tokens == truth.num_cached_tokens
+
+    messages = [{"role": "user", "content": "x y the dog on a mat"}]
+    for _ in range(2):
+        chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **GREEDY)
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
+    streamed_usage = list(streamed)[-1].usage
+    prompt = chat_prompt(server, messages)
+    truth = engine_generate(server.engine, prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    assert 0 < truth.num_cached_tokens < len(prompt)
+    assert chat.usage.prompt_tokens_details.cached_tokens == truth.num_cached_tokens
+    assert streamed_usage.prompt_tokens_details.cached_tokens == truth.num_cached_tokens

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.server.conftest import Server, serve
-from tests.server.scripted_model import HERMES_TEXT, save_scripted_checkpoint
+from tests.server.scripted_model import save_scripted_checkpoint
 from tokenmill import Engine
 from tokenmill.server.tool_parser import ToolCallStream, parse_tool_calls
 
@@ -102,7 +102,6 @@ WEATHER = {
     "function": {"name": "get_weather", "description": "weather of a city", "parameters": CITY},
 }
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
-LOOKUP = {"type": "function", "function": {"name": "lookup"}}
 ASK = [{"role": "user", "content": "weather in Paris"}]
 
 
@@ -159,18 +158,6 @@ def test_tool_choice_none_does_not_render_tools(client: openai.OpenAI) -> None:
     choice = chat(client, [WEATHER], tool_choice="none").choices[0]
     assert choice.message.content == " hello world" and choice.message.tool_calls is None
     assert choice.finish_reason == "stop"
-
-
-def test_required_or_named_without_a_matching_call_is_plain_content(client: openai.OpenAI) -> None:
-    ignored = chat(client, [LOOKUP], tool_choice="required").choices[0]
-    assert ignored.message.content == " hello world" and ignored.message.tool_calls is None
-    assert ignored.finish_reason == "stop"
-    other = chat(client, [TIME, WEATHER], tool_choice={"type": "function", "function": {"name": "get_time"}})
-    assert other.choices[0].message.content == f" {HERMES_TEXT}" and other.choices[0].finish_reason == "stop"
-    streamed = chat(
-        client, [TIME, WEATHER], stream=True, tool_choice={"type": "function", "function": {"name": "get_time"}}
-    )
-    assert "".join(c.choices[0].delta.content or "" for c in streamed) == f" {HERMES_TEXT}"
 
 
 def test_tool_history_reaches_the_template(client: openai.OpenAI, scripted: Server) -> None:

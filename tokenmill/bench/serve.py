@@ -7,19 +7,25 @@ Definitions (as in the vLLM / SGLang serving benchmarks):
   throughput  completed requests and output tokens per second of wall time.
 Arrivals are Poisson at --request-rate requests/s (inf = all at once), at most
 --max-concurrency in flight. The run is bounded by --num-prompts and --timeout.
+
+It needs nothing tokenmill-specific: it calls only GET /v1/models (unless --model-name is given)
+and POST /v1/completions (token-id prompts, streamed, greedy, stream_options.include_usage, and
+vLLM's ignore_eos so outputs run to their drawn length), with --api-key as a bearer token. Output
+tokens are counted from the streamed usage, or, from a server that sends none, as the text chunks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tokenmill.bench.stats import summarize
-from tokenmill.bench.workload import Workload, make_workload
+from tokenmill.bench.workload import WORKLOAD_HELP, Workload, make_workload
 
 
 @dataclass
@@ -43,6 +49,10 @@ class ServeResult:
     tpot_ms: dict[str, float]
     itl_ms: dict[str, float]
     e2e_ms: dict[str, float]
+    errors: list[str]  # the failed requests' distinct errors, at most MAX_ERRORS_REPORTED
+
+
+MAX_ERRORS_REPORTED = 10
 
 
 async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens: int) -> RequestRecord:
@@ -58,6 +68,7 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens:
     start = time.perf_counter()
     record = RequestRecord(ok=False)
     last = None
+    usage_tokens, text_chunks = None, 0
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -67,9 +78,13 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if chunk.get("error"):  # a failure reported mid-stream
+                    record.error = f"stream error: {json.dumps(chunk['error'])[:200]}"
+                    return record
                 if chunk.get("usage"):
-                    record.output_tokens = chunk["usage"]["completion_tokens"]
+                    usage_tokens = chunk["usage"]["completion_tokens"]
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    text_chunks += 1
                     stamp = time.perf_counter()
                     if last is None:
                         record.ttft = stamp - start
@@ -77,6 +92,7 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], max_tokens:
                         record.itl.append(stamp - last)
                     last = stamp
         record.latency = time.perf_counter() - start
+        record.output_tokens = usage_tokens if usage_tokens is not None else text_chunks
         record.ok = True
     except Exception as exc:  # reported, never fatal to the benchmark
         record.error = f"{type(exc).__name__}: {exc}"
@@ -91,14 +107,21 @@ async def run_serve(
     max_concurrency: int,
     timeout: float,
     seed: int = 0,
+    api_key: str | None = None,
 ) -> ServeResult:
+    """The workload against the server at ``url`` (without ``/v1``); ``model`` None: the first of
+    ``/v1/models``; ``api_key`` is sent as a bearer token."""
     import httpx
 
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=max_concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = url.rstrip("/")
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits, headers=headers) as client:
         if model is None:
-            model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+            models = await client.get(f"{url}/v1/models")
+            models.raise_for_status()
+            model = models.json()["data"][0]["id"]
         gate = asyncio.Semaphore(max_concurrency)
 
         async def limited(prompt: list[int], max_tokens: int) -> RequestRecord:
@@ -125,21 +148,38 @@ async def run_serve(
         tpot_ms=summarize(tpot, 1000),
         itl_ms=summarize([gap for r in done for gap in r.itl], 1000),
         e2e_ms=summarize([r.latency for r in done], 1000),
+        errors=list(dict.fromkeys(r.error for r in records if not r.ok))[:MAX_ERRORS_REPORTED],
     )
 
 
 def add_arguments(parser: Any) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     parser.add_argument("--model-name", default=None, help="model name to send (default: first of /v1/models)")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY, else none)",
+    )
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests (default: %(default)s)")
+    parser.add_argument(
+        "--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"), help=WORKLOAD_HELP["prompt"]
+    )
+    parser.add_argument(
+        "--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"), help=WORKLOAD_HELP["output"]
+    )
     parser.add_argument("--vocab-size", type=int, default=None, help="token ids are drawn below this (default: 1000)")
-    parser.add_argument("--request-rate", type=float, default=float("inf"))
-    parser.add_argument("--max-concurrency", type=int, default=64)
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per second; inf sends all at once (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-concurrency", type=int, default=64, help="most requests in flight (default: %(default)s)"
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="bound on the whole run, seconds")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--seed", type=int, default=0, help=WORKLOAD_HELP["seed"])
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
 def main(args: Any) -> int:
@@ -147,7 +187,16 @@ def main(args: Any) -> int:
         args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), args.vocab_size or 1000, args.seed
     )
     result = asyncio.run(
-        run_serve(args.url, work, args.model_name, args.request_rate, args.max_concurrency, args.timeout, args.seed)
+        run_serve(
+            args.url,
+            work,
+            args.model_name,
+            args.request_rate,
+            args.max_concurrency,
+            args.timeout,
+            args.seed,
+            args.api_key,
+        )
     )
     if args.json:
         print(json.dumps(asdict(result)))
@@ -159,4 +208,6 @@ def main(args: Any) -> int:
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         s = getattr(result, name)
         print(f"{name[:-3].upper():5s} ms: mean {s['mean']:.1f}, p50 {s['p50']:.1f}, p99 {s['p99']:.1f}")
+    for error in result.errors:
+        print(f"failed: {error}")
     return 0 if result.failed == 0 else 1

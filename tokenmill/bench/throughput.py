@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.stats import summarize
-from tokenmill.bench.workload import PRESETS, Workload, make_random_model, make_workload
+from tokenmill.bench.workload import PRESETS, WORKLOAD_HELP, Workload, make_random_model, make_workload
 from tokenmill.llm import LLM
 from tokenmill.request import RequestOutput, SamplingParams
 
@@ -120,13 +120,24 @@ def add_arguments(parser: Any) -> None:
         default="llama",
         help="random model when no --model: a ~100M Llama, or a Mixtral of ~100M active parameters",
     )
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-running-requests", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests (default: %(default)s)")
+    parser.add_argument(
+        "--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"), help=WORKLOAD_HELP["prompt"]
+    )
+    parser.add_argument(
+        "--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"), help=WORKLOAD_HELP["output"]
+    )
+    parser.add_argument("--seed", type=int, default=0, help=WORKLOAD_HELP["seed"])
+    parser.add_argument(
+        "--max-running-requests", type=int, default=64, help="the engine's option of that name (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="the engine's option of that name (default: %(default)s)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of per-request latencies")
 
 

@@ -28,6 +28,12 @@ MOE_MODEL = dict(
 )
 PRESETS = {"llama": ("LlamaForCausalLM", DEFAULT_MODEL), "mixtral": ("MixtralForCausalLM", MOE_MODEL)}
 """Preset name -> (transformers class, config values) of the random benchmark models."""
+WORKLOAD_HELP = {
+    "prompt": "each prompt's length in tokens, uniform in [MIN, MAX] (default: %(default)s)",
+    "output": "each request's output length in tokens, uniform in [MIN, MAX] (default: %(default)s)",
+    "seed": "seed of the workload: the same seed draws the same prompts and lengths (default: %(default)s)",
+}
+"""argparse help of the workload options every ``tokenmill bench`` command takes (:func:`make_workload`)."""
 
 
 @dataclass

@@ -26,14 +26,18 @@ from tokenmill.cache.manager import CacheManager
 from tokenmill.cache.sizing import kv_cache_slots
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.group import rank_device
+from tokenmill.distributed.workers import WorkerGroup, WorkerGroupError
 from tokenmill.engine.cuda_graphs import make_cuda_graph_runner
+from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.intake import Intake, RequestState
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler, prompt_logprobs
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.weight_update import WeightsSource, apply_update, next_version, stage_update
-from tokenmill.model.loader import load_model
+from tokenmill.model.loader import WeightError, check_shardable, load_model
+from tokenmill.model.parallel import SINGLE, TensorParallel
 from tokenmill.model.registry import load_model_config
 from tokenmill.request import FinishReason, OutputCallback, SamplingParams, now
 from tokenmill.tokenizer import Tokenizer
@@ -71,6 +75,7 @@ class Engine:
         self._closing = threading.Lock()  # orders every enqueue against the loop's final drain
         self._closed = False  # set under _closing when the loop ends: no command is queued after it
         self._paused = False
+        self.workers: WorkerGroup | None = None  # the other tensor-parallel ranks (tensor_parallel_size > 1)
         built: Future[None] = Future()
         self._thread = threading.Thread(target=self._run, args=(built,), name="tokenmill-engine", daemon=True)
         self._thread.start()
@@ -83,34 +88,49 @@ class Engine:
         team, such as the caller's after loading a model, would slow every step's many short
         parallel regions; see the README.)"""
         cfg, mc, path = self.config, self.model_config, self.config.model_path()
-        self.model = load_model(path, self.dtype, self.device)
+        if cfg.tensor_parallel_size > 1:
+            check_shardable(path, TensorParallel(cfg.tensor_parallel_size))  # before any worker starts
+            self.workers = WorkerGroup(cfg, rank_device(self.device, 0), cfg.distributed_timeout_s)
+        self.model = load_model(path, self.dtype, self.device, self.workers.tp if self.workers else SINGLE)
         self.model.backend = self.model.make_backend(cfg, self.dtype)
         dtype = str(self.dtype).removeprefix("torch.") + (" (auto)" if cfg.dtype == "auto" else "")
         logger.info("%s on %s in %s, attention %s", mc.architecture, self.device, dtype, self.model.backend.name)
         self.max_context_len = min(cfg.max_context_len or mc.max_context_len, mc.max_context_len)
         kv_dtype = cfg.resolved_kv_dtype(self.dtype)
-        n_slots = kv_cache_slots(cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, self.device)
-        storage = KVStorage(mc.num_layers, n_slots, mc.num_kv_heads, mc.head_dim, kv_dtype, self.device)
+        n_heads, n_kv_heads = self.model.local_heads()  # this rank's share (all of them at tp=1)
+        n_slots = kv_cache_slots(cfg, mc.num_layers, n_kv_heads, mc.head_dim, kv_dtype, self.device)
+        n_slots = self.workers.agree_on_slots(n_slots) if self.workers else n_slots
+        storage = KVStorage(mc.num_layers, n_slots, n_kv_heads, mc.head_dim, kv_dtype, self.device)
         req_pool = ReqToTokenPool(cfg.max_running_requests, self.max_context_len, self.device)
-        self.cache = CacheManager(cfg, storage, req_pool, mc.num_heads, mc.head_dim)
+        self.cache = CacheManager(cfg, storage, req_pool, n_heads, mc.head_dim)
         self.scheduler = Scheduler(cfg, self.cache)
-        self.runner = ModelRunner(
-            self.model, self.cache, self.device, make_cuda_graph_runner(self.model, self.cache, cfg)
-        )
+        graphs = None if self.workers else make_cuda_graph_runner(self.model, self.cache, cfg)
+        self.runner = ModelRunner(self.model, self.cache, self.device, graphs, self.workers)
         self.sampler = Sampler(mc.vocab_size, cfg.max_running_requests, self.device, cfg.seed)
         self.weight_version = 0
         self.output = OutputProcessor(self.scheduler, self.eos_token_ids, lambda: self.weight_version)
         self.context_limit = min(self.max_context_len, self.cache.capacity_tokens)
+        grammars = None
+        if self.tokenizer is not None:
+            grammars = GrammarCompiler(
+                self.tokenizer.hf,
+                mc.vocab_size,
+                self.eos_token_ids,
+                cfg.structured_output_compile_timeout,
+                cfg.structured_output_cache_bytes,
+            )
         self._intake = Intake(
             self.tokenizer,
             cfg.request_limits(mc.vocab_size),
             self.context_limit,
             self.device,
+            grammars,
         )
 
     # ------------------------------------------------------------------ public API
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        workers_ok = self.workers is None or self.workers.failure is None
+        return self._dead is None and self._thread.is_alive() and workers_ok
 
     def intake(
         self, prompt: str | list[int], params: SamplingParams, callback: OutputCallback, request_id: str | None = None
@@ -199,6 +219,8 @@ class Engine:
         """
         self._check_alive()
         next_version(self.weight_version, version)  # fail fast, before reading any weights
+        if self.workers is not None:
+            raise WeightError("weight updates with tensor_parallel_size > 1 are not supported yet")
         staged = stage_update(self.model, weights)
 
         def apply() -> int:
@@ -294,6 +316,8 @@ class Engine:
             self._build()
         except BaseException as exc:
             self._dead = f"engine build failed: {type(exc).__name__}: {exc}"
+            if self.workers is not None:
+                self.workers.shutdown()
             built.set_exception(exc)
             return
         built.set_result(None)
@@ -302,6 +326,8 @@ class Engine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
+                if self.workers is not None and self.workers.failure is not None:
+                    raise WorkerGroupError(self.workers.failure)
                 self._drain_commands(block=not self.scheduler.has_work() or self._paused)
                 if self.scheduler.has_work() and not self._paused:
                     self._step()
@@ -312,6 +338,8 @@ class Engine:
             if self._dead is None:
                 self._dead = "shut down"
             self._close()
+            if self.workers is not None:
+                self.workers.shutdown()
 
     def _close(self) -> None:
         """Answer everyone still waiting on the ended loop: later enqueues raise, queued commands are

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.prompt_size import bytes_per_token_bound, min_tokens
 from tokenmill.engine.sequence import Sequence
 from tokenmill.request import (
     INT63,
+    ContextLengthError,
     OutputCallback,
     ParameterError,
     RequestLimits,
@@ -67,9 +69,12 @@ class Intake:
         limits: RequestLimits,
         context_limit: int,
         device: torch.device,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
-        """``context_limit``: most tokens (prompt + output) one sequence may hold."""
+        """``context_limit``: most tokens (prompt + output) one sequence may hold; ``grammars``
+        compiles ``structured_outputs`` (None: refused, e.g. without a tokenizer)."""
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.limits = limits
         self.context_limit = context_limit
         self.device = device
@@ -92,13 +97,21 @@ class Intake:
         if max_tokens is None:  # up to the context limit, or the operator's cap when that is lower
             max_tokens = max(1, min(limit - len(ids), self.limits.max_tokens_cap or limit))
         if len(ids) + max_tokens > limit:
-            raise ParameterError(
-                "prompt",
+            if params.max_tokens is None:  # no max_tokens given: the prompt leaves no room for one token
+                raise ContextLengthError(
+                    f"({len(ids)} tokens) leaves no room for output in the context limit of {limit} tokens"
+                )
+            raise ContextLengthError(
                 f"({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} exceeds the "
-                f"context limit of {limit} tokens",
+                f"context limit of {limit} tokens"
             )
         if self.tokenizer is None and params.stop_strings:
             raise ParameterError("stop", "strings need a tokenizer; use stop_token_ids")
+        compiled = None
+        if params.structured_outputs is not None:  # last: the costliest check, on the caller's thread
+            if self.grammars is None:
+                raise ParameterError("structured_outputs", "needs a tokenizer")
+            compiled = self.grammars.compile(params.structured_outputs)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         state = RequestState(
             rid, text, ids, params, callback, RequestMetrics(arrival_time=now()), len(ids) + max_tokens
@@ -108,6 +121,8 @@ class Intake:
             if params.seed is not None:
                 seed = (params.seed + SIBLING_SEED_STRIDE * i) % INT63
                 seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+            if compiled is not None and self.grammars is not None:  # each sibling its own matcher
+                seq.grammar = self.grammars.new_sequence_grammar(compiled)
             if i > 0:  # forked from sequence 0 once its prompt is computed (see the scheduler)
                 seq.wait_for = state.seqs[0]
             state.seqs.append(seq)
@@ -118,18 +133,17 @@ class Intake:
         return state
 
     def check_text_fits(self, text: str, max_tokens: int | None = None) -> None:
-        """Refuse (ParameterError "prompt") a text too long for the context limit with ``max_tokens``
+        """Refuse (ContextLengthError) a text too long for the context limit with ``max_tokens``
         (None: 1) output tokens however it tokenizes, without tokenizing it; never refuses a text
         that fits (see :mod:`~tokenmill.engine.prompt_size`)."""
         if self.bytes_per_token is None:
             return
         least = min_tokens(text, self.bytes_per_token)
-        outputs = max_tokens or 1
-        if least + outputs > self.context_limit:
-            raise ParameterError(
-                "prompt",
-                f"is at least {least} tokens long ({self.bytes_per_token} bytes of text per token at most), so with "
-                f"max_tokens ({outputs}) it exceeds the context limit of {self.context_limit} tokens",
+        if least + (max_tokens or 1) > self.context_limit:
+            outcome = f"with max_tokens ({max_tokens}) it exceeds" if max_tokens else "it leaves no room for output in"
+            raise ContextLengthError(
+                f"is at least {least} tokens long ({self.bytes_per_token} bytes of text per token at most), so "
+                f"{outcome} the context limit of {self.context_limit} tokens"
             )
 
     def _tokens(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -2,7 +2,8 @@
 each request's callback receives. Engine thread only.
 
 Stop rules, in order: EOS (unless ``ignore_eos``), a stop token id, a stop string (found by the
-incremental detokenizer), the request's token limit (``max_tokens``, or the context/KV limit).
+incremental detokenizer), a finished grammar (structured output: nothing but EOS may follow),
+the request's token limit (``max_tokens``, or the context/KV limit).
 A finished or failed sequence is removed from the scheduler at once, which frees its KV. A
 request leaves the table when its last sequence has finished and its final delta is sent.
 """
@@ -113,6 +114,8 @@ class OutputProcessor:
         seq.weight_versions.append(self.weight_version())
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
+        if seq.grammar is not None:  # the matcher accepts exactly the output tokens (preemption keeps them)
+            seq.grammar.advance(token)
         params = seq.params
         if not params.ignore_eos and token in self.eos_token_ids:
             self.finish(seq, FinishReason.STOP.value)
@@ -125,6 +128,8 @@ class OutputProcessor:
             detok.add_token(token)
         if detok is not None and detok.stopped_by is not None:
             self.finish(seq, FinishReason.STOP.value, stop_reason=detok.stopped_by)
+        elif seq.grammar is not None and seq.grammar.finished:
+            self.finish(seq, FinishReason.STOP.value)
         elif seq.n_tokens >= state.token_limit:  # max_tokens, or the context/KV limit when it is None
             self.finish(seq, FinishReason.LENGTH.value)
 
@@ -132,6 +137,7 @@ class OutputProcessor:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+        seq.grammar = None  # releases its matcher
         self.scheduler.remove(seq, cache_pages=cache)
 
     def fail(self, seqs: list[Sequence], message: str) -> None:
@@ -161,6 +167,7 @@ class OutputProcessor:
             if not seq.is_finished:
                 seq.status = SeqStatus.FINISHED
                 seq.finish_reason, seq.error = reason, error
+                seq.grammar = None
         self.emit(state)
 
     def emit(self, state: RequestState) -> None:

@@ -4,11 +4,14 @@ the sampled rows, then the prompt rows of ``prompt_logprobs`` (only in steps tha
 The runner is the one place that picks a step's execution path: a pure decode step replays a CUDA
 graph when one is available and fits, else runs the C++ decode forward when the backend and the
 model both support it and it fits, else runs the model eagerly, as every other step does. The
-paths compute the same logits.
+paths compute the same logits. With tensor parallelism (``workers``) only the eager path runs (the
+model has no C++ decode weights then, and the engine builds no graphs), inside the step sent to the
+workers, which run the same forward on their shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -16,6 +19,8 @@ import torch
 
 from tokenmill.cache.manager import CacheManager
 from tokenmill.cache.views import KVView
+from tokenmill.distributed.step import step_inputs
+from tokenmill.distributed.workers import WorkerGroup
 from tokenmill.engine.cuda_graphs import CudaGraphDecodeRunner
 from tokenmill.engine.scheduler import StepPlan
 from tokenmill.model.causal_lm import CausalLM
@@ -32,7 +37,12 @@ class ForwardBatch:
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, cache: CacheManager, device: torch.device, graphs: CudaGraphDecodeRunner | None = None
+        self,
+        model: CausalLM,
+        cache: CacheManager,
+        device: torch.device,
+        graphs: CudaGraphDecodeRunner | None = None,
+        workers: WorkerGroup | None = None,
     ) -> None:
         if model.backend is None:
             raise ValueError("the model's attention backend must be set before building its runner")
@@ -40,6 +50,7 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.graphs = graphs  # CUDA-graph replay of pure decode steps (GPU only)
+        self.workers = workers  # the other tensor-parallel ranks, which run every step's forward too
         kv_dtype = cache.storage.k_buffer.dtype
         self.cpu_decode = CpuDecodeForward.build(model, model.backend, kv_dtype)  # None where unsupported
         self.last_forward_time = 0.0  # seconds inside the model call of the last step (CPU: exact)
@@ -83,17 +94,35 @@ class ModelRunner:
         batch = self.prepare(plan)
         start = time.perf_counter()
         n_decode = len(plan.decode)
-        if plan.is_pure_decode and self.graphs is not None and self.graphs.can_run(n_decode):
-            logits = self.graphs.run(batch.input_ids, batch.positions, batch.kv_view)  # valid until next run
-        elif plan.is_pure_decode and self.cpu_decode is not None and self.cpu_decode.can_run(n_decode):
-            logits = self.cpu_decode(batch.input_ids, batch.positions, batch.kv_view)
-        else:
-            logits = self.model(batch.input_ids, batch.positions, batch.kv_view, batch.logits_indices)
-        if plan.forks:
-            self.cache.copy_kv(
-                torch.cat([f.src_slots for f in plan.forks]), torch.cat([f.dst_slots for f in plan.forks])
-            )
+        fork_src = torch.cat([f.src_slots for f in plan.forks]) if plan.forks else None
+        fork_dst = torch.cat([f.dst_slots for f in plan.forks]) if plan.forks else None
+        with self._on_every_rank(batch, fork_src, fork_dst):
+            if plan.is_pure_decode and self.graphs is not None and self.graphs.can_run(n_decode):
+                logits = self.graphs.run(batch.input_ids, batch.positions, batch.kv_view)  # valid until next run
+            elif plan.is_pure_decode and self.cpu_decode is not None and self.cpu_decode.can_run(n_decode):
+                logits = self.cpu_decode(batch.input_ids, batch.positions, batch.kv_view)
+            else:
+                logits = self.model(batch.input_ids, batch.positions, batch.kv_view, batch.logits_indices)
+            if fork_src is not None:
+                self.cache.copy_kv(fork_src, fork_dst)
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         self.last_forward_time = time.perf_counter() - start
         return logits
+
+    def _on_every_rank(
+        self, batch: ForwardBatch, fork_src: torch.Tensor | None, fork_dst: torch.Tensor | None
+    ) -> contextlib.AbstractContextManager[None]:
+        """With tensor parallelism, the step sent to the workers, whose forward runs with rank 0's inside."""
+        if self.workers is None:
+            return contextlib.nullcontext()
+        no_forks = torch.empty(0, dtype=torch.int64, device=self.device)
+        inputs = step_inputs(
+            batch.input_ids,
+            batch.positions,
+            batch.kv_view,
+            batch.logits_indices,
+            no_forks if fork_src is None else fork_src,
+            no_forks if fork_dst is None else fork_dst,
+        )
+        return self.workers.step(inputs)

@@ -12,6 +12,10 @@ Per step, for each sequence (one row of ``logits``), in this order:
    ``argmax(probs / Exp(1))`` using the sequence's own generator if it has one.
 
 Logprobs come from ``log_softmax`` of the raw model logits, before any of the above.
+
+A sequence with a grammar (structured output) first has every token its grammar does not allow
+set to ``-inf``, in every sampling mode; its logprobs then come from these masked logits (the
+distribution it samples from, before the transforms above). Rows without a grammar pay nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.engine.grammar import apply_grammar_masks
 from tokenmill.engine.sequence import Sequence
 from tokenmill.request import LOGPROB_FLOOR, Logprob
 
@@ -110,6 +115,10 @@ class Sampler:
         """
         if logits.dim() != 2 or logits.shape[0] != len(seqs) or logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits must be [{len(seqs)}, {self.vocab_size}], got {list(logits.shape)}")
+        grammar_rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if grammar_rows:  # from here on, "the model's logits" are the masked ones (a copy)
+            logits = logits.to(dtype=torch.float32, copy=True)
+            apply_grammar_masks(logits, grammar_rows, [seqs[i].grammar for i in grammar_rows])
         banned = [_banned_ids(seq, eos_token_ids) for seq in seqs]
         penalized = [seq for seq in seqs if seq.params.uses_penalties]
         wants_logprobs = any(seq.params.logprobs is not None for seq in seqs)

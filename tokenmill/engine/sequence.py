@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tokenmill.cache.handle import KVHandle
+from tokenmill.engine.grammar import SequenceGrammar
 from tokenmill.request import Logprob, SamplingParams
 
 _seq_ids = itertools.count()
@@ -43,6 +44,7 @@ class Sequence:
     wait_for: Sequence | None = None  # a sibling: forked from this one once its prompt is computed (n > 1)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # sequence 0 only, when asked: see below
     generator: torch.Generator | None = None  # per-request seed; None = the engine's generator
+    grammar: SequenceGrammar | None = None  # structured output: its matcher (released when the sequence ends)
 
     kv: KVHandle = field(default_factory=KVHandle)
     admit_order: int = -1  # written by the scheduler at each admission

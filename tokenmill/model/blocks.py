@@ -20,6 +20,7 @@ from tokenmill.attention.base import AttentionBackend
 from tokenmill.cache.views import KVView
 from tokenmill.kernels.fused import GATED_ACTIVATIONS, add_rms_norm, apply_rotary, rms_norm, rotary_split_qkv
 from tokenmill.kernels.linear import Linear
+from tokenmill.model import parallel
 from tokenmill.model.config import ModelConfig, RopeConfig
 
 SPLIT_PROJECTIONS: dict[str, tuple[str, int]] = {
@@ -197,12 +198,32 @@ def _yarn_inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
 class PackedLinear(Linear):
     """A Linear whose output rows stack several checkpoint projections, computed in one matmul.
 
-    Shard ``i`` (``shard_sizes[i]`` rows) is rows :meth:`shard_rows` ``(i)`` of the weight and bias.
+    Shard ``i`` (``shard_sizes[i]`` rows) is rows :meth:`shard_rows` ``(i)`` of the weight and bias, and
+    holds rows ``source_rows[i]`` of its checkpoint projection of ``source_sizes[i]`` rows (all of them
+    when ``source_rows`` is None; a block of them in a column-parallel layer, see ``parallel.py``).
     """
 
-    def __init__(self, in_features: int, shard_sizes: Sequence[int], bias: bool) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: Sequence[int],
+        bias: bool,
+        source_rows: Sequence[slice] | None = None,
+        source_sizes: Sequence[int] = (),
+    ) -> None:
         super().__init__(in_features, sum(shard_sizes), bias=bias)
         self.shard_sizes = tuple(shard_sizes)
+        self.source_rows = None if source_rows is None else tuple(source_rows)
+        self.source_sizes = source_sizes
+
+    def shard_part(self, shard: int, leaf: str) -> parallel.CheckpointPart | None:
+        """The part of shard ``shard``'s checkpoint tensor (``leaf``: weight or bias) it holds (None: all)."""
+        if self.source_rows is None:
+            return None
+        rows = self.source_sizes[shard]
+        return parallel.CheckpointPart(
+            (rows, self.in_features) if leaf == "weight" else (rows,), (self.source_rows[shard],)
+        )
 
     def shard_rows(self, shard: int) -> slice:
         start = sum(self.shard_sizes[:shard])
@@ -215,8 +236,15 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, activation: str = "silu") -> None:
         super().__init__()
-        self.gate_up_proj = PackedLinear(hidden, (intermediate, intermediate), bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        tp = parallel.current()
+        if tp.size == 1:
+            self.gate_up_proj = PackedLinear(hidden, (intermediate, intermediate), bias=bias)
+            self.down_proj = Linear(intermediate, hidden, bias=bias)
+        else:  # column-parallel gate/up, row-parallel down: this rank's block of the intermediate width
+            block = tp.block(intermediate, "intermediate_size")
+            width = block.stop - block.start
+            self.gate_up_proj = PackedLinear(hidden, (width, width), bias, (block, block), (intermediate, intermediate))
+            self.down_proj = parallel.RowParallelLinear(intermediate, hidden, bias, tp, block)
         self.act_and_mul = GATED_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -240,13 +268,25 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.sliding_window = config.layer_sliding_window(layer_id)
-        self.n_heads = config.num_heads
-        self.n_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        q_size = self.n_heads * self.head_dim
-        kv_size = self.n_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(config.hidden_size, (q_size, kv_size, kv_size), bias=qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        self.head_dim = dim = config.head_dim
+        tp = parallel.current()
+        if tp.size == 1:
+            self.n_heads = config.num_heads
+            self.n_kv_heads = config.num_kv_heads
+            q_size = self.n_heads * dim
+            kv_size = self.n_kv_heads * dim
+            self.qkv_proj = PackedLinear(config.hidden_size, (q_size, kv_size, kv_size), bias=qkv_bias)
+            self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        else:  # this rank's block of query heads and the KV heads they read; row-parallel o_proj
+            heads = tp.block(config.num_heads, "num_attention_heads")
+            kv_heads = parallel.kv_head_block(tp, config.num_heads, config.num_kv_heads)
+            self.n_heads = heads.stop - heads.start
+            self.n_kv_heads = kv_heads.stop - kv_heads.start
+            q_rows, kv_rows = parallel.scaled(heads, dim), parallel.scaled(kv_heads, dim)
+            sizes = (self.n_heads * dim, self.n_kv_heads * dim, self.n_kv_heads * dim)
+            full = (config.num_heads * dim, config.num_kv_heads * dim, config.num_kv_heads * dim)
+            self.qkv_proj = PackedLinear(config.hidden_size, sizes, qkv_bias, (q_rows, kv_rows, kv_rows), full)
+            self.o_proj = parallel.RowParallelLinear(config.num_heads * dim, config.hidden_size, o_bias, tp, q_rows)
         if qk_norm:
             self.q_norm = norm(self.head_dim, config.rms_norm_eps)
             self.k_norm = norm(self.head_dim, config.rms_norm_eps)

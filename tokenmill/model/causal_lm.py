@@ -40,6 +40,7 @@ from tokenmill.attention.factory import make_backend
 from tokenmill.cache.views import DecodeKVCache, KVView
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.linear import Linear, linear
+from tokenmill.model import parallel
 from tokenmill.model.blocks import RMSNorm, RotaryEmbedding
 from tokenmill.model.config import ModelConfig
 
@@ -78,7 +79,11 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig, layers: list[nn.Module], norm_class: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        tp = parallel.current()
+        if tp.size == 1:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = parallel.VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(layers)
         self.norm = norm_class(config.hidden_size, config.rms_norm_eps)
 
@@ -90,6 +95,8 @@ class CausalLM(nn.Module, ABC):
     checkpoint_module_names: ClassVar[dict[str, str]] = {}
     """Module name -> the checkpoint's name for it, where they differ (``weights.py`` applies it)."""
     supports_cpu_decode_forward: ClassVar[bool] = False
+    supports_tensor_parallel: ClassVar[bool] = False
+    """Whether its layers are built from the tensor-parallel-aware blocks only (``parallel.py``)."""
     supports_partial_rotary: ClassVar[bool] = False
     activations: ClassVar[tuple[str, ...]] = ("silu",)
     norm_class: ClassVar[type[RMSNorm]] = RMSNorm
@@ -97,14 +104,19 @@ class CausalLM(nn.Module, ABC):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp = parallel.current()
+        if tp.size > 1 and not self.supports_tensor_parallel:
+            raise ValueError(f"{config.architecture} does not support tensor_parallel_size > 1")
         layers = [self.decoder_layer(config, i) for i in range(config.num_layers)]
         self.model = DecoderStack(config, layers, self.norm_class)
         self.build_rotary()
         self._sliding_rope_layers = [config.layer_rope(i) is not config.rope for i in range(config.num_layers)]
         if config.tie_word_embeddings:
             self.lm_head = None
-        else:
+        elif tp.size == 1:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        else:
+            self.lm_head = parallel.VocabParallelLMHead(config.hidden_size, config.vocab_size, tp)
         self.backend = None
 
     @abstractmethod
@@ -153,14 +165,18 @@ class CausalLM(nn.Module, ABC):
         cfg = self.config
         return make_backend(
             engine_config,
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            *self.local_heads(),
             cfg.head_dim,
             dtype,
             any(cfg.layer_sliding_window(i) is not None for i in range(cfg.num_layers)),
             scale=cfg.attention_scale,
             softcap=cfg.attn_logit_softcapping,
         )
+
+    def local_heads(self) -> tuple[int, int]:
+        """``(query heads, KV heads)`` this rank computes and caches (all of them at tp=1)."""
+        cfg, size = self.config, self.tp.size
+        return cfg.num_heads // size, max(cfg.num_kv_heads // size, 1)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of ``input_ids`` (a family may scale them)."""
@@ -187,6 +203,7 @@ class CausalLM(nn.Module, ABC):
         """
         if (
             not self.supports_cpu_decode_forward
+            or self.tp.size > 1
             or self.rotary.is_dynamic
             or self.rotary.dim != self.config.head_dim
             or self.sliding_rotary is not None
@@ -243,6 +260,8 @@ class CausalLM(nn.Module, ABC):
             h, residual = h[logits_indices], residual[logits_indices]
         h, _ = self.model.norm.add_and_norm(h, residual)
         logits = linear(h, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
+        if self.tp.size > 1:
+            logits = parallel.gather_logits(self.tp, logits, self.config.vocab_size)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -15,6 +15,7 @@ from tokenmill.model.config import ModelConfig
 
 class LlamaForCausalLM(CausalLM):
     packed_modules = SPLIT_PROJECTIONS
+    supports_tensor_parallel = True
     supports_cpu_decode_forward = True
 
     def decoder_layer(self, config: ModelConfig, layer_id: int) -> DecoderLayer:

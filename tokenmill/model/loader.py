@@ -5,6 +5,7 @@ The model is built on the meta device and materialized empty (on CPU: its parame
 huge-page mapping, ``huge_pages.py``), then each tensor is read from disk, checked
 (``weights.check_tensor``) and copied straight into its rows of its (possibly packed) parameter,
 so at most one checkpoint tensor is held beside the model; every expected tensor must appear.
+With tensor parallelism each rank reads only its parts of the tensors (safetensors ``get_slice``).
 Only safetensors are read: no pickle, no remote code.
 """
 
@@ -17,10 +18,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tokenmill.model import parallel
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.huge_pages import materialize_on_huge_pages
 from tokenmill.model.registry import load_model_config, model_class
-from tokenmill.model.weights import WeightError, check_complete, check_tensor, checkpoint_targets
+from tokenmill.model.weights import WeightError, WeightTarget, check_complete, check_tensor, checkpoint_targets
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -48,34 +50,63 @@ def weight_files(path: str | Path) -> list[Path]:
     )
 
 
-def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
-    """Yield ``(name, tensor, file)`` for every tensor of the checkpoint, one at a time."""
+def iter_checkpoint(
+    path: str | Path, targets: dict[str, WeightTarget] | None = None
+) -> Iterator[tuple[str, torch.Tensor, Path, tuple[int, ...] | None]]:
+    """Yield ``(name, tensor, file, whole_shape)`` for every tensor of the checkpoint, one at a time:
+    the whole tensor (``whole_shape`` None), or for a name of ``targets`` that holds a part of its
+    tensor (tensor parallelism) only that part, read from the file, with the whole tensor's shape."""
     for file in weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name), file
+                target = None if targets is None else targets.get(name)
+                if target is not None and target.part is not None:
+                    stored = handle.get_slice(name)
+                    shape = tuple(stored.get_shape())
+                    if shape == target.shape:  # else the whole tensor, for check_tensor to refuse
+                        yield name, stored[target.part.index], file, shape
+                        continue
+                yield name, handle.get_tensor(name), file, None
 
 
-def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor, str]]) -> None:
-    """Stream ``(name, tensor, source)`` into ``model``; every expected tensor must appear."""
-    targets = checkpoint_targets(model)
+def load_weights(
+    model: CausalLM,
+    tensors: Iterable[tuple[str, torch.Tensor, str, tuple[int, ...] | None]],
+    targets: dict[str, WeightTarget] | None = None,
+) -> None:
+    """Stream ``(name, tensor, source, whole_shape)`` (see :func:`check_tensor`) into ``model``;
+    every expected tensor must appear."""
+    targets = checkpoint_targets(model) if targets is None else targets
     loaded: set[str] = set()
-    for name, tensor, source in tensors:
-        target = check_tensor(model, targets, name, tensor, source)
+    for name, tensor, source, whole_shape in tensors:
+        target = check_tensor(model, targets, name, tensor, source, whole_shape)
         if target is not None:
-            target.load(tensor)
+            target.load(tensor if whole_shape is not None else target.take(tensor))
             loaded.add(name)
     check_complete(targets, loaded)
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    """Build the model described by ``path/config.json`` and load its safetensors weights."""
+def check_shardable(path: str | Path, tp: parallel.TensorParallel) -> None:
+    """Raise ValueError unless the model of ``path`` splits over ``tp`` (its family supports it, its
+    heads and widths divide): the model is built on the meta device, nothing is allocated."""
+    config = load_model_config(path)
+    with torch.device("meta"), parallel.building(tp):
+        model_class(config.architecture)(config)
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype, device: torch.device | str, tp: parallel.TensorParallel = parallel.SINGLE
+) -> CausalLM:
+    """Build the model described by ``path/config.json`` and load its safetensors weights (with
+    tensor parallelism ``tp``: this rank's shards, read from the files part by part)."""
     config = load_model_config(path)
     weight_files(path)  # fail on a missing checkpoint before allocating the model
-    with torch.device("meta"):
+    with torch.device("meta"), parallel.building(tp):
         model = model_class(config.architecture)(config)
     model = model.to(dtype)
     model = materialize_on_huge_pages(model) if torch.device(device).type == "cpu" else model.to_empty(device=device)
     model.build_rotary(device)
-    load_weights(model, ((name, tensor, str(file)) for name, tensor, file in iter_checkpoint(path)))
+    targets = checkpoint_targets(model)
+    tensors = ((name, tensor, str(file), shape) for name, tensor, file, shape in iter_checkpoint(path, targets))
+    load_weights(model, tensors, targets)
     return model.eval()

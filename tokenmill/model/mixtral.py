@@ -18,6 +18,7 @@ MIXTRAL_EXPERT_NAMES = ExpertNames(gate="w1", up="w3", down="w2")
 
 class MixtralForCausalLM(CausalLM):
     packed_modules = SPLIT_PROJECTIONS
+    supports_tensor_parallel = True
     checkpoint_module_names = {"mlp": "block_sparse_moe"}
 
     @classmethod

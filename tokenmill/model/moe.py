@@ -24,15 +24,20 @@ from torch import nn
 
 from tokenmill.kernels.fused import silu_and_mul
 from tokenmill.kernels.linear import BlockedCopy, Linear, blocked_linear
+from tokenmill.model import parallel
 from tokenmill.model.config import ModelConfigError, MoEConfig
+
+CheckpointShard = tuple[str, nn.Parameter, tuple[int | slice, ...], parallel.CheckpointPart | None]
+"""``(name relative to the module, parameter, index into it, the part of the checkpoint tensor it
+holds)``; the part is None where it holds all of it."""
 
 
 class CheckpointShards(ABC):
     """A module whose parameters load from checkpoint tensors it lists itself."""
 
     @abstractmethod
-    def checkpoint_shards(self) -> list[tuple[str, nn.Parameter, tuple[int | slice, ...]]]:
-        """``(name relative to the module, parameter, index into it)`` for each checkpoint tensor."""
+    def checkpoint_shards(self) -> list[CheckpointShard]:
+        """A :data:`CheckpointShard` for each checkpoint tensor."""
 
 
 class ExpertNames(NamedTuple):
@@ -44,24 +49,37 @@ class ExpertNames(NamedTuple):
 
 
 class Experts(nn.Module, CheckpointShards):
-    """``num_experts`` SwiGLU experts, stacked; expert ``e`` loads from ``<e>.<names.gate>.weight`` ..."""
+    """``num_experts`` SwiGLU experts, stacked; expert ``e`` loads from ``<e>.<names.gate>.weight`` ...
+
+    With tensor parallelism every rank holds its block of each expert's width (see ``parallel.py``):
+    the sum over ranks of :meth:`forward` is the experts' output."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, names: ExpertNames) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        tp = parallel.current()
+        self.width = (
+            slice(0, intermediate) if tp.size == 1 else tp.block(intermediate, "the experts' intermediate size")
+        )
+        width = self.width.stop - self.width.start
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
+        self.sharded = tp.size > 1
+        self.intermediate = intermediate
         self.names = names
         self._blocked = [(BlockedCopy(), BlockedCopy()) for _ in range(num_experts)]  # gate_up, down
 
-    def checkpoint_shards(self) -> list[tuple[str, nn.Parameter, tuple[int | slice, ...]]]:
+    def checkpoint_shards(self) -> list[CheckpointShard]:
         n_experts, two_i, _ = self.gate_up_proj.shape
         half = two_i // 2
-        shards: list[tuple[str, nn.Parameter, tuple[int | slice, ...]]] = []
+        full, hidden = self.intermediate, self.down_proj.shape[1]
+        rows = parallel.CheckpointPart((full, hidden), (self.width,)) if self.sharded else None
+        cols = parallel.CheckpointPart((hidden, full), (slice(None), self.width)) if self.sharded else None
+        shards: list[CheckpointShard] = []
         for e in range(n_experts):
             shards += [
-                (f"{e}.{self.names.gate}.weight", self.gate_up_proj, (e, slice(0, half))),
-                (f"{e}.{self.names.up}.weight", self.gate_up_proj, (e, slice(half, two_i))),
-                (f"{e}.{self.names.down}.weight", self.down_proj, (e,)),
+                (f"{e}.{self.names.gate}.weight", self.gate_up_proj, (e, slice(0, half)), rows),
+                (f"{e}.{self.names.up}.weight", self.gate_up_proj, (e, slice(half, two_i)), rows),
+                (f"{e}.{self.names.down}.weight", self.down_proj, (e,), cols),
             ]
         return shards
 
@@ -99,6 +117,7 @@ class SparseMoE(nn.Module):
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
         self.scores_in_input_dtype = scores_in_input_dtype
+        self.tp = parallel.current()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -107,7 +126,8 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.scores_in_input_dtype:
             weights = weights.to(x.dtype)
-        return self.experts(x, expert_ids, weights)
+        out = self.experts(x, expert_ids, weights)
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
 
 def parse_moe(

@@ -42,6 +42,7 @@ def qwen_sliding_layers(config: ModelConfig, raw: dict[str, Any]) -> ModelConfig
 
 class Qwen2ForCausalLM(CausalLM):
     packed_modules = SPLIT_PROJECTIONS
+    supports_tensor_parallel = True
 
     @classmethod
     def adjust_config(cls, config: ModelConfig, raw: dict[str, Any]) -> ModelConfig:

@@ -13,6 +13,7 @@ from tokenmill.model.qwen2 import qwen_sliding_layers, qwen_sliding_window
 
 class Qwen3ForCausalLM(CausalLM):
     packed_modules = SPLIT_PROJECTIONS
+    supports_tensor_parallel = True
 
     @classmethod
     def adjust_config(cls, config: ModelConfig, raw: dict[str, Any]) -> ModelConfig:

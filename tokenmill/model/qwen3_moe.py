@@ -21,6 +21,7 @@ QWEN_EXPERT_NAMES = ExpertNames(gate="gate_proj", up="up_proj", down="down_proj"
 
 class Qwen3MoeForCausalLM(CausalLM):
     packed_modules = SPLIT_PROJECTIONS
+    supports_tensor_parallel = True
 
     @classmethod
     def adjust_config(cls, config: ModelConfig, raw: dict[str, Any]) -> ModelConfig:

@@ -5,6 +5,8 @@ name, except the shards of a :class:`~tokenmill.model.blocks.PackedLinear`, whic
 names the family's ``packed_modules`` gives them (``q_proj`` -> shard 0 of ``qkv_proj``, ...),
 into the rows the packed module reports, and the parameters of a module that lists its own
 checkpoint tensors (``checkpoint_shards``: stacked experts, one tensor per expert and projection).
+With tensor parallelism a target holds its rank's part of the tensor (``parallel.CheckpointPart``):
+the loader reads only that part from the file, a weight update stages only that part.
 A family whose checkpoint names a module differently (Mixtral's ``block_sparse_moe`` for ``mlp``)
 says so in ``checkpoint_module_names``. The loader and weight updates validate through
 :func:`check_tensor`, so a tensor is accepted or refused the same way by both.
@@ -20,6 +22,7 @@ from torch import nn
 from tokenmill.model.blocks import PackedLinear
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.moe import CheckpointShards
+from tokenmill.model.parallel import CheckpointPart, checkpoint_part, param_rows
 
 
 class WeightError(ValueError):
@@ -29,29 +32,41 @@ class WeightError(ValueError):
 @dataclass(frozen=True)
 class WeightTarget:
     """``param[index]``: where one checkpoint tensor is stored (all of it, rows of it, or one
-    expert's slice of a stacked parameter)."""
+    expert's slice of a stacked parameter), or with tensor parallelism where this rank's ``part``
+    of it is stored (None: all of it)."""
 
     param: nn.Parameter
     index: tuple[int | slice, ...] = ()
+    part: CheckpointPart | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape the checkpoint tensor must have."""
+        return self.part_shape if self.part is None else self.part.shape
+
+    @property
+    def part_shape(self) -> tuple[int, ...]:
+        """The shape of the part of the checkpoint tensor stored here (:attr:`shape` at tp=1)."""
         return tuple(self.param[self.index].shape)
 
-    def load(self, tensor: torch.Tensor) -> None:
-        """Copy a tensor that passed :func:`check_tensor` into its place (converted to the parameter's
-        dtype and device on the way; with a tensor from :meth:`stage`, a plain copy that cannot fail)."""
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of the whole checkpoint ``tensor`` stored here (a view)."""
+        return tensor if self.part is None else tensor[self.part.index]
+
+    def load(self, part: torch.Tensor) -> None:
+        """Copy the part (:meth:`take`) of a tensor that passed :func:`check_tensor` into its place
+        (converted to the parameter's dtype and device on the way; with a tensor from :meth:`stage`,
+        a plain copy that cannot fail)."""
         with torch.no_grad():
-            self.param[self.index].copy_(tensor)
+            self.param[self.index].copy_(part)
 
     def stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of ``tensor`` (which passed :func:`check_tensor`) in fresh contiguous memory, in the
-        parameter's dtype and on its device: what :meth:`load` then copies from as is. Shares no
-        memory with ``tensor`` (nor with the file a safetensors tensor maps)."""
-        staged = torch.empty(self.shape, dtype=self.param.dtype, device=self.param.device)
+        """A copy of this target's part of ``tensor`` (which passed :func:`check_tensor`) in fresh
+        contiguous memory, in the parameter's dtype and on its device: what :meth:`load` then copies
+        from as is. Shares no memory with ``tensor`` (nor with the file a safetensors tensor maps)."""
+        staged = torch.empty(self.part_shape, dtype=self.param.dtype, device=self.param.device)
         with torch.no_grad():
-            staged.copy_(tensor)
+            staged.copy_(self.take(tensor))
         return staged
 
 
@@ -66,18 +81,21 @@ def checkpoint_targets(model: CausalLM) -> dict[str, WeightTarget]:
         module_name = ".".join(renamed.get(part, part) for part in module_name.split(".")) if module_name else ""
         parent, _, local = module_name.rpartition(".")
         if isinstance(module, CheckpointShards):
-            for name, param, index in module.checkpoint_shards():
-                targets[_join(module_name, name)] = WeightTarget(param, index)
+            for name, param, index, part in module.checkpoint_shards():
+                targets[_join(module_name, name)] = WeightTarget(param, index, part)
             continue
         packed = shards.get(local) if isinstance(module, PackedLinear) else None
         if packed is not None and sorted(s for s, _ in packed) != list(range(len(module.shard_sizes))):
             raise ValueError(f"{type(model).__name__}.packed_modules does not name each shard of {module_name} once")
         for leaf, param in module.named_parameters(recurse=False):
             if packed is None:
-                targets[_join(module_name, leaf)] = WeightTarget(param)
+                targets[_join(module_name, leaf)] = WeightTarget(
+                    param, param_rows(module), checkpoint_part(module, leaf)
+                )
             else:
                 for shard, name in packed:
-                    targets[_join(parent, name, leaf)] = WeightTarget(param, (module.shard_rows(shard),))
+                    part = module.shard_part(shard, leaf)
+                    targets[_join(parent, name, leaf)] = WeightTarget(param, (module.shard_rows(shard),), part)
     return targets
 
 
@@ -86,14 +104,21 @@ def _join(*parts: str) -> str:
 
 
 def check_tensor(
-    model: CausalLM, targets: dict[str, WeightTarget], name: str, tensor: torch.Tensor, source: str
+    model: CausalLM,
+    targets: dict[str, WeightTarget],
+    name: str,
+    tensor: torch.Tensor,
+    source: str,
+    whole_shape: tuple[int, ...] | None = None,
 ) -> WeightTarget | None:
     """Where checkpoint tensor ``name`` goes; None for tensors to skip.
 
-    Raises :class:`WeightError` naming ``source`` and the tensor unless the name is expected and
-    ``tensor`` holds readable data in the plain layout (dense and strided: not sparse, quantized,
-    nested or on the meta device; on the CPU or the parameter's kind of device), has exactly the
-    target's shape (no broadcasting), a floating-point dtype, and finite values only.
+    ``tensor`` is the whole checkpoint tensor, or only the target's part of it when ``whole_shape``
+    (the whole tensor's shape, read from the file's header) is given. Raises :class:`WeightError`
+    naming ``source`` and the tensor unless the name is expected and ``tensor`` holds readable data
+    in the plain layout (dense and strided: not sparse, quantized, nested or on the meta device; on
+    the CPU or the parameter's kind of device), has exactly the target's shape (no broadcasting;
+    the whole shape and the part's), a floating-point dtype, and finite values only.
     """
     if model.skips_weight(name):
         return None
@@ -106,8 +131,11 @@ def check_tensor(
     if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
         kind = "quantized" if tensor.is_quantized else "nested" if tensor.is_nested else str(tensor.layout)
         raise WeightError(f"{where} is {kind}, expected a dense strided tensor")
-    if tuple(tensor.shape) != target.shape:
-        raise WeightError(f"{where} has shape {tuple(tensor.shape)}, expected {target.shape}")
+    shape = tuple(tensor.shape) if whole_shape is None else tuple(whole_shape)
+    if shape != target.shape:
+        raise WeightError(f"{where} has shape {shape}, expected {target.shape}")
+    if whole_shape is not None and tuple(tensor.shape) != target.part_shape:
+        raise WeightError(f"{where}: its part has shape {tuple(tensor.shape)}, expected {target.part_shape}")
     if not tensor.is_floating_point():
         raise WeightError(f"{where} has dtype {tensor.dtype}, expected a floating-point dtype")
     check_finite(tensor, where)

@@ -1,18 +1,22 @@
-"""Anthropic-compatible route: ``POST /v1/messages``.
+"""Anthropic-compatible routes: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
 
-The system prompt and messages go through the model's chat template. Content blocks: text;
-``tool_use`` and ``tool_result`` blocks are rendered as text (the model sees them, the template
-gets plain strings); ``tools`` are refused. ``stop_reason``: end_turn (EOS), max_tokens,
-stop_sequence (with ``stop_sequence`` set); a request the server aborts (shutdown, an admin abort)
-ends in an error instead (503 ``overloaded_error``, or an ``error`` event mid-stream), never a stop
-reason. Streaming sends Anthropic's event sequence:
-message_start, content_block_start, ping, content_block_delta*, content_block_stop,
-message_delta (stop_reason, usage), message_stop. Errors use Anthropic's error shape.
+The system prompt, messages and ``tools`` go through the model's chat template; tool calls in the
+output are returned as ``tool_use`` blocks, and ``tool_choice`` ``any`` or ``tool`` forces one
+(:mod:`tokenmill.server.anthropic_content`). ``stop_reason``: end_turn (EOS), max_tokens,
+stop_sequence (with ``stop_sequence`` set), tool_use; a request the server aborts (shutdown, an
+admin abort) ends in an error instead (503 ``overloaded_error``, or an ``error`` event mid-stream),
+never a stop reason. Streaming sends Anthropic's event sequence: message_start, ping, the content
+blocks (each content_block_start, content_block_delta*, content_block_stop; without tools the text
+block starts before the ping), message_delta (stop_reason, usage), message_stop. Errors use Anthropic's error shape.
+
+``usage`` follows Anthropic's split of the prompt: ``cache_read_input_tokens`` were served from the
+prefix cache, ``input_tokens`` are the rest, and their sum is what ``count_tokens`` reports for the
+same body. ``cache_creation_input_tokens`` is always 0: the prefix cache fills itself with every
+prompt, at no cost and without ``cache_control`` breakpoints, so no tokens are billed as cache writes.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,11 +25,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.request import CompletionOutput, FinishReason
+from tokenmill.request import CompletionOutput, FinishReason, RequestOutput
+from tokenmill.server.anthropic_content import ContentBlockStream, ToolUse, content_blocks, template_messages, tool_use
 from tokenmill.server.errors import APIError, engine_errors
 from tokenmill.server.generation import Generation, until_disconnected
 from tokenmill.server.params import sampling_params
-from tokenmill.server.protocol import AnthropicBlock, MessagesRequest
+from tokenmill.server.protocol import MessagesPromptRequest, MessagesRequest
 from tokenmill.server.sse import SSEResponse, sse_event
 from tokenmill.server.state import State
 
@@ -38,19 +43,15 @@ ALIASES = {"prompt": "messages", "stop": "stop_sequences"}
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request, state: State) -> Response:
     arrival = time.monotonic()
-    state.check_model(body.model)
-    if body.tools:
-        raise APIError(400, "tools are not supported on /v1/messages; use /v1/chat/completions", param="tools")
-    chat = [{"role": "system", "content": _text(body.system)}] if body.system else []
-    chat += [{"role": m.role, "content": _text(m.content)} for m in body.messages]
-    prompt = await state.render_chat(chat, None)
+    prompt, tools = await _prompt(body, state)
     fields = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences}
+    fields["structured_outputs"] = tools.constraint
     rid = f"msg_{uuid.uuid4().hex[:24]}"
-    with engine_errors(ALIASES):
+    with engine_errors({**ALIASES, "structured_outputs": "tools"}):
         params = sampling_params(fields, body.max_tokens)
         generation = await until_disconnected(request, Generation.start(state, [prompt], [params], rid, arrival))
     if body.stream:
-        return SSEResponse(_events(generation, rid, state.model_name), on_close=generation.close)
+        return SSEResponse(_events(generation, rid, state.model_name, tools.names), on_close=generation.close)
     try:
         (output,) = await until_disconnected(request, generation.collect())
     finally:
@@ -60,30 +61,40 @@ async def messages(body: MessagesRequest, request: Request, state: State) -> Res
         raise APIError(500, f"generation failed (request {rid}): {out.error}")
     if out.finish_reason == FinishReason.ABORT.value:
         raise APIError(503, _aborted(rid))
-    message = _message(rid, state.model_name, len(output.prompt_token_ids))
-    message["content"] = [{"type": "text", "text": out.text}]
-    message.update(_stop(out))
+    message = _message(rid, state.model_name, output)
+    message["content"], calls = content_blocks(out.text, tools.names)
+    message.update(_stop(out, calls))
     message["usage"]["output_tokens"] = len(out.token_ids)
     return JSONResponse(message)
 
 
-def _text(content: str | list[AnthropicBlock]) -> str:
-    if isinstance(content, str):
-        return content
-    return "\n".join(_block_text(block) for block in content)
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: MessagesPromptRequest, state: State) -> Response:
+    """The prompt's tokens as ``/v1/messages`` would build them from the same body."""
+    prompt, _ = await _prompt(body, state)
+    return JSONResponse({"input_tokens": len(prompt)})
 
 
-def _block_text(block: AnthropicBlock) -> str:
-    if block.type == "text" and block.text is not None:
-        return block.text
-    if block.type == "tool_use":
-        return f"[tool call {block.name}] {json.dumps(block.input, ensure_ascii=False)}"
-    if block.type == "tool_result":
-        return f"[tool result] {_text(block.content or '')}"
-    raise APIError(400, f"content blocks of type {block.type!r} are not supported", param="messages")
+async def _prompt(body: MessagesPromptRequest, state: State) -> tuple[list[int], ToolUse]:
+    """The token ids of the body's system prompt, messages and tools through the chat template, and
+    what its tools mean for the output."""
+    state.check_model(body.model)
+    with engine_errors(ALIASES):
+        tools = tool_use(body, state.tokenizer.hf.chat_template)
+    return await state.render_chat(template_messages(body.system, body.messages), tools.tools), tools
 
 
-def _message(rid: str, model: str, input_tokens: int) -> dict[str, Any]:
+def _usage(output: RequestOutput) -> dict[str, int]:
+    """The prompt's tokens split as Anthropic reports them (see the module docstring)."""
+    cached = output.num_cached_tokens
+    return {
+        "input_tokens": len(output.prompt_token_ids) - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
+
+
+def _message(rid: str, model: str, output: RequestOutput) -> dict[str, Any]:
     return {
         "id": rid,
         "type": "message",
@@ -92,7 +103,7 @@ def _message(rid: str, model: str, input_tokens: int) -> dict[str, Any]:
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+        "usage": {**_usage(output), "output_tokens": 0},
     }
 
 
@@ -100,7 +111,9 @@ def _aborted(rid: str) -> str:
     return f"request {rid} was aborted by the server before it finished (shutdown or an admin abort); retry"
 
 
-def _stop(out: CompletionOutput) -> dict[str, Any]:
+def _stop(out: CompletionOutput, calls_tools: bool) -> dict[str, Any]:
+    if calls_tools:
+        return {"stop_reason": "tool_use", "stop_sequence": None}
     if out.finish_reason == "length":
         return {"stop_reason": "max_tokens", "stop_sequence": None}
     if isinstance(out.stop_reason, str):
@@ -112,14 +125,16 @@ def _event(data: dict[str, Any]) -> str:
     return sse_event(data, event=data["type"])
 
 
-async def _events(generation: Generation, rid: str, model: str) -> AsyncIterator[str]:
+async def _events(generation: Generation, rid: str, model: str, tool_names: set[str] | None) -> AsyncIterator[str]:
     started = False
     output_tokens = 0
+    blocks = ContentBlockStream(tool_names)
     async for _, delta in generation:
         if not started:
             started = True
-            yield _event({"type": "message_start", "message": _message(rid, model, len(delta.prompt_token_ids))})
-            yield _event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+            yield _event({"type": "message_start", "message": _message(rid, model, delta)})
+            for event in blocks.start():
+                yield _event(event)
             yield _event({"type": "ping"})
         for out in delta.outputs:
             if out.error:
@@ -130,11 +145,12 @@ async def _events(generation: Generation, rid: str, model: str) -> AsyncIterator
                 yield _event({"type": "error", "error": {"type": "overloaded_error", "message": _aborted(rid)}})
                 return
             output_tokens += len(out.token_ids)
-            if out.text:
-                yield _event(
-                    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": out.text}}
-                )
+            for event in blocks.feed(out.text):
+                yield _event(event)
             if out.finish_reason is not None:
-                yield _event({"type": "content_block_stop", "index": 0})
-                yield _event({"type": "message_delta", "delta": _stop(out), "usage": {"output_tokens": output_tokens}})
+                closing, calls_tools = blocks.finish()
+                for event in closing:
+                    yield _event(event)
+                usage = {**_usage(delta), "output_tokens": output_tokens}
+                yield _event({"type": "message_delta", "delta": _stop(out, calls_tools), "usage": usage})
                 yield _event({"type": "message_stop"})

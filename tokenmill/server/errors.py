@@ -4,7 +4,9 @@ OpenAI: ``{"error": {"message", "type", "param", "code"}}``.
 Anthropic: ``{"type": "error", "error": {"type", "message"}}``.
 
 Engine refusals map to statuses in :func:`engine_errors`; anything unexpected becomes a 500 whose
-message carries an id that is also in the server log, next to the traceback.
+message carries an id that is also in the server log, next to the traceback. A full waiting queue
+is a 429 with ``Retry-After``, as OpenAI and Anthropic answer when they are overloaded: OpenAI's
+``{"type": "requests", "code": "rate_limit_exceeded"}``, Anthropic's ``rate_limit_error``.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from tokenmill.engine.engine import EngineDeadError, EngineOverloadedError
-from tokenmill.request import ParameterError
+from tokenmill.request import ContextLengthError, ParameterError
 from tokenmill.server.nesting import too_deep_message
 
 logger = logging.getLogger("tokenmill.server")
 
 ANTHROPIC_PREFIX = "/v1/messages"
+OVERLOADED_RETRY_AFTER_S = 1
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -37,14 +40,23 @@ _ANTHROPIC_TYPES = {
 
 
 class APIError(Exception):
-    """An error for the client: HTTP ``status``, a message, and the offending parameter if any."""
+    """An error for the client: HTTP ``status``, a message, the offending parameter if any, and
+    extra response ``headers``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
 
 
 def error_response(request: Request, error: APIError) -> JSONResponse:
@@ -58,10 +70,12 @@ def error_response(request: Request, error: APIError) -> JSONResponse:
             if error.status >= 500
             else "authentication_error"
             if error.status == 401
+            else "requests"
+            if error.status == 429
             else "invalid_request_error"
         )
         body = {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}}
-    return JSONResponse(body, status_code=error.status)
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
 @contextlib.contextmanager
@@ -69,16 +83,23 @@ def engine_errors(aliases: Mapping[str, str]) -> Iterator[None]:
     """Turn the engine's refusals into APIErrors.
 
     ValueError -> 400; a :class:`ParameterError` names its parameter, renamed through ``aliases``
-    to the route's own name for it; EngineOverloadedError and EngineDeadError -> 503.
+    to the route's own name for it (a :class:`ContextLengthError` with code ``context_length_exceeded``);
+    EngineOverloadedError -> 429 with ``Retry-After``; EngineDeadError -> 503.
     """
     try:
         yield
+    except ContextLengthError as exc:
+        param = aliases.get(exc.param, exc.param)
+        raise APIError(400, str(exc), param=param, code="context_length_exceeded") from exc
     except ParameterError as exc:
         raise APIError(400, str(exc), param=aliases.get(exc.param, exc.param)) from exc
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
     except EngineOverloadedError as exc:
-        raise APIError(503, f"the server is overloaded, retry later: {exc}", code="overloaded") from exc
+        retry = {"Retry-After": str(OVERLOADED_RETRY_AFTER_S)}
+        raise APIError(
+            429, f"the server is overloaded, retry later: {exc}", code="rate_limit_exceeded", headers=retry
+        ) from exc
     except EngineDeadError as exc:
         raise APIError(503, str(exc), code="engine_dead") from exc
 

@@ -22,7 +22,7 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -210,11 +210,16 @@ def run_server(
     shutdown_grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_S,
     limits: ConnectionLimits | None = None,
     allow_special_tokens_in_content: bool = False,
+    allowed_origins: Sequence[str] = (),
+    allowed_methods: Sequence[str] = ("*",),
+    allowed_headers: Sequence[str] = ("*",),
 ) -> None:
     """Start an engine and serve it until SIGINT/SIGTERM, then shut down gracefully and return.
 
     Graceful shutdown: see the module docstring; requests still running ``shutdown_grace_seconds``
     after the signal are aborted. ``limits``: per-connection bounds (default: ``ConnectionLimits()``).
+    ``allowed_origins`` / ``allowed_methods`` / ``allowed_headers``: CORS (see
+    :func:`~tokenmill.server.app.create_app`; no origins: off).
     """
     if not shutdown_grace_seconds >= 0:
         raise ParameterError("shutdown_grace_seconds", f"must be >= 0, got {shutdown_grace_seconds}")
@@ -231,6 +236,9 @@ def run_server(
             max_body_bytes=max_body_bytes,
             allowed_weight_roots=allowed_weight_roots,
             allow_special_tokens_in_content=allow_special_tokens_in_content,
+            allowed_origins=allowed_origins,
+            allowed_methods=allowed_methods,
+            allowed_headers=allowed_headers,
         )
         with _exit_signals_consumed():
             server.run()

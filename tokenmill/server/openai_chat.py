@@ -2,15 +2,15 @@
 
 Messages go through the model's chat template (in a worker thread); ``tools`` are passed to it
 unless ``tool_choice`` is "none", and the output is parsed for tool calls
-(:mod:`tokenmill.server.tool_parser`). There is no constrained decoding: with ``tool_choice``
-"required" or a named function, output that does not parse as a call to an allowed tool is
-returned as plain content with the engine's finish reason. Without ``max_tokens`` a reply runs to
-the context limit (or ``max_tokens_cap``).
+(:mod:`tokenmill.server.tool_parser`). ``tool_choice`` "required" or a named function constrains
+the output to one call (:mod:`tokenmill.server.tool_constraint`); ``response_format`` and vLLM's
+``structured_outputs`` / ``guided_*`` constrain it otherwise (:mod:`tokenmill.server.params`).
+Output cut short by ``max_tokens`` before a call is complete is returned as plain content.
+Without ``max_tokens`` a reply runs to the context limit (or ``max_tokens_cap``).
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,21 +19,24 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.request import CompletionOutput, Logprob, RequestOutput
+from tokenmill.request import CompletionOutput, Logprob, ParameterError, RequestOutput
 from tokenmill.server.errors import APIError, engine_errors
 from tokenmill.server.generation import Generation, until_disconnected
 from tokenmill.server.openai import (
     completion_object,
+    json_object_or_text,
     prompt_logprobs_json,
     raise_on_error,
     stream_error,
+    tool_setup,
     top_logprobs,
     usage_json,
 )
-from tokenmill.server.params import openai_params
-from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, ContentPart
+from tokenmill.server.params import OutputConstraint, openai_params, structured_outputs
+from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, ContentPart, NamedToolChoice
 from tokenmill.server.sse import SSEResponse, sse_event
 from tokenmill.server.state import ServerState, State
+from tokenmill.server.tool_constraint import forced_call
 from tokenmill.server.tool_parser import ToolCall, ToolCallStream, parse_tool_calls
 
 router = APIRouter()
@@ -46,17 +49,18 @@ CHAT_ALIASES = {"prompt": "messages", "logprobs": "top_logprobs"}
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: State) -> Response:
     arrival = time.monotonic()
     state.check_model(body.model)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise APIError(400, "only response_format type 'text' is supported", param="response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-    tools, tool_names = _tool_setup(body)
-    prompt = await state.render_chat([_template_message(m) for m in body.messages], tools)
+    choice = body.tool_choice.function if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+    tools, tool_names = tool_setup([t.model_dump(exclude_none=True) for t in body.tools or []], choice)
+    with engine_errors(CHAT_ALIASES):
+        constraint = _output_constraint(body, state, tools, tool_names)
+    prompt = await state.render_chat([template_message(m) for m in body.messages], tools)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    with engine_errors(CHAT_ALIASES):
-        params = openai_params(body, max_tokens, logprobs)
+    with engine_errors({**CHAT_ALIASES, "structured_outputs": constraint.param} if constraint else CHAT_ALIASES):
+        params = openai_params(body, max_tokens, logprobs, constraint)
         generation = await until_disconnected(request, Generation.start(state, [prompt], [params], rid, arrival))
     chat = _Chat(state, rid, tool_names, logprobs)
     if body.stream:
@@ -69,27 +73,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     return JSONResponse(await chat.response(output))
 
 
-def _tool_setup(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, set[str] | None]:
-    """Tools to render in the prompt, and the names of the tools whose calls are parsed (None: no parsing)."""
-    choice = body.tool_choice or "auto"
-    if not body.tools:
-        if choice not in ("auto", "none"):
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        return None, None
-    if choice == "none":
-        return None, None
-    tools = [t.model_dump(exclude_none=True) for t in body.tools]
-    names = {t.function.name for t in body.tools}
-    if isinstance(choice, str):
-        return tools, names
-    if choice.function.name not in names:
-        raise APIError(
-            400, f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice"
-        )
-    return tools, {choice.function.name}
+def _output_constraint(
+    body: ChatCompletionRequest, state: ServerState, tools: list[dict[str, Any]] | None, tool_names: set[str] | None
+) -> OutputConstraint | None:
+    """The request's output constraint: a forced tool call (``tool_choice`` "required" or named; refused
+    as ``tools``, whose schemas it holds) or :func:`~tokenmill.server.params.structured_outputs`; never both."""
+    given = structured_outputs(body)
+    if tools is None or tool_names is None or body.tool_choice in (None, "auto"):
+        return given
+    if given is not None:
+        raise ParameterError("tool_choice", f"that forces a tool call cannot be combined with {given.param}")
+    return OutputConstraint("tools", forced_call(tools, tool_names, state.tokenizer.hf.chat_template))
 
 
-def _template_message(message: ChatMessage) -> dict[str, Any]:
+def template_message(message: ChatMessage) -> dict[str, Any]:
     """The message as chat templates expect it (tool-call arguments as objects, as in HF's docs)."""
     out: dict[str, Any] = {
         "role": "system" if message.role == "developer" else message.role,
@@ -104,7 +101,7 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
             {
                 "id": c.id,
                 "type": "function",
-                "function": {"name": c.function.name, "arguments": _json_object_or_text(c.function.arguments)},
+                "function": {"name": c.function.name, "arguments": json_object_or_text(c.function.arguments)},
             }
             for c in message.tool_calls
         ]
@@ -118,14 +115,6 @@ def _text_content(content: str | list[ContentPart] | None) -> str:
         if part.type != "text" or part.text is None:
             raise APIError(400, f"content parts of type {part.type!r} are not supported, only text", param="messages")
     return "\n".join(part.text or "" for part in content)
-
-
-def _json_object_or_text(arguments: str) -> Any:
-    try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError:  # not JSON: keep the text (its depth is bounded: ``FunctionCall``)
-        return arguments
-    return value if isinstance(value, dict) else arguments
 
 
 def _tool_call_json(call: ToolCall) -> dict[str, Any]:
@@ -177,18 +166,20 @@ class _Chat:
             choices.append(
                 {"index": out.index, "message": message, "logprobs": await self._logprobs(out), "finish_reason": finish}
             )
-        usage = usage_json(len(output.prompt_token_ids), sum(len(o.token_ids) for o in output.outputs))
+        completion_tokens = sum(len(o.token_ids) for o in output.outputs)
+        usage = usage_json(len(output.prompt_token_ids), completion_tokens, output.num_cached_tokens)
         body = completion_object("chat.completion", self.id, self.created, self.state.model_name, choices, usage)
         if output.prompt_logprobs is not None:  # vLLM's extension, at the top level
             body["prompt_logprobs"] = await prompt_logprobs_json(self.state, output.prompt_logprobs)
         return body
 
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         model = self.state.model_name
         return sse_event(completion_object("chat.completion.chunk", self.id, self.created, model, choices, usage))
 
     async def events(self, generation: Generation, n: int, include_usage: bool) -> AsyncIterator[str]:
-        """The SSE stream: a role chunk per choice, content / tool-call deltas, usage, ``[DONE]``."""
+        """The SSE stream: a role chunk per choice, content / tool-call deltas, each choice's
+        ``finish_reason`` in a chunk of its own with an empty delta (as OpenAI sends it), usage, ``[DONE]``."""
         tool_streams = [ToolCallStream(self.tool_names) if self.tool_names is not None else None for _ in range(n)]
         for index in range(n):
             yield self._chunk(
@@ -202,8 +193,10 @@ class _Chat:
                 ]
             )
         prompt_tokens = completion_tokens = 0
+        cached_tokens: int | None = None  # the first delta's, as in a whole reply (``accumulate``)
         async for _, delta in generation:
             prompt_tokens = len(delta.prompt_token_ids)
+            cached_tokens = delta.num_cached_tokens if cached_tokens is None else cached_tokens
             if delta.prompt_logprobs is not None:  # vLLM's extension: a chunk of its own, without choices
                 model, entries = self.state.model_name, delta.prompt_logprobs
                 chunk = completion_object("chat.completion.chunk", self.id, self.created, model, [], None)
@@ -216,12 +209,14 @@ class _Chat:
                 completion_tokens += len(out.token_ids)
                 message, finish = self._delta(out, tool_streams[out.index])
                 logprobs = await self._logprobs(out)
-                if message or finish or logprobs:
+                if message or logprobs:
                     yield self._chunk(
-                        [{"index": out.index, "delta": message, "logprobs": logprobs, "finish_reason": finish}]
+                        [{"index": out.index, "delta": message, "logprobs": logprobs, "finish_reason": None}]
                     )
+                if finish:
+                    yield self._chunk([{"index": out.index, "delta": {}, "logprobs": None, "finish_reason": finish}])
         if include_usage:
-            yield self._chunk([], usage_json(prompt_tokens, completion_tokens))
+            yield self._chunk([], usage_json(prompt_tokens, completion_tokens, cached_tokens or 0))
         yield sse_event("[DONE]")
 
     @staticmethod

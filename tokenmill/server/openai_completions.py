@@ -2,7 +2,9 @@
 
 ``prompt`` is a string, a list of strings, token ids or a list of token-id lists; each prompt is
 one engine request with ``n`` choices (choice index = prompt index * n + i). ``suffix`` is
-refused. Without ``max_tokens`` a completion stops at 16 tokens, as in OpenAI's API.
+refused. ``response_format`` and vLLM's ``structured_outputs`` / ``guided_*`` constrain the output
+as in chat completions (:mod:`tokenmill.server.params`). Without ``max_tokens`` a completion
+stops at 16 tokens, as in OpenAI's API.
 
 ``echo``: each choice's text (its first chunk, when streamed) starts with the prompt (a string
 prompt as given, token ids decoded); with ``logprobs`` the prompt's tokens lead ``logprobs`` too,
@@ -33,7 +35,7 @@ from tokenmill.server.openai import (
     top_logprobs,
     usage_json,
 )
-from tokenmill.server.params import openai_params
+from tokenmill.server.params import openai_params, structured_outputs
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.sse import SSEResponse, sse_event
 from tokenmill.server.state import ServerState, State
@@ -49,14 +51,16 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     state.check_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
+    with engine_errors({}):
+        constraint = structured_outputs(body)
     prompts = await _completion_prompts(state, body.prompt)
     config = state.engine.config
     max_tokens = body.max_tokens
     if max_tokens is None:
         max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, config.max_tokens_cap or COMPLETION_DEFAULT_MAX_TOKENS)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    with engine_errors({}):
-        params = openai_params(body, max_tokens, body.logprobs)
+    with engine_errors({"structured_outputs": constraint.param} if constraint else {}):
+        params = openai_params(body, max_tokens, body.logprobs, constraint)
         if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = body.logprobs  # the echoed prompt's tokens get logprobs too
         generation = await until_disconnected(
@@ -156,7 +160,7 @@ class _Completion:
         self._started[index] = True
         return choice
 
-    def _body(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+    def _body(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
         return completion_object("text_completion", self.id, self.created, self.state.model_name, choices, usage)
 
     async def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -166,15 +170,21 @@ class _Completion:
                 self._prompt_logprobs[prompt_index] = output.prompt_logprobs
         choices = [await self._choice(i, out) for i, output in enumerate(outputs) for out in output.outputs]
         usage = usage_json(
-            sum(len(o.prompt_token_ids) for o in outputs), sum(len(c.token_ids) for o in outputs for c in o.outputs)
+            sum(len(o.prompt_token_ids) for o in outputs),
+            sum(len(c.token_ids) for o in outputs for c in o.outputs),
+            sum(o.num_cached_tokens for o in outputs),
         )
         return self._body(choices, usage)
 
     async def events(self, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
+        """The SSE stream: text chunks, each choice's ``finish_reason`` in a chunk of its own with
+        empty text (as OpenAI sends it), usage, ``[DONE]``."""
         prompt_tokens: dict[int, int] = {}
+        cached_tokens: dict[int, int] = {}  # per prompt, its first delta's, as in a whole reply (``accumulate``)
         completion_tokens = 0
         async for prompt_index, delta in generation:
             prompt_tokens[prompt_index] = len(delta.prompt_token_ids)
+            cached_tokens.setdefault(prompt_index, delta.num_cached_tokens)
             if delta.prompt_logprobs is not None:
                 self._prompt_logprobs[prompt_index] = delta.prompt_logprobs
             for out in delta.outputs:
@@ -183,8 +193,16 @@ class _Completion:
                     yield sse_event("[DONE]")
                     return
                 completion_tokens += len(out.token_ids)
-                if out.text or out.finish_reason or out.logprobs:
-                    yield sse_event(self._body([await self._choice(prompt_index, out)], None))
+                if not (out.text or out.finish_reason or out.logprobs):
+                    continue
+                choice = await self._choice(prompt_index, out)
+                logprobs = choice["logprobs"]
+                if choice["text"] or (logprobs and logprobs["tokens"]) or "prompt_logprobs" in choice:
+                    yield sse_event(self._body([{**choice, "finish_reason": None}], None))
+                if out.finish_reason:
+                    end = {"index": choice["index"], "text": "", "logprobs": None, "finish_reason": out.finish_reason}
+                    yield sse_event(self._body([end], None))
         if include_usage:
-            yield sse_event(self._body([], usage_json(sum(prompt_tokens.values()), completion_tokens)))
+            usage = usage_json(sum(prompt_tokens.values()), completion_tokens, sum(cached_tokens.values()))
+            yield sse_event(self._body([], usage))
         yield sse_event("[DONE]")

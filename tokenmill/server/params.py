@@ -2,14 +2,37 @@
 
 Only fields the client set are passed; the rest keep SamplingParams' (vLLM's) defaults. Values
 and the operator's caps are checked by the engine at intake (``SamplingParams.validate``).
+
+An OpenAI request constrains its output through at most one of ``response_format`` (other than
+"text"), vLLM's ``structured_outputs``, or one of its older ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar``; :func:`structured_outputs` says which one, so that the
+engine's refusal of the constraint names the request's own parameter.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.request import ParameterError, SamplingParams
+from tokenmill.request import ParameterError, SamplingParams, StructuredOutputsParams
 from tokenmill.server.protocol import OpenAISampling
+
+# vLLM's older names -> the StructuredOutputsParams field each one sets
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """A request's constraint on its output, and the request's own name for the parameter that set it."""
+
+    param: str
+    spec: StructuredOutputsParams
+
 
 _OPENAI_FIELDS = (
     "n",
@@ -37,12 +60,41 @@ def sampling_params(fields: dict[str, Any], max_tokens: int | None, logprobs: in
     return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs)
 
 
-def openai_params(body: OpenAISampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def openai_params(
+    body: OpenAISampling, max_tokens: int | None, logprobs: int | None, constraint: OutputConstraint | None = None
+) -> SamplingParams:
     """SamplingParams of an OpenAI request (``logit_bias`` keys are token ids as strings)."""
     fields = {name: getattr(body, name) for name in _OPENAI_FIELDS}
+    fields["structured_outputs"] = constraint.spec if constraint else None
     if body.logit_bias:
         try:
             fields["logit_bias"] = {int(token): bias for token, bias in body.logit_bias.items()}
         except ValueError as exc:
             raise ParameterError("logit_bias", f"keys must be token ids, got {list(body.logit_bias)}") from exc
     return sampling_params(fields, max_tokens, logprobs)
+
+
+def structured_outputs(body: OpenAISampling) -> OutputConstraint | None:
+    """The request's output constraint; None if unconstrained.
+
+    Raises ParameterError naming the second parameter when two of them are set.
+    """
+    given: list[OutputConstraint] = []
+    response_format = body.response_format
+    if response_format is not None and response_format.type != "text":
+        json_schema = response_format.json_schema
+        if json_schema is not None and json_schema.schema_ is not None:
+            given.append(OutputConstraint("response_format", StructuredOutputsParams(json=json_schema.schema_)))
+        else:
+            given.append(OutputConstraint("response_format", StructuredOutputsParams(json_object=True)))
+    if body.structured_outputs is not None:
+        spec = body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        given.append(OutputConstraint("structured_outputs", StructuredOutputsParams(**spec)))
+    for name, field in _GUIDED_FIELDS.items():
+        value = getattr(body, name)
+        if value is not None:
+            given.append(OutputConstraint(name, StructuredOutputsParams(**{field: value})))
+    if len(given) > 1:
+        first, second = given[0].param, given[1].param
+        raise ParameterError(second, f"cannot be combined with {first}: a request takes one output constraint")
+    return given[0] if given else None

@@ -12,16 +12,18 @@ looks at them.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
+    Tag,
     field_validator,
     model_validator,
 )
@@ -78,6 +80,12 @@ class OpenAISampling(RequestBody):
     skip_special_tokens: StrictBool | None = None
     include_stop_str_in_output: StrictBool | None = None
     prompt_logprobs: StrictInt | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
 
 class ContentPart(Body):
@@ -134,8 +142,32 @@ class NamedToolChoice(Body):
     function: FunctionName
 
 
+class JSONSchemaFormat(Body):
+    name: StrictStr
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(Body):
-    type: StrictStr
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError("missing", "type 'json_schema' needs a json_schema object")
+        return self
+
+
+class StructuredOutputs(Body):
+    """vLLM's ``structured_outputs``: exactly one constraint (the engine checks that)."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
 
 
 class ChatCompletionRequest(OpenAISampling):
@@ -145,7 +177,6 @@ class ChatCompletionRequest(OpenAISampling):
     top_logprobs: StrictInt | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(OpenAISampling):
@@ -155,15 +186,103 @@ class CompletionRequest(OpenAISampling):
     suffix: StrictStr | None = None
 
 
-# ------------------------------------------------------------------------------------- Anthropic
-class AnthropicBlock(Body):
-    """A content block: text, or tool_use / tool_result (rendered as text for the chat template)."""
+# ------------------------------------------------------------------------------ OpenAI Responses
+class InputPart(Body):
+    """A part of an input item's content; only ``input_text`` and ``output_text`` are supported."""
 
     model_config = ConfigDict(extra="allow")
     type: StrictStr
     text: StrictStr | None = None
+
+
+class InputMessage(Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: StrictStr | list[InputPart]
+
+
+class FunctionCallItem(FunctionCall):
+    """A function call the model made earlier (an output item sent back as input)."""
+
+    type: Literal["function_call"]
+    call_id: StrictStr
+
+
+class FunctionCallOutputItem(Body):
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: StrictStr | list[InputPart]
+
+
+def _input_item_type(item: Any) -> Any:
+    """An input item's ``type``; items without one are messages, as in OpenAI's API."""
+    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(
+        _input_item_type,
+        custom_error_type="unsupported_item",
+        custom_error_message="input items must be of type message, function_call or function_call_output",
+    ),
+]
+# a string (one user message) or items; tagged so that errors name the branch that applies
+ResponsesInput = Annotated[
+    Annotated[StrictStr, Tag("text")] | Annotated[list[InputItem], Field(min_length=1), Tag("items")],
+    Discriminator(lambda value: "text" if isinstance(value, str) else "items"),
+]
+
+
+class FunctionTool(FunctionDef):
+    """A function tool of the Responses API: flat, unlike chat's ``{"type", "function": {...}}``."""
+
+    type: Literal["function"]
+    strict: StrictBool | None = None
+
+
+class ResponsesToolChoice(FunctionName):
+    type: Literal["function"]
+
+
+class TextFormat(Body):
+    """``text.format``: flat, unlike chat's ``response_format`` (``{"type": "json_schema", "name", "schema"}``)."""
+
+    type: StrictStr
+
+
+class TextConfig(Body):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(RequestBody):
+    model: StrictStr
+    input: ResponsesInput
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    stream: StrictBool | None = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    text: TextConfig | None = None
+    previous_response_id: StrictStr | None = None
+    store: StrictBool | None = None  # accepted and ignored: responses are never stored
+
+
+# ------------------------------------------------------------------------------------- Anthropic
+class AnthropicBlock(Body):
+    """A content block: text, tool_use (``id``, ``name``, ``input``) or tool_result (``tool_use_id``, ``content``)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+    text: StrictStr | None = None
+    id: StrictStr | None = None
     name: StrictStr | None = None
-    input: Any = None
+    input: dict[str, Any] | None = None
+    tool_use_id: StrictStr | None = None
     content: StrictStr | list[AnthropicBlock] | None = None
 
 
@@ -172,14 +291,41 @@ class AnthropicMessage(Body):
     content: StrictStr | list[AnthropicBlock]
 
 
-class MessagesRequest(RequestBody):
+class AnthropicTool(Body):
+    """A client tool; ``input_schema`` is the JSON schema of its input."""
+
+    type: Literal["custom"] | None = None
+    name: StrictStr
+    description: StrictStr | None = None
+    input_schema: dict[str, Any]
+
+
+class AnthropicToolChoice(Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: StrictStr | None = None
+    disable_parallel_tool_use: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _name_given(self) -> AnthropicToolChoice:
+        if self.type == "tool" and self.name is None:
+            raise PydanticCustomError("missing", "type 'tool' needs the tool's name")
+        return self
+
+
+class MessagesPromptRequest(RequestBody):
+    """What makes a Messages prompt; the whole body of ``/v1/messages/count_tokens``."""
+
     model: StrictStr
-    max_tokens: StrictInt
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: StrictStr | list[AnthropicBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+
+
+class MessagesRequest(MessagesPromptRequest):
+    max_tokens: StrictInt
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
     top_k: StrictInt | None = None
     stop_sequences: list[StrictStr] | None = None
     stream: StrictBool | None = False
-    tools: list[dict[str, Any]] | None = None

@@ -58,18 +58,24 @@ class ServerState:
                 self.engine.check_text_fits(text)
         return await self.async_engine.run_tokenizer(lambda: [self.tokenizer.encode(t) for t in texts])
 
-    async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    async def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        param: str = "messages",
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
         """Token ids of ``messages`` through the chat template; invalid Unicode or a template that
-        refuses them -> 400."""
-        check_unicode(messages, "messages")
+        refuses them -> 400 naming ``param`` (the route's name for its messages)."""
+        check_unicode(messages, param)
         check_unicode(tools, "tools")
         try:
             special = self.allow_special_tokens_in_content
             return await self.async_engine.run_tokenizer(
-                lambda: self.tokenizer.apply_chat_template(messages, True, tools, special)
+                lambda: self.tokenizer.apply_chat_template(messages, add_generation_prompt, tools, special)
             )
         except (ValueError, jinja2.TemplateError) as exc:
-            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+            raise APIError(400, f"cannot apply the chat template: {exc}", param=param) from exc
 
     async def token_strings(self, ids: list[int]) -> dict[int, str]:
         """Each id decoded on its own (special tokens kept), memoized."""

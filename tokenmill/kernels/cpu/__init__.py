@@ -11,10 +11,13 @@ causal_softmax_ (CpuBackend prefill).
 
 The sources are compiled by ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja)
 for the host CPU (``-march=native``) with OpenMP, so ``at::parallel_for`` uses torch's threads.
-torch caches the build under ``TORCH_EXTENSIONS_DIR`` (``~/.cache/torch_extensions``), in a folder
-named after the CPU's feature set (:func:`extension_name`): only the first run on a machine pays the
-compile (see the README). ``load_cpu_kernels`` returns None, and logs why, when the build is
-impossible or ``TOKENMILL_CPU_KERNELS=0`` is set; every caller then uses its torch implementation.
+torch caches the build under ``TORCH_EXTENSIONS_DIR`` (``~/.cache/torch_extensions``) in a folder
+named by :func:`extension_name`, a hash of everything the build depends on (the sources' and headers'
+content, the flags, torch's version, the CPU's feature set) and of nothing else (not their path):
+checkouts and environments with the same sources share one build, and a build, once there, is
+loaded without running the build tool. Only the first run on a machine pays the compile (see the
+README). ``load_cpu_kernels`` returns None, and logs why, when the build is impossible or
+``TOKENMILL_CPU_KERNELS=0`` is set; every caller then uses its torch implementation.
 """
 
 from __future__ import annotations
@@ -34,15 +37,6 @@ from tokenmill.hardware import cpu_flags
 logger = logging.getLogger(__name__)
 
 
-def extension_name(cpu_flags: frozenset[str]) -> str:
-    """The build's name, which is also its cache folder: one per CPU feature set, since the sources
-    are compiled for the host CPU (``-march=native``), so a cache folder shared by different
-    machines (a network home) never hands one CPU a build that uses instructions it lacks."""
-    digest = hashlib.sha256(" ".join(sorted(cpu_flags)).encode()).hexdigest()[:12]
-    return f"tokenmill_cpu_kernels_{digest}"
-
-
-EXTENSION_NAME = extension_name(cpu_flags())
 SOURCES = [
     Path(__file__).with_name(name)
     for name in (
@@ -54,10 +48,38 @@ SOURCES = [
     )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "linear_io.h", "simd.h")]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+LDFLAGS = ["-fopenmp"]
+
+
+def extension_name(files: list[Path], flags: list[str], cpu_flags: frozenset[str]) -> str:
+    """The build's name, which is also its cache folder: a hash of the files' names and contents
+    (sources and headers, whose names the sources include), the compile and link flags, torch's
+    version and the CPU's feature set, never of a path. Equal inputs give equal names wherever the
+    files lie; a change to any of them gives a new name, so a stale build is never loaded. The CPU's
+    features are in it because the sources are compiled for the host (``-march=native``): a cache
+    folder shared by different machines (a network home) never hands one CPU instructions it lacks."""
+    digest = hashlib.sha256()
+    for part in (torch.__version__, *flags, *sorted(cpu_flags)):
+        digest.update(part.encode() + b"\0")
+    for file in sorted(files, key=lambda f: f.name):
+        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    return f"tokenmill_cpu_{digest.hexdigest()[:12]}"
 
 
 _load_lock = threading.Lock()
 _state: dict[str, Any] = {"loaded": False, "ops": None}
+
+
+def _load_built(library: Path) -> bool:
+    """Load a finished build (its name vouches for its sources and flags); False if it will not load."""
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as exc:  # a build cut short: build it again
+        logger.warning("cannot load %s (%s); rebuilding", library, exc)
+        return False
+    logger.info("loading the C++ CPU kernels from %s", library.parent)
+    return True
 
 
 def _put_ninja_on_path() -> None:
@@ -88,27 +110,21 @@ def _load() -> Any | None:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
+        name = extension_name(SOURCES + HEADERS, CFLAGS + LDFLAGS, cpu_flags())
+        built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+        building = (built.parent / "lock").exists()  # torch's lock: another process is writing the build
+        if built.exists() and not building and _load_built(built):
+            return torch.ops.tokenmill_cpu
+        # the user sees a pause: say why (WARNING reaches stderr without logging setup)
+        logger.warning(
+            "building tokenmill's C++ CPU kernels into %s: first use of these sources, ~1 minute", built.parent
+        )
         _put_ninja_on_path()
-
-        built = Path(_get_build_directory(EXTENSION_NAME, verbose=False)) / f"{EXTENSION_NAME}.so"
-        if built.exists():
-            logger.info("loading the C++ CPU kernels from %s", built.parent)
-        else:  # the user sees a pause: say why (WARNING reaches stderr without logging setup)
-            logger.warning("building tokenmill's C++ CPU kernels: first use on this machine, ~1 minute")
-        # torch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
-        headers_hash = hashlib.sha256(b"".join(p.read_bytes() for p in HEADERS)).hexdigest()[:16]
         load(
-            name=EXTENSION_NAME,
+            name=name,
             sources=[str(p) for p in SOURCES],
-            extra_cflags=[
-                "-O3",
-                "-march=native",
-                "-fopenmp",
-                "-fno-math-errno",
-                "-fno-trapping-math",
-                f"-DTOKENMILL_HEADERS_HASH={headers_hash}",
-            ],
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
             is_python_module=False,  # the library registers its ops with torch (TORCH_LIBRARY)
         )
         return torch.ops.tokenmill_cpu

@@ -1,0 +1,197 @@
+"""Tensor parallelism on CPU (gloo, two processes): tp=2 against tp=1 and transformers through the
+engine, and the lifecycle of the worker processes (shutdown, interpreter exit, a worker's death).
+
+One tp=2 engine per family for the whole module (spawning a worker costs seconds): llama (KV heads
+split), qwen3 with one KV head (replicated on both ranks, q/k norms) and mixtral (sharded experts).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import hf_greedy, save_tiny_checkpoint
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.weights import WeightError
+from tokenmill.request import RequestOutput
+
+FAMILIES = {
+    "llama": {},
+    "qwen3": dict(num_key_value_heads=1),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+}
+ENGINE = dict(
+    dtype="float32",
+    attention_backend="cpu",
+    page_size=4,
+    num_kv_slots=64,  # less than the five requests need at once: preemption
+    max_num_batched_tokens=16,  # prompts of 5-40 tokens: chunked prefill
+)
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
+    made = {}
+    for kind, overrides in FAMILIES.items():
+        path = tmp_path_factory.mktemp(kind)
+        hf_model = save_tiny_checkpoint(path, kind, **overrides)
+        hf_model.generation_config.eos_token_id = None
+        made[kind] = path, hf_model
+    return made
+
+
+class TensorParallelLLMs:
+    """One tp=2 LLM at a time (a process runs one tensor-parallel engine at a time)."""
+
+    def __init__(self, checkpoints: dict[str, tuple[Path, object]]) -> None:
+        self.checkpoints = checkpoints
+        self.kind: str | None = None
+        self.llm: LLM | None = None
+
+    def __getitem__(self, kind: str) -> LLM:
+        if kind != self.kind:
+            self.close()
+            self.llm = LLM(model=str(self.checkpoints[kind][0]), tensor_parallel_size=2, **ENGINE)
+            self.kind = kind
+        return self.llm
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+        self.kind = self.llm = None
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoints) -> Iterator[TensorParallelLLMs]:
+    llms = TensorParallelLLMs(checkpoints)
+    yield llms
+    llms.close()
+
+
+def prompts(n: int) -> list[list[int]]:
+    rng = random.Random(0)
+    prefix = [rng.randrange(4, 97) for _ in range(8)]  # shared: prefix-cache hits
+    return [prefix + [rng.randrange(4, 97) for _ in range(rng.randint(0, 32))] for _ in range(n - 1)] + [[5, 6]]
+
+
+def token_ids(outputs: list[RequestOutput]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3", "llama"])  # llama last: the next tests reuse it
+def test_greedy_tp2_equals_tp1_and_transformers_under_chunking_and_preemption(kind, checkpoints, tp2) -> None:
+    path, hf_model = checkpoints[kind]
+    batch = prompts(5)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    llm = tp2[kind]
+    before = llm.engine.stats()["scheduler"]["preemptions"]
+    got = token_ids(llm.generate(batch, params, use_tqdm=False))
+    assert llm.engine.stats()["scheduler"]["preemptions"] > before
+    tp1 = LLM(model=str(path), **ENGINE)
+    try:
+        expected = token_ids(tp1.generate(batch, params, use_tqdm=False))
+    finally:
+        tp1.shutdown()
+    assert got == expected
+    assert got == [hf_greedy(hf_model, p, NEW_TOKENS) for p in batch]
+
+
+def test_seeded_sampling_tp2_equals_tp1(checkpoints, tp2) -> None:
+    """Same tokens; logprobs equal up to the reduction order of the sharded products."""
+    path, _ = checkpoints["llama"]
+    batch = prompts(4)
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_p=0.9, seed=i, logprobs=2) for i in range(4)]
+    got = tp2["llama"].generate(batch, params, use_tqdm=False)
+    tp1 = LLM(model=str(path), **ENGINE)
+    try:
+        expected = tp1.generate(batch, params, use_tqdm=False)
+    finally:
+        tp1.shutdown()
+    assert token_ids(got) == token_ids(expected)
+    diffs = [
+        abs(a[t].logprob - b[t].logprob)
+        for x, y in zip(got, expected)
+        for a, b in zip(x.outputs[0].logprobs, y.outputs[0].logprobs)
+        for t in a
+    ]
+    assert max(diffs) < 1e-5
+
+
+def worker_processes() -> list[multiprocessing.Process]:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("tokenmill-tp-worker")]
+
+
+def pid_exists(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+def test_weight_updates_are_refused_until_supported(tp2) -> None:
+    with pytest.raises(WeightError, match="tensor_parallel_size > 1"):
+        tp2["llama"].update_weights([("model.norm.weight", torch.ones(64))])
+
+
+def test_shutdown_stops_the_workers(tp2) -> None:
+    """Ends the module's llama engine."""
+    llm = tp2["llama"]
+    pids = [p.pid for p in llm.engine.workers.processes]
+    llm.shutdown()
+    assert not llm.engine.is_healthy()
+    assert worker_processes() == [] and not any(pid_exists(pid) for pid in pids)
+
+
+def test_killed_worker_fails_requests_and_the_engine_and_leaves_no_process(checkpoints, tp2) -> None:
+    tp2.close()
+    llm = LLM(model=str(checkpoints["llama"][0]), tensor_parallel_size=2, **ENGINE)
+    engine = llm.engine
+    outputs: list[RequestOutput] = []
+    done, started = threading.Event(), threading.Event()
+
+    def on_output(output: RequestOutput) -> None:
+        outputs.append(output)
+        started.set()
+        if output.finished:
+            done.set()
+
+    try:
+        (worker,) = worker_processes()
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), on_output)
+        assert started.wait(30)
+        os.kill(worker.pid, signal.SIGKILL)
+        assert done.wait(30)  # the collective fails at once (connection reset), well before any timeout
+        final = outputs[-1].outputs[0]
+        assert final.finish_reason == "error" and "tp-worker-1 exited" in final.error
+        assert not engine.is_healthy()
+        with pytest.raises(RuntimeError, match="not running"):
+            llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert worker_processes() == [] and not pid_exists(worker.pid)
+
+
+EXIT_SCRIPT = """
+from tokenmill import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(model={path!r}, tensor_parallel_size=2, dtype="float32", num_kv_slots=64)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    print(llm.engine.workers.processes[0].pid, flush=True)
+"""
+
+
+def test_no_worker_outlives_the_interpreter_without_shutdown(checkpoints, tmp_path: Path) -> None:
+    script = tmp_path / "run.py"
+    script.write_text(EXIT_SCRIPT.format(path=str(checkpoints["llama"][0])))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    pid = int(done.stdout.split()[-1])
+    assert not pid_exists(pid)

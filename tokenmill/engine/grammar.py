@@ -1,0 +1,155 @@
+"""Structured output on xgrammar: grammars compiled for the engine's tokenizer, and per-sequence matchers.
+
+:class:`GrammarCompiler` turns a request's :class:`~tokenmill.request.StructuredOutputsParams` into
+a compiled grammar on the caller's thread (intake, never the engine thread), within a time limit,
+through xgrammar's compile cache (keyed by the spec, bounded in bytes, least recently used dropped
+first). Each sequence then gets its own :class:`SequenceGrammar`; only the engine thread touches it.
+
+Invariant of a :class:`SequenceGrammar`: its matcher has accepted exactly the sequence's output
+tokens, and ``bitmask`` holds the tokens allowed next (the model's EOS ids only where the grammar
+may end). Preemption keeps output tokens, so a preempted sequence's matcher stays valid.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerBase
+
+from tokenmill.request import ParameterError, StructuredOutputsParams
+
+PARAM = "structured_outputs"
+_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+class SequenceGrammar:
+    """The grammar state of one sequence: a matcher plus the bitmask of the tokens allowed next."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, non_stop_bits: torch.Tensor) -> None:
+        """``non_stop_bits``: a bitmask (int32 ``[1, words]``) with every bit set but the stop tokens'."""
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._non_stop_bits = non_stop_bits
+        self.bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+        self.finished = False
+        self._fill()
+
+    def advance(self, token: int) -> None:
+        """Accept the sequence's next output token; ``finished`` then says whether the grammar is
+        done (a stop token accepted, or nothing but a stop token allowed next). Raises RuntimeError
+        for a token the bitmask did not allow."""
+        if not self._matcher.accept_token(token):
+            raise RuntimeError(f"the grammar rejected token {token}, which its mask did not allow")
+        if self._matcher.is_terminated():
+            self.finished = True
+        else:
+            self._fill()
+
+    def _fill(self) -> None:
+        self._matcher.fill_next_token_bitmask(self.bitmask)
+        self.finished = not bool((self.bitmask & self._non_stop_bits).any())
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar]) -> None:
+    """Set to ``-inf``, in place, every token of ``logits[rows[i]]`` that ``grammars[i]`` does not allow."""
+    bitmask = torch.cat([g.bitmask for g in grammars]).to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+
+class GrammarCompiler:
+    """Compiles structured-output specs for one tokenizer; thread-safe, any thread but the engine's.
+
+    ``vocab_size`` is the model's (the logits' width); ``stop_token_ids`` the engine's EOS ids, the
+    only tokens that end a grammar. xgrammar's tokenizer tables are built on first use.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_token_ids: set[int],
+        timeout: float,
+        cache_bytes: int,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = sorted(stop_token_ids)
+        self._timeout = timeout
+        self._cache_bytes = cache_bytes
+        self._lock = threading.Lock()
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._non_stop_bits: torch.Tensor | None = None
+
+    def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The compiled grammar of a validated spec; ParameterError("structured_outputs") when it
+        does not compile, takes longer than the timeout, or matches only the empty output."""
+        compiler = self._xgrammar_compiler()
+        done: Future[xgr.CompiledGrammar] = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(_compile(compiler, spec))
+            except BaseException as exc:  # delivered to the waiting caller
+                done.set_exception(exc)
+
+        threading.Thread(target=run, name="tokenmill-grammar-compile", daemon=True).start()
+        try:
+            compiled = done.result(self._timeout)
+        except FutureTimeout:
+            raise ParameterError(
+                PARAM, f"{spec.kind} took longer than {self._timeout:g}s to compile; simplify it"
+            ) from None
+        except Exception as exc:
+            message = _XGRAMMAR_LOG_PREFIX.sub("", str(exc)).strip()[:500]
+            raise ParameterError(PARAM, f"{spec.kind} is invalid: {message}") from exc
+        if self.new_sequence_grammar(compiled).finished:
+            raise ParameterError(PARAM, f"{spec.kind} matches only the empty output")
+        return compiled
+
+    def new_sequence_grammar(self, compiled: xgr.CompiledGrammar) -> SequenceGrammar:
+        """A fresh matcher of ``compiled`` (from :meth:`compile`) for one sequence."""
+        assert self._non_stop_bits is not None, "compile() comes first"
+        return SequenceGrammar(compiled, self._non_stop_bits)
+
+    def _xgrammar_compiler(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
+                )
+                # one compile thread: compiles share the CPUs with the engine's forward
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self._cache_bytes)
+                non_stop = torch.ones(self._vocab_size, dtype=torch.bool)
+                non_stop[self._stop_token_ids] = False
+                self._non_stop_bits = _pack_bits(non_stop)
+            return self._compiler
+
+
+def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    """JSON is compact (no free whitespace: a model cannot pad it forever)."""
+    kind = spec.kind
+    if kind == "json":
+        schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+        return compiler.compile_json_schema(schema, any_whitespace=False)
+    if kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+    if kind == "regex":
+        return compiler.compile_regex(spec.regex)
+    if kind == "choice":
+        return compiler.compile_regex("|".join(re.escape(choice) for choice in spec.choice or ()))
+    grammar = spec.grammar or ""
+    return compiler.compile_grammar(grammar) if "::=" in grammar else compiler.compile_lark(grammar)
+
+
+def _pack_bits(allowed: torch.Tensor) -> torch.Tensor:
+    """xgrammar's bitmask layout of a bool ``[V]``: bit ``i % 32`` of int32 word ``i // 32``, as ``[1, words]``."""
+    words = (allowed.shape[0] + 31) // 32
+    padded = torch.zeros(words * 32, dtype=torch.int64)
+    padded[: allowed.shape[0]] = allowed.to(torch.int64)
+    packed = (padded.view(words, 32) << torch.arange(32)).sum(dim=1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)[None, :]

@@ -1,0 +1,98 @@
+"""Forced tool calls: an output constraint whose every match is one call to an offered tool.
+
+The constrained text is a call as :func:`~tokenmill.server.tool_parser.parse_tool_calls` reads it,
+in the form the chat template teaches the model: a Hermes ``<tool_call>`` block when the template
+writes one (an EBNF grammar: xgrammar's grammar of the call's JSON schema between the tags), else a
+bare JSON call ``{"name": ..., "arguments": {...}}`` (a JSON schema). Either way the JSON is
+compact and its objects allow no properties beyond their schema's, as for any JSON schema the
+engine constrains to. The call object holds exactly ``name`` (one of the tools)
+and ``arguments`` (matching that tool's parameters schema; any object when it has none).
+
+A parameters schema keeps its ``$defs`` / ``definitions``: they move to the root of the call
+schema under names prefixed per tool, and its ``$ref`` pointers are rewritten to match.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from typing import Any
+
+import xgrammar as xgr
+
+from tokenmill.request import ParameterError, StructuredOutputsParams
+from tokenmill.server.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+_DEFS_KEYS = ("$defs", "definitions")
+
+
+def forced_call(tools: list[dict[str, Any]], names: Collection[str], chat_template: Any) -> StructuredOutputsParams:
+    """A constraint matching exactly one call to one of ``tools`` whose name is in ``names``.
+
+    ``tools`` are in the chat template's form (``{"type": "function", "function": {"name", "parameters"}}``);
+    ``chat_template`` is the template's text, or a dict of named templates.
+    """
+    defs: dict[str, Any] = {}
+    functions = [t["function"] for t in tools if t["function"]["name"] in names]
+    calls = [_call_schema(i, f["name"], f.get("parameters"), defs) for i, f in enumerate(functions)]
+    schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if defs:
+        schema = {**schema, "$defs": defs}
+    if TOOL_CALL_OPEN not in str(chat_template or ""):
+        return StructuredOutputsParams(json=schema)
+    try:
+        call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    except RuntimeError as exc:  # xgrammar's refusal of a schema
+        raise ParameterError("tools", f"hold a parameters schema that cannot be enforced: {exc}") from exc
+    tags = [
+        xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+        for text in (TOOL_CALL_OPEN + "\n", "\n" + TOOL_CALL_CLOSE)
+    ]
+    return StructuredOutputsParams(grammar=str(xgr.Grammar.concat(tags[0], call, tags[1])))
+
+
+def _call_schema(index: int, name: str, parameters: dict[str, Any] | None, defs: dict[str, Any]) -> dict[str, Any]:
+    """The schema of a call to tool ``name``; its parameters' definitions go into ``defs``."""
+    arguments: dict[str, Any] = {"type": "object"}
+    if parameters:
+        prefix = f"tool{index}_"
+        arguments = _rewrite_refs({k: v for k, v in parameters.items() if k not in _DEFS_KEYS}, prefix)
+        arguments.setdefault("type", "object")
+        for key in _DEFS_KEYS:
+            definitions = parameters.get(key)
+            for def_name, definition in definitions.items() if isinstance(definitions, dict) else ():
+                defs[prefix + def_name] = _rewrite_refs(definition, prefix)
+        if _refers_to_root(parameters):
+            defs[prefix.rstrip("_")] = arguments
+            arguments = {"$ref": f"#/$defs/{prefix.rstrip('_')}"}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": arguments},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _rewrite_refs(value: Any, prefix: str) -> Any:
+    """``value`` with each local ``$ref`` pointing at the hoisted definitions (``#`` -> the tool's root)."""
+    if isinstance(value, list):
+        return [_rewrite_refs(item, prefix) for item in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: _rewrite_refs(v, prefix) for k, v in value.items()}
+    ref = value.get("$ref")
+    if isinstance(ref, str):
+        if ref == "#":
+            out["$ref"] = f"#/$defs/{prefix.rstrip('_')}"
+        for key in _DEFS_KEYS:
+            if ref.startswith(f"#/{key}/"):
+                out["$ref"] = f"#/$defs/{prefix}{ref[len(key) + 3 :]}"
+    return out
+
+
+def _refers_to_root(value: Any) -> bool:
+    if isinstance(value, list):
+        return any(_refers_to_root(item) for item in value)
+    if isinstance(value, dict):
+        return value.get("$ref") == "#" or any(_refers_to_root(v) for v in value.values())
+    return False
