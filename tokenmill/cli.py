@@ -234,8 +234,15 @@ CORS_OPTIONS = {  # run_server's CORS parameter -> what it lists, and its defaul
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.distributed.group import launched_place
     from tokenmill.server.lifecycle import run_server
 
+    place = launched_place()
+    if place is not None and place.rank > 0:  # torchrun started every rank: rank 0 serves, the others are workers
+        from tokenmill.distributed.worker import launched_worker_main
+
+        launched_worker_main(engine_config(args))
+        return 0
     grace = {} if args.shutdown_grace_seconds is None else {"shutdown_grace_seconds": args.shutdown_grace_seconds}
     run_server(
         engine_config(args),
@@ -274,7 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(chat)
     chat.set_defaults(func=cmd_chat)
 
-    serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server")
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI- and Anthropic-compatible HTTP server",
+        description="Under torchrun (tensor parallelism over machines) rank 0 serves and the other ranks run workers.",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     serve.add_argument("--served-model-name", default=None, help="model name clients send (default: folder name)")

@@ -90,7 +90,8 @@ class EngineConfig:
     NCCL on GPU: one GPU each). 1 runs everything in this process."""
     distributed_timeout_s: float = 60.0
     """Seconds any collective of the tensor-parallel group may take before it fails (a worker that
-    hangs or dies then fails the engine instead of blocking it; idle workers get heartbeats)."""
+    hangs or dies then fails the engine instead of blocking it; idle workers get heartbeats). Starting
+    the ranks and loading their shards may take up to 600 s (or this, if longer)."""
 
     # CUDA graphs
     cuda_graphs: bool = True

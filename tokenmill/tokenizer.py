@@ -99,11 +99,12 @@ class Tokenizer:
             return value
 
         text = self._render(defang(messages), add_generation_prompt, defang(tools), template_kwargs)
-        pieces = re.split(rf"\[{nonce}:(\d+)\]", text)  # text, index, text, index, ..., text
-        ids = self.encode(pieces[0], add_special_tokens=False)
-        for index, piece in zip(pieces[1::2], pieces[2::2]):
+        head, *rest = text.split(f"[{nonce}:")  # each later piece: "<index>]<text>"
+        ids = self.encode(head, add_special_tokens=False)
+        for piece in rest:
+            index, _, tail = piece.partition("]")
             ids += self._special_as_text[typed[int(index)]]
-            ids += self.encode(piece, add_special_tokens=False) if piece else []
+            ids += self.encode(tail, add_special_tokens=False) if tail else []
         return ids
 
     def _render(

@@ -10,15 +10,18 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tests.tiny_models import hf_greedy, save_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
@@ -136,9 +139,45 @@ def pid_exists(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
-def test_weight_updates_are_refused_until_supported(tp2) -> None:
-    with pytest.raises(WeightError, match="tensor_parallel_size > 1"):
-        tp2["llama"].update_weights([("model.norm.weight", torch.ones(64))])
+def test_weight_update_tp2_equals_tp1_and_a_refusal_by_any_rank_applies_on_none(checkpoints, tp2, tmp_path) -> None:
+    """A folder update at tp=2 gives tp=1's tokens with the same update; an update refused by rank 0
+    (NaN) or by the worker alone (a float64 value that overflows float32 only in rank 1's rows of
+    q_proj) leaves every rank's weights, the tokens and the version as they were."""
+    path, _ = checkpoints["llama"]
+    llm = tp2["llama"]
+    batch, params = prompts(3), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    before, version = token_ids(llm.generate(batch, params, use_tqdm=False)), llm.weight_version
+    base = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    changed = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.embed_tokens.weight",
+    ]
+    update = [(n, base[n] + 0.5 * torch.randn(base[n].shape, generator=gen)) for n in changed]
+
+    nan = update[0][1].clone()
+    nan[0, 0] = float("nan")
+    with pytest.raises(WeightError, match="non-finite"):
+        llm.update_weights([update[1], (changed[0], nan)])
+    overflow = update[0][1].double()
+    overflow[-1, 0] = 1e300
+    with pytest.raises(WeightError, match="tensor-parallel rank 1 refused the update: .*q_proj.* non-finite"):
+        llm.update_weights([update[1], (changed[0], overflow)])
+    assert llm.weight_version == version
+    assert token_ids(llm.generate(batch, params, use_tqdm=False)) == before
+
+    shutil.copytree(path, tmp_path / "updated")
+    save_file({**base, **dict(update)}, tmp_path / "updated" / "model.safetensors", metadata={"format": "pt"})
+    assert llm.update_weights(str(tmp_path / "updated")) == version + 1
+    got = token_ids(llm.generate(batch, params, use_tqdm=False))
+    tp1 = LLM(model=str(path), **ENGINE)
+    try:
+        tp1.update_weights(update)
+        expected = token_ids(tp1.generate(batch, params, use_tqdm=False))
+    finally:
+        tp1.shutdown()
+    assert got == expected != before
 
 
 def test_shutdown_stops_the_workers(tp2) -> None:
@@ -172,6 +211,25 @@ def test_killed_worker_fails_requests_and_the_engine_and_leaves_no_process(check
         final = outputs[-1].outputs[0]
         assert final.finish_reason == "error" and "tp-worker-1 exited" in final.error
         assert not engine.is_healthy()
+        with pytest.raises(RuntimeError, match="not running"):
+            llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert worker_processes() == [] and not pid_exists(worker.pid)
+
+
+def test_worker_hung_while_idle_turns_the_engine_unhealthy_and_is_killed_on_shutdown(checkpoints, tp2) -> None:
+    """Every worker answers the watchdog's heartbeat, so a hung (stopped) worker is found with no request running."""
+    tp2.close()
+    llm = LLM(model=str(checkpoints["llama"][0]), tensor_parallel_size=2, distributed_timeout_s=2, **ENGINE)
+    (worker,) = worker_processes()
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 60  # bounds a wait that only a broken watchdog reaches
+        while llm.engine.is_healthy():
+            assert time.monotonic() < deadline, "a hung worker went unnoticed"
+            time.sleep(0.05)
+        assert "heartbeat failed" in llm.engine.workers.failure
         with pytest.raises(RuntimeError, match="not running"):
             llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
     finally:

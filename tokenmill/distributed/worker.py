@@ -11,6 +11,7 @@ worker never outlives its engine for longer than the collective timeout.
 from __future__ import annotations
 
 import logging
+import signal
 
 import torch
 
@@ -18,7 +19,7 @@ from tokenmill.cache.sizing import kv_cache_slots
 from tokenmill.cache.storage import KVStorage
 from tokenmill.cache.view_builder import make_decode_view, make_prefill_view
 from tokenmill.config import EngineConfig
-from tokenmill.distributed import group, step
+from tokenmill.distributed import group, step, weights
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.loader import load_model
 from tokenmill.model.parallel import TensorParallel
@@ -89,26 +90,54 @@ class Worker:
             self.storage.copy_slots(inputs.fork_src, inputs.fork_dst)
 
 
-def worker_main(rank: int, size: int, port: int, config: EngineConfig, timeout: float) -> None:
+def worker_main(rank: int, size: int, port: int, config: EngineConfig) -> None:
     """Entry point of a spawned worker process: join rank 0's group, build, serve steps until told to stop."""
     logging.basicConfig(level=logging.WARNING)
-    device = group.rank_device(config.resolved_device(), rank)
-    if device.type == "cpu":
-        torch.set_num_threads(group.cpu_threads_per_rank(size))
     store = torch.distributed.TCPStore("127.0.0.1", port, size, is_master=False)
+    run(config, rank, size, group.rank_device(config.resolved_device(), rank), size, store)
+
+
+def launched_worker_main(config: EngineConfig) -> None:
+    """Entry point of a worker that ``torchrun`` started (a rank above 0; rank 0 runs the engine):
+    join the group through torchrun's environment, build, serve steps until rank 0 tells it to stop
+    or is gone. SIGINT and SIGTERM are ignored: rank 0 receives them too (a Ctrl-C in torchrun's
+    terminal, or torchrun stopping), drains its server and then stops the workers."""
+    place = group.launched_place()
+    if place is None or place.rank == 0:
+        raise RuntimeError("a torchrun-launched worker needs torchrun's environment and a rank above 0")
+    group.check_launched_size(place, config.tensor_parallel_size)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    device = group.rank_device(config.resolved_device(), place.local_rank)
+    run(config, place.rank, place.size, device, place.local_size)
+
+
+def run(
+    config: EngineConfig,
+    rank: int,
+    size: int,
+    device: torch.device,
+    local_size: int,
+    store: torch.distributed.Store | None = None,
+) -> None:
+    """Join the group as ``rank`` (through ``store``, or torchrun's environment when None), build this
+    rank, serve steps until told to stop, leave. ``local_size``: the ranks sharing this machine's CPUs."""
+    if device.type == "cpu":
+        torch.set_num_threads(group.cpu_threads_per_rank(local_size))
+    timeout = config.distributed_timeout_s
     tp = group.join(rank, size, device, timeout, store)
     try:
-        serve(config, tp, device)
+        serve(config, tp, device, timeout)
     except Exception:  # rank 0 is gone or hung (its side reports it); nothing to answer here
         logger.exception("tensor-parallel worker %d stopped", rank)
     finally:
         group.leave()
 
 
-def serve(config: EngineConfig, tp: TensorParallel, device: torch.device) -> None:
+def serve(config: EngineConfig, tp: TensorParallel, device: torch.device, timeout: float) -> None:
     """Build this rank, agree on the KV size with the others, run messages until shutdown."""
     model, _, kv_dtype = build_rank(config, tp, device)
-    n_slots = agree_on_slots(local_kv_slots(config, model, kv_dtype, device), device)
+    n_slots = agree_on_slots(local_kv_slots(config, model, kv_dtype, device), device, timeout)
     worker = Worker(config, model, kv_dtype, device, n_slots)
     while True:
         kind, inputs, _ = step.receive(device)
@@ -117,10 +146,14 @@ def serve(config: EngineConfig, tp: TensorParallel, device: torch.device) -> Non
         if kind == step.Kind.STEP:
             assert inputs is not None
             worker.run_step(inputs)
+        elif kind == step.Kind.WEIGHTS:
+            weights.receive(model, device)
 
 
-def agree_on_slots(n_slots: int, device: torch.device) -> int:
-    """The smallest KV slot count over the ranks (every rank's storage must hold the same slots)."""
+def agree_on_slots(n_slots: int, device: torch.device, timeout: float) -> int:
+    """The smallest KV slot count over the ranks (every rank's storage must hold the same slots): the
+    last step of the start-up, after which every collective fails after ``timeout`` seconds."""
     count = torch.tensor([n_slots], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN)
+    group.start_collective_timeout(timeout)
     return int(count.item())

@@ -2,16 +2,20 @@
 each step's inputs, keeps idle workers' collectives from timing out, watches them, and stops them.
 
 Workers are spawned (``torch.multiprocessing``'s spawn context, daemonic: the interpreter's exit
-ends them too) by the process that builds the engine; a script that builds one must therefore
-guard its top level with ``if __name__ == "__main__":`` as with any spawning library. The group is
+ends them too) by the process that builds the engine, unless ``torchrun`` started every rank
+(``group.launched_place``): then this process is rank 0 and joins the others through torchrun's
+environment, and the watchdog notices a lost worker by its failed collectives only. A script that
+spawns workers must guard its top level with ``if __name__ == "__main__":`` as with any spawning
+library. The group is
 torch.distributed's default one, so a process runs one tensor-parallel engine at a time.
 
 Every collective of the group is issued under :attr:`WorkerGroup.lock`, so the watchdog thread's
 heartbeats never interleave with a step (the engine thread's message and forward). The watchdog
 sends a heartbeat when no message went out for a third of the timeout (an idle worker waits in a
-broadcast, which would time out otherwise) and notes a worker that exited; any failed or timed-out
-collective is noted too. After a failure (:attr:`failure`) every step raises: the engine fails its
-requests and reports itself unhealthy, and :meth:`shutdown` kills what is left.
+broadcast, which would time out otherwise; a hung worker makes it time out, so it is found while
+idle too) and notes a worker that exited; any failed or timed-out collective is noted too. After a
+failure (:attr:`failure`) every step raises: the engine fails its requests and reports itself
+unhealthy, and :meth:`shutdown` kills what is left (a stopped worker too).
 """
 
 from __future__ import annotations
@@ -27,13 +31,28 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed import group, step
+from tokenmill.distributed import group, step, weights
 from tokenmill.distributed.worker import agree_on_slots, worker_main
 from tokenmill.model.parallel import TensorParallel
+from tokenmill.model.weights import WeightError
 
 logger = logging.getLogger("tokenmill.distributed")
 JOIN_TIMEOUT = 10.0
 """Seconds a worker gets to exit after the shutdown message before it is killed."""
+
+
+def spawn_workers(config: EngineConfig, port: int) -> list[mp.Process]:
+    """Worker processes for ranks ``1..tensor_parallel_size-1`` (not started), to join rank 0's store at ``port``."""
+    size, context = config.tensor_parallel_size, mp.get_context("spawn")
+    return [
+        context.Process(
+            target=worker_main,
+            args=(rank, size, port, config),
+            name=f"tokenmill-tp-worker-{rank}",
+            daemon=True,
+        )
+        for rank in range(1, size)
+    ]
 
 
 class WorkerGroupError(RuntimeError):
@@ -49,27 +68,22 @@ class WorkerGroup:
                 "this process already belongs to a torch.distributed group (another engine with "
                 "tensor_parallel_size > 1 runs here): shut it down first; one tensor-parallel engine per process"
             )
-        size = config.tensor_parallel_size
+        size, place = config.tensor_parallel_size, group.launched_place()
+        if place is not None:
+            group.check_launched_size(place, size)
+            if place.rank != 0:
+                raise RuntimeError(f"rank {place.rank} of a torchrun launch is a worker: only rank 0 runs an engine")
         self.device = device
         self.timeout = timeout
         self.lock = threading.Lock()
         self.failure: str | None = None
-        store = group.host_store(size, timeout)
-        context = mp.get_context("spawn")
-        self.processes = [
-            context.Process(
-                target=worker_main,
-                args=(rank, size, store.port, config, timeout),
-                name=f"tokenmill-tp-worker-{rank}",
-                daemon=True,
-            )
-            for rank in range(1, size)
-        ]
+        store = group.host_store(size, timeout) if place is None else None  # None: torchrun's (env://)
+        self.processes = [] if store is None else spawn_workers(config, store.port)
         for process in self.processes:
             process.start()
         self._threads = torch.get_num_threads()
         if device.type == "cpu":
-            torch.set_num_threads(group.cpu_threads_per_rank(size))
+            torch.set_num_threads(group.cpu_threads_per_rank(size if place is None else place.local_size))
         try:
             self.tp: TensorParallel = group.join(0, size, device, timeout, store)
         except BaseException:
@@ -82,7 +96,7 @@ class WorkerGroup:
     def agree_on_slots(self, n_slots: int) -> int:
         """The KV slot count every rank can hold (the smallest); starts the watchdog once agreed."""
         with self._collective():
-            n_slots = agree_on_slots(n_slots, self.device)
+            n_slots = agree_on_slots(n_slots, self.device, self.timeout)
         self._watchdog.start()
         return n_slots
 
@@ -92,6 +106,17 @@ class WorkerGroup:
         with self._collective():
             step.send(step.Kind.STEP, inputs, self.device)
             yield
+
+    def update_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Send an update rank 0 validated and staged (whole tensors) to the workers; return once every
+        worker applied its part, or raise :class:`WeightError` naming each refusing rank (none applied).
+        Call between steps, then apply rank 0's part."""
+        with self._collective():
+            step.send(step.Kind.WEIGHTS, device=self.device)
+            votes = weights.send(tensors, self.device)
+        refusals = [f"tensor-parallel rank {rank} refused the update: {r}" for rank, r in enumerate(votes) if r]
+        if refusals:
+            raise WeightError("; ".join(refusals))
 
     @contextlib.contextmanager
     def _collective(self) -> Iterator[None]:

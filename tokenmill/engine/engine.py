@@ -36,7 +36,7 @@ from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler, prompt_logprobs
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.weight_update import WeightsSource, apply_update, next_version, stage_update
-from tokenmill.model.loader import WeightError, check_shardable, load_model
+from tokenmill.model.loader import check_shardable, load_model
 from tokenmill.model.parallel import SINGLE, TensorParallel
 from tokenmill.model.registry import load_model_config
 from tokenmill.request import FinishReason, OutputCallback, SamplingParams, now
@@ -212,19 +212,21 @@ class Engine:
         :class:`~tokenmill.model.loader.WeightError` (a bad ``version``: ParameterError) and
         leaves the engine exactly as it was. Between steps the version is checked again before
         anything changes; then the staged copy, the cache flush and the version bump happen
-        together. In-flight requests keep running (each token is tagged with the version that
+        together. With tensor parallelism the workers receive the validated tensors and stage their
+        own parts between steps; if any rank refuses (WeightError naming it), no rank applies.
+        In-flight requests keep running (each token is tagged with the version that
         produced it) unless ``abort_running``; ``flush_cache`` drops the prefix cache so no later
         request reuses KV computed under the old weights. ``version`` (an int below 2**63)
         defaults to current + 1 and must increase.
         """
         self._check_alive()
         next_version(self.weight_version, version)  # fail fast, before reading any weights
-        if self.workers is not None:
-            raise WeightError("weight updates with tensor_parallel_size > 1 are not supported yet")
-        staged = stage_update(self.model, weights)
+        staged = stage_update(self.model, weights, keep_whole=self.workers is not None)
 
         def apply() -> int:
             new_version = next_version(self.weight_version, version)
+            if self.workers is not None:  # each worker stages its part; raises WeightError if any refuses
+                self.workers.update_weights([(item.name, item.whole) for item in staged])
             if abort_running:
                 self._abort_all()
             apply_update(staged)

@@ -52,7 +52,8 @@ class SequenceGrammar:
 
     def _fill(self) -> None:
         self._matcher.fill_next_token_bitmask(self.bitmask)
-        self.finished = not bool((self.bitmask & self._non_stop_bits).any())
+        # only a completed grammar allows a stop token, so only then may nothing else be allowed
+        self.finished = self._matcher.is_completed() and not bool((self.bitmask & self._non_stop_bits).any())
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar]) -> None:

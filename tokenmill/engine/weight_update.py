@@ -8,7 +8,9 @@ narrower dtype). A folder's files are read completely here, so rewriting them af
 nothing. :func:`apply_update` (on the engine thread, between steps) then only copies staged
 tensors of identical shape, dtype and device in place, which cannot fail halfway; the parameters
 keep their storage (CUDA graphs stay valid). Staging holds one extra copy of the updated weights
-until the update is applied.
+until the update is applied. With tensor parallelism rank 0 stages its part and keeps a CPU copy
+of each whole tensor, which ``distributed/weights.py`` sends to the workers (each stages its part,
+and none applies unless every rank accepted).
 
 Derived copies of the weights are never stale: a oneDNN blocked copy (``kernels/linear.py``
 ``BlockedCopy``) is remade on its next use from the weight's version counter, which the in-place
@@ -28,7 +30,7 @@ from safetensors import safe_open
 
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.loader import weight_files
-from tokenmill.model.weights import WeightError, WeightTarget, check_finite, check_tensor, checkpoint_targets
+from tokenmill.model.weights import WeightError, WeightTarget, checkpoint_targets, stage_tensor
 from tokenmill.request import ParameterError
 
 WeightsSource = Iterable[tuple[str, torch.Tensor]] | str | Path
@@ -39,11 +41,14 @@ MAX_WEIGHT_VERSION = 2**63 - 1
 
 @dataclass(frozen=True)
 class StagedTensor:
-    """A validated tensor of an update, in its parameter's dtype, device and shape, and where it goes."""
+    """A validated tensor of an update, in its parameter's dtype, device and shape, and where it goes;
+    ``whole``: a CPU copy of the whole checkpoint tensor as given, for the other tensor-parallel ranks
+    (None unless staged with ``keep_whole``)."""
 
     name: str
     target: WeightTarget
     tensor: torch.Tensor
+    whole: torch.Tensor | None = None
 
 
 def next_version(current: int, requested: int | None) -> int:
@@ -62,21 +67,20 @@ def next_version(current: int, requested: int | None) -> int:
     return version
 
 
-def stage_update(model: CausalLM, weights: WeightsSource) -> list[StagedTensor]:
+def stage_update(model: CausalLM, weights: WeightsSource, keep_whole: bool = False) -> list[StagedTensor]:
     """Read, validate and stage every tensor of ``weights``; raise :class:`WeightError` naming the
-    first bad tensor (nothing of the model is touched either way)."""
+    first bad tensor (nothing of the model is touched either way). ``keep_whole``: also keep a CPU
+    copy of each whole tensor (:attr:`StagedTensor.whole`; with tensor parallelism, for the workers)."""
     targets = checkpoint_targets(model)
     staged: dict[str, StagedTensor] = {}
     for name, tensor, source in _read(weights):
-        target = check_tensor(model, targets, name, tensor, source)
-        if target is None:
-            continue
         if name in staged:
             raise WeightError(f"{source}: tensor {name!r} appears more than once in the update")
-        copy = target.stage(tensor)
-        if copy.dtype != tensor.dtype:
-            check_finite(copy, f"{source}: tensor {name!r} converted to {copy.dtype}")
-        staged[name] = StagedTensor(name, target, copy)
+        target_and_copy = stage_tensor(model, targets, name, tensor, source)
+        if target_and_copy is None:
+            continue
+        whole = tensor.detach().to("cpu", copy=True).contiguous() if keep_whole else None
+        staged[name] = StagedTensor(name, *target_and_copy, whole)
     if not staged:
         raise WeightError("the update contains no weights of this model")
     return list(staged.values())

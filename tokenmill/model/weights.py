@@ -142,6 +142,21 @@ def check_tensor(
     return target
 
 
+def stage_tensor(
+    model: CausalLM, targets: dict[str, WeightTarget], name: str, tensor: torch.Tensor, source: str
+) -> tuple[WeightTarget, torch.Tensor] | None:
+    """``(target, staged part)`` of the whole checkpoint ``tensor``: :func:`check_tensor`, then
+    :meth:`WeightTarget.stage`, its result checked finite again when converted to the parameter's
+    dtype (a value may overflow a narrower one); None for tensors to skip. Raises :class:`WeightError`."""
+    target = check_tensor(model, targets, name, tensor, source)
+    if target is None:
+        return None
+    staged = target.stage(tensor)
+    if staged.dtype != tensor.dtype:
+        check_finite(staged, f"{source}: tensor {name!r} converted to {staged.dtype}")
+    return target, staged
+
+
 def check_finite(tensor: torch.Tensor, where: str) -> None:
     """Raise :class:`WeightError` (message starting with ``where``) if ``tensor`` holds a NaN or an infinity."""
     finite = torch.isfinite(tensor)
