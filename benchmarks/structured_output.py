@@ -25,13 +25,12 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import tokenmill.engine.grammar as grammar
 import tokenmill.engine.sampler as sampler
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.stats import Timer
 from tokenmill.bench.workload import make_random_model, make_workload
 from tokenmill.config import DEFAULT_MODEL_DIR
 from tokenmill.request import StructuredOutputsParams
@@ -57,23 +56,6 @@ def model_with_tokenizer(folder: Path) -> Path:
     for name in TOKENIZER_FILES:
         shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)
     return folder
-
-
-class Timer:
-    """Wall seconds of every call of a wrapped function."""
-
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds.append(time.perf_counter() - start)
-
-        return timed
 
 
 def run(llm: LLM, prompts: list[list[int]], output_lens: list[int], spec: StructuredOutputsParams | None) -> dict:

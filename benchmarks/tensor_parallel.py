@@ -19,37 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tokenmill import LLM
+from tokenmill.bench.stats import Timer
 from tokenmill.bench.throughput import run_throughput
 from tokenmill.bench.workload import PRESETS, Workload, make_random_model, make_workload
 from tokenmill.model.parallel import TensorParallel
 
 ORDER = (1, 2, 2, 1)
 """tensor_parallel_size of the runs, in order: a shared host's drift cancels out of the combined rates."""
-
-
-class Timer:
-    """Wall seconds of every call of a wrapped function."""
-
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds.append(time.perf_counter() - start)
-
-        return timed
 
 
 def measure(model: Path, work: Workload, tensor_parallel_size: int, collectives: Timer) -> dict[str, Any]:

@@ -241,8 +241,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if place is not None and place.rank > 0:  # torchrun started every rank: rank 0 serves, the others are workers
         from tokenmill.distributed.worker import launched_worker_main
 
-        launched_worker_main(engine_config(args))
-        return 0
+        launched_worker_main(engine_config(args))  # exits the process once rank 0 stops it
     grace = {} if args.shutdown_grace_seconds is None else {"shutdown_grace_seconds": args.shutdown_grace_seconds}
     run_server(
         engine_config(args),

@@ -9,16 +9,19 @@ import json
 import re
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
 import torch
+import xgrammar as xgr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.tiny_models import save_tiny_checkpoint
 from tests.tiny_tokenizer import WORDS
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine.grammar import apply_grammar_masks
 from tokenmill.engine.intake import RequestState
 from tokenmill.request import (
     LOGPROB_FLOOR,
@@ -318,3 +321,21 @@ def test_every_output_under_a_random_schema_validates_and_finishes(llm: LLM, sch
         out = result.outputs[0]
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4], [3, 0], [4]])
+def test_mask_application_equals_xgrammars_kernel(dtype: torch.dtype, rows: list[int]) -> None:
+    """The table-lookup mask sets exactly the tokens xgrammar's own kernel sets, in the given rows
+    only, whatever the row order, with a vocabulary that is not a multiple of 32 and infinities kept."""
+    vocab, generator = 1000, torch.Generator().manual_seed(len(rows))
+    logits = torch.randn(5, vocab, generator=generator).to(dtype)
+    logits[:, 7], logits[:, 8] = float("inf"), float("-inf")
+    words = (vocab + 31) // 32 + 1  # a bitmask may be wider than the logits
+    bitmasks = torch.randint(-(2**31), 2**31 - 1, (len(rows), words), dtype=torch.int32, generator=generator)
+    expected, by_row = logits.float().clone(), torch.full((5, words), -1, dtype=torch.int32)
+    by_row[rows] = bitmasks  # xgrammar's kernel reads row r's bitmask at row r
+    xgr.apply_token_bitmask_inplace(expected, by_row, vocab_size=vocab, indices=rows)
+    apply_grammar_masks(logits, rows, [SimpleNamespace(bitmask=bitmasks[i : i + 1]) for i in range(len(rows))])
+    assert torch.equal(logits.float(), expected)
+    assert (logits == float("-inf")).sum() > len(rows) * vocab // 3  # the masks did mask

@@ -93,9 +93,11 @@ def test_concurrent_generation_and_twenty_updates(checkpoint: Path, tmp_path: Pa
     try:
         for version in range(1, 21):
             assert llm.update_weights(weights_for(base, version)) == version
-            seen = len(records)
             deadline = time.monotonic() + 30
-            while len(records) < seen + 2 and time.monotonic() < deadline:  # let requests run in between
+            while time.monotonic() < deadline:  # let two requests run wholly under this version
+                with lock:
+                    if sum(started == version for started, *_ in records) >= 2:
+                        break
                 time.sleep(0.005)
     finally:
         stop.set()

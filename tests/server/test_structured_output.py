@@ -196,6 +196,62 @@ def test_invalid_constraints_are_a_400_naming_the_parameter(default_server: Serv
     wait_until_idle(default_server.engine)  # nothing was left allocated
 
 
+# --------------------------------------------------------------------------------------- Responses
+RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in (WEATHER_TOOL, TIME_TOOL)]
+RESPONSES_GREEDY = {"model": DEFAULT, "input": ASK[0]["content"], "temperature": 0, "max_output_tokens": 200}
+
+
+def test_responses_parse_returns_the_pydantic_object(client: openai.OpenAI) -> None:
+    response = client.responses.parse(**RESPONSES_GREEDY, text_format=Weather)
+    assert isinstance(response.output_parsed, Weather) and response.status == "completed"
+    assert response.text.format.type == "json_schema"
+    events = list(client.responses.create(**RESPONSES_GREEDY, text={"format": _text_format(Weather)}, stream=True))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == response.output_text and events[-1].type == "response.completed"
+
+
+def test_responses_json_object(client: openai.OpenAI) -> None:
+    fields = {**RESPONSES_GREEDY, "input": "Write JSON"}
+    response = client.responses.create(**fields, text={"format": {"type": "json_object"}})
+    assert response.status == "completed" and isinstance(json.loads(response.output_text), dict)
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "names"),
+    [("required", {"get_weather", "get_time"}), ({"type": "function", "name": "get_time"}, {"get_time"})],
+)
+def test_responses_forced_tool_call(client: openai.OpenAI, tool_choice, names: set[str]) -> None:
+    response = client.responses.create(**RESPONSES_GREEDY, tools=RESPONSES_TOOLS, tool_choice=tool_choice)
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name in names
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+        ({"text": {"format": {"type": "xml"}}}, "text"),
+        (
+            {"text": {"format": {"type": "json_object"}}, "tools": RESPONSES_TOOLS, "tool_choice": "required"},
+            "tool_choice",
+        ),
+    ],
+)
+def test_responses_invalid_constraints_are_a_400_naming_the_parameter(
+    default_server: Server, body: dict, param: str
+) -> None:
+    response = httpx.post(f"{default_server.url}/v1/responses", json={**RESPONSES_GREEDY, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    wait_until_idle(default_server.engine)
+
+
+def _text_format(model: type[BaseModel]) -> dict:
+    return {"type": "json_schema", "name": model.__name__, "schema": model.model_json_schema(), "strict": True}
+
+
 # --------------------------------------------------------------------------------- forced-call text
 @pytest.fixture(scope="module")
 def default_llm() -> Iterator[LLM]:

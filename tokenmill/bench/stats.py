@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import statistics
+import time
+from collections.abc import Callable
+from typing import Any
 
 
 def summarize(values: list[float], scale: float = 1.0) -> dict[str, float]:
@@ -16,3 +19,20 @@ def summarize(values: list[float], scale: float = 1.0) -> dict[str, float]:
         "p50": statistics.median(ordered) * scale,
         "p99": p99 * scale,
     }
+
+
+class Timer:
+    """Wall seconds of every call of a wrapped function."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds.append(time.perf_counter() - start)
+
+        return timed

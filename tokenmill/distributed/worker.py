@@ -6,12 +6,20 @@ The worker holds no scheduler, request table or sampler: each step's inputs come
 forward as rank 0, taking part in every collective of it; rank 0 alone uses the logits. It ends on
 rank 0's shutdown message, or when a collective fails or times out (rank 0 died or hung), so a
 worker never outlives its engine for longer than the collective timeout.
+
+A worker process ends with ``os._exit`` once it has left the group, skipping the interpreter's
+finalization: gloo's work threads may still be dropping a finished collective's last tensor
+reference, which takes the GIL, and a thread that needs the GIL while the interpreter finalizes
+aborts the whole process (``std::terminate``; seen at exit under load).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
+from typing import NoReturn
 
 import torch
 
@@ -95,13 +103,15 @@ def worker_main(rank: int, size: int, port: int, config: EngineConfig) -> None:
     logging.basicConfig(level=logging.WARNING)
     store = torch.distributed.TCPStore("127.0.0.1", port, size, is_master=False)
     run(config, rank, size, group.rank_device(config.resolved_device(), rank), size, store)
+    exit_process()
 
 
-def launched_worker_main(config: EngineConfig) -> None:
+def launched_worker_main(config: EngineConfig) -> NoReturn:
     """Entry point of a worker that ``torchrun`` started (a rank above 0; rank 0 runs the engine):
     join the group through torchrun's environment, build, serve steps until rank 0 tells it to stop
-    or is gone. SIGINT and SIGTERM are ignored: rank 0 receives them too (a Ctrl-C in torchrun's
-    terminal, or torchrun stopping), drains its server and then stops the workers."""
+    or is gone, then exit the process (status 0). SIGINT and SIGTERM are ignored: rank 0 receives
+    them too (a Ctrl-C in torchrun's terminal, or torchrun stopping), drains its server and then
+    stops the workers."""
     place = group.launched_place()
     if place is None or place.rank == 0:
         raise RuntimeError("a torchrun-launched worker needs torchrun's environment and a rank above 0")
@@ -110,6 +120,16 @@ def launched_worker_main(config: EngineConfig) -> None:
         signal.signal(sig, signal.SIG_IGN)
     device = group.rank_device(config.resolved_device(), place.local_rank)
     run(config, place.rank, place.size, device, place.local_size)
+    exit_process()
+
+
+def exit_process() -> NoReturn:
+    """End this worker process with status 0 without finalizing the interpreter (module docstring),
+    its logs and output flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(

@@ -12,6 +12,7 @@ may end). Preemption keeps output tokens, so a preempted sequence's matcher stay
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -57,9 +58,29 @@ class SequenceGrammar:
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar]) -> None:
-    """Set to ``-inf``, in place, every token of ``logits[rows[i]]`` that ``grammars[i]`` does not allow."""
+    """Set to ``-inf``, in place, every token of ``logits[rows[i]]`` that ``grammars[i]`` does not
+    allow (a NaN stays NaN); other rows and allowed tokens keep their values.
+
+    Each bitmask byte (bit ``j`` of int32 word ``w`` is token ``32 w + j``; little-endian bytes)
+    looks up its 8 caps, ``+inf`` where allowed and ``-inf`` where not, and each logit becomes the
+    smaller of itself and its cap: one table lookup and one elementwise pass (several times faster
+    on CPU than xgrammar's own kernel or a boolean ``masked_fill``)."""
     bitmask = torch.cat([g.bitmask for g in grammars]).to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+    table = _byte_caps(logits.device, logits.dtype)
+    caps = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), table)
+    caps = caps.view(len(rows), -1)[:, : logits.shape[-1]]
+    if rows == list(range(logits.shape[0])):
+        torch.minimum(logits, caps, out=logits)
+    else:
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = torch.minimum(logits[index], caps)
+
+
+@functools.cache
+def _byte_caps(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[256, 8]``: row ``b`` holds ``+inf`` at bit positions set in byte ``b``, ``-inf`` elsewhere."""
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+    return torch.where(bits.bool(), float("inf"), float("-inf")).to(device, dtype)
 
 
 class GrammarCompiler:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.request import StructuredOutputsParams
-from tokenmill.server.errors import APIError
+from tokenmill.server.content_text import joined_text
 from tokenmill.server.openai import tool_setup
 from tokenmill.server.protocol import AnthropicBlock, AnthropicMessage, FunctionName, MessagesPromptRequest
 from tokenmill.server.tool_constraint import forced_call
@@ -44,6 +44,11 @@ class ToolUse:
     constraint: StructuredOutputsParams | None = None
 
 
+def _block_text(content: str | list[AnthropicBlock] | None) -> str:
+    """Anthropic content (a string, or text blocks) as one text; other blocks are a 400 on ``messages``."""
+    return joined_text(content, ("text",), "messages")
+
+
 def tool_use(body: MessagesPromptRequest, chat_template: Any) -> ToolUse:
     """The request's tools and ``tool_choice``; raises APIError (400, ``tool_choice``) for a choice that
     names no offered tool."""
@@ -64,7 +69,7 @@ def tool_use(body: MessagesPromptRequest, chat_template: Any) -> ToolUse:
 
 def template_messages(system: str | list[AnthropicBlock] | None, messages: list[AnthropicMessage]) -> list[dict]:
     """The system prompt and messages as the chat template takes them."""
-    out: list[dict[str, Any]] = [{"role": "system", "content": _text(system)}] if system else []
+    out: list[dict[str, Any]] = [{"role": "system", "content": _block_text(system)}] if system else []
     for message in messages:
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
@@ -77,7 +82,7 @@ def template_messages(system: str | list[AnthropicBlock] | None, messages: list[
 
 def _assistant_message(blocks: list[AnthropicBlock]) -> dict[str, Any]:
     calls = [block for block in blocks if block.type == "tool_use"]
-    message: dict[str, Any] = {"role": "assistant", "content": _text([b for b in blocks if b.type != "tool_use"])}
+    message: dict[str, Any] = {"role": "assistant", "content": _block_text([b for b in blocks if b.type != "tool_use"])}
     if calls:
         message["tool_calls"] = [
             {
@@ -99,20 +104,13 @@ def _user_messages(blocks: list[AnthropicBlock]) -> list[dict[str, Any]]:
             run.append(block)
             continue
         if run:
-            out.append({"role": "user", "content": _text(run)})
+            out.append({"role": "user", "content": _block_text(run)})
             run = []
         if block is not None:
-            out.append({"role": "tool", "tool_call_id": block.tool_use_id or "", "content": _text(block.content or "")})
+            out.append(
+                {"role": "tool", "tool_call_id": block.tool_use_id or "", "content": _block_text(block.content or "")}
+            )
     return out
-
-
-def _text(content: str | list[AnthropicBlock] | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    for block in content:
-        if block.type != "text" or block.text is None:
-            raise APIError(400, f"content blocks of type {block.type!r} are not supported here", param="messages")
-    return "\n".join(block.text or "" for block in content)
 
 
 def content_blocks(text: str, names: set[str] | None) -> tuple[list[dict[str, Any]], bool]:

@@ -19,7 +19,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.request import CompletionOutput, Logprob, ParameterError, RequestOutput
+from tokenmill.request import CompletionOutput, Logprob, RequestOutput
+from tokenmill.server.content_text import joined_text
 from tokenmill.server.errors import APIError, engine_errors
 from tokenmill.server.generation import Generation, until_disconnected
 from tokenmill.server.openai import (
@@ -32,11 +33,11 @@ from tokenmill.server.openai import (
     top_logprobs,
     usage_json,
 )
-from tokenmill.server.params import OutputConstraint, openai_params, structured_outputs
-from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, ContentPart, NamedToolChoice
+from tokenmill.server.params import openai_params, structured_outputs
+from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from tokenmill.server.sse import SSEResponse, sse_event
 from tokenmill.server.state import ServerState, State
-from tokenmill.server.tool_constraint import forced_call
+from tokenmill.server.tool_constraint import output_constraint
 from tokenmill.server.tool_parser import ToolCall, ToolCallStream, parse_tool_calls
 
 router = APIRouter()
@@ -54,7 +55,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     choice = body.tool_choice.function if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
     tools, tool_names = tool_setup([t.model_dump(exclude_none=True) for t in body.tools or []], choice)
     with engine_errors(CHAT_ALIASES):
-        constraint = _output_constraint(body, state, tools, tool_names)
+        chat_template = state.tokenizer.hf.chat_template
+        constraint = output_constraint(structured_outputs(body), tools, tool_names, body.tool_choice, chat_template)
     prompt = await state.render_chat([template_message(m) for m in body.messages], tools)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -73,24 +75,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     return JSONResponse(await chat.response(output))
 
 
-def _output_constraint(
-    body: ChatCompletionRequest, state: ServerState, tools: list[dict[str, Any]] | None, tool_names: set[str] | None
-) -> OutputConstraint | None:
-    """The request's output constraint: a forced tool call (``tool_choice`` "required" or named; refused
-    as ``tools``, whose schemas it holds) or :func:`~tokenmill.server.params.structured_outputs`; never both."""
-    given = structured_outputs(body)
-    if tools is None or tool_names is None or body.tool_choice in (None, "auto"):
-        return given
-    if given is not None:
-        raise ParameterError("tool_choice", f"that forces a tool call cannot be combined with {given.param}")
-    return OutputConstraint("tools", forced_call(tools, tool_names, state.tokenizer.hf.chat_template))
-
-
 def template_message(message: ChatMessage) -> dict[str, Any]:
     """The message as chat templates expect it (tool-call arguments as objects, as in HF's docs)."""
     out: dict[str, Any] = {
         "role": "system" if message.role == "developer" else message.role,
-        "content": _text_content(message.content),
+        "content": joined_text(message.content, ("text",), "messages"),
     }
     if message.name is not None:
         out["name"] = message.name
@@ -106,15 +95,6 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
             for c in message.tool_calls
         ]
     return out
-
-
-def _text_content(content: str | list[ContentPart] | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise APIError(400, f"content parts of type {part.type!r} are not supported, only text", param="messages")
-    return "\n".join(part.text or "" for part in content)
 
 
 def _tool_call_json(call: ToolCall) -> dict[str, Any]:

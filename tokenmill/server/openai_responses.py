@@ -4,10 +4,11 @@
 ``function_call`` and ``function_call_output`` items) go through the model's chat template as chat
 messages: a developer message is a system message, a function call joins the assistant message
 before it (or starts one), a function call's output is a ``tool`` message. Function ``tools`` are
-offered and their calls parsed as in chat (:func:`~tokenmill.server.openai.tool_setup`), but
-``tool_choice`` "required" or a named function does not constrain the output; parsed calls are
-``function_call`` output items after the message, which is left out when it would hold only
-whitespace. ``text.format`` other than "text" is refused.
+offered and their calls parsed as in chat (:func:`~tokenmill.server.openai.tool_setup`);
+``tool_choice`` "required" or a named function constrains the output to one call, and
+``text.format`` "json_schema" or "json_object" constrains it to JSON, as chat's ``tool_choice`` and
+``response_format`` do (never both). Parsed calls are ``function_call`` output items after the
+message, which is left out when it would hold only whitespace.
 
 ``status`` is "completed", or "incomplete" with ``incomplete_details.reason`` "max_output_tokens"
 when the output stopped at ``max_output_tokens`` or the context limit; a request the server aborts
@@ -31,20 +32,23 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.request import FinishReason, RequestOutput, accumulate
+from tokenmill.request import FinishReason, RequestOutput, StructuredOutputsParams, accumulate
+from tokenmill.server.content_text import joined_text
 from tokenmill.server.errors import APIError, engine_errors
 from tokenmill.server.generation import Generation, until_disconnected
 from tokenmill.server.openai import json_object_or_text, raise_on_error, tool_setup
-from tokenmill.server.params import sampling_params
-from tokenmill.server.protocol import InputMessage, InputPart, ResponsesRequest
+from tokenmill.server.params import OutputConstraint, sampling_params
+from tokenmill.server.protocol import InputMessage, ResponsesRequest, TextFormat
 from tokenmill.server.sse import SSEResponse, sse_event
 from tokenmill.server.state import State
+from tokenmill.server.tool_constraint import output_constraint
 from tokenmill.server.tool_parser import ToolCall, ToolCallStream, parse_tool_calls
 
 router = APIRouter()
 
 # engine parameter name -> this route's name for it (error ``param``)
 ALIASES = {"prompt": "input", "max_tokens": "max_output_tokens"}
+TEXT_PARTS = ("input_text", "output_text")
 
 
 @router.post("/v1/responses")
@@ -58,17 +62,20 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
             "send the whole conversation as input",
             param="previous_response_id",
         )
-    if body.text is not None and body.text.format is not None and body.text.format.type != "text":
-        raise APIError(400, "only text.format type 'text' is supported", param="text")
     chat_tools = [
         {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type", "strict"})}
         for t in body.tools or []
     ]
     tools, tool_names = tool_setup(chat_tools, body.tool_choice)
+    with engine_errors(ALIASES):
+        chat_template = state.tokenizer.hf.chat_template
+        constraint = output_constraint(_text_format(body), tools, tool_names, body.tool_choice, chat_template)
     prompt = await state.render_chat(_template_messages(body), tools, param="input")
     rid = f"resp_{uuid.uuid4().hex}"
-    with engine_errors(ALIASES):
-        params = sampling_params({"temperature": body.temperature, "top_p": body.top_p}, body.max_output_tokens)
+    with engine_errors({**ALIASES, "structured_outputs": constraint.param} if constraint else ALIASES):
+        fields = {"temperature": body.temperature, "top_p": body.top_p}
+        fields["structured_outputs"] = constraint.spec if constraint else None
+        params = sampling_params(fields, body.max_output_tokens)
         generation = await until_disconnected(request, Generation.start(state, [prompt], [params], rid, arrival))
     reply = _Reply(rid, state.model_name, body, tool_names)
     if body.stream:
@@ -80,6 +87,16 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     return JSONResponse(reply.whole(output))
 
 
+def _text_format(body: ResponsesRequest) -> OutputConstraint | None:
+    """``text.format`` as an output constraint (named ``text`` in errors); None for plain text."""
+    text_format = body.text.format if body.text is not None else None
+    if text_format is None or text_format.type == "text":
+        return None
+    if text_format.type == "json_object":
+        return OutputConstraint("text", StructuredOutputsParams(json_object=True))
+    return OutputConstraint("text", StructuredOutputsParams(json=text_format.schema_))
+
+
 def _template_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     """``instructions`` and ``input`` as chat-template messages."""
     messages: list[dict[str, Any]] = []
@@ -89,7 +106,7 @@ def _template_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     for item in items:
         if item.type == "message":
             role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": _text(item.content)})
+            messages.append({"role": role, "content": joined_text(item.content, TEXT_PARTS, "input")})
         elif item.type == "function_call":
             arguments = json_object_or_text(item.arguments)
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": arguments}}
@@ -98,21 +115,10 @@ def _template_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
-    return messages
-
-
-def _text(content: str | list[InputPart]) -> str:
-    if isinstance(content, str):
-        return content
-    for part in content:
-        if part.type not in ("input_text", "output_text") or part.text is None:
-            raise APIError(
-                400,
-                f"content parts of type {part.type!r} are not supported, only input_text and output_text",
-                param="input",
+            messages.append(
+                {"role": "tool", "tool_call_id": item.call_id, "content": joined_text(item.output, TEXT_PARTS, "input")}
             )
-    return "\n".join(part.text or "" for part in content)
+    return messages
 
 
 def _aborted(rid: str) -> str:
@@ -143,6 +149,7 @@ class _Reply:
                 "total_tokens": prompt_tokens + output_tokens,
             }
         tool_choice = body.tool_choice or "auto"
+        text_format = (body.text.format if body.text is not None else None) or TextFormat(type="text")
         return {
             "id": self.id,
             "object": "response",
@@ -158,7 +165,7 @@ class _Reply:
             "previous_response_id": None,
             "temperature": body.temperature,
             "top_p": body.top_p,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True)},
             "tool_choice": tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "usage": usage,

@@ -250,7 +250,17 @@ class ResponsesToolChoice(FunctionName):
 class TextFormat(Body):
     """``text.format``: flat, unlike chat's ``response_format`` (``{"type": "json_schema", "name", "schema"}``)."""
 
-    type: StrictStr
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise PydanticCustomError("missing", "type 'json_schema' needs a name and a schema")
+        return self
 
 
 class TextConfig(Body):

@@ -21,9 +21,28 @@ from typing import Any
 import xgrammar as xgr
 
 from tokenmill.request import ParameterError, StructuredOutputsParams
+from tokenmill.server.params import OutputConstraint
 from tokenmill.server.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 _DEFS_KEYS = ("$defs", "definitions")
+
+
+def output_constraint(
+    given: OutputConstraint | None,
+    tools: list[dict[str, Any]] | None,
+    tool_names: Collection[str] | None,
+    tool_choice: object,
+    chat_template: Any,
+) -> OutputConstraint | None:
+    """A request's output constraint: a forced call (:func:`forced_call`, named ``tools`` in errors)
+    when ``tool_choice`` is "required" or a named function and the tools are offered, else ``given``
+    (the request's structured-output parameter, or None). Raises ParameterError("tool_choice") when
+    a forced call meets ``given``: a request takes one constraint."""
+    if tools is None or tool_names is None or tool_choice in (None, "auto"):
+        return given
+    if given is not None:
+        raise ParameterError("tool_choice", f"that forces a tool call cannot be combined with {given.param}")
+    return OutputConstraint("tools", forced_call(tools, tool_names, chat_template))
 
 
 def forced_call(tools: list[dict[str, Any]], names: Collection[str], chat_template: Any) -> StructuredOutputsParams:
