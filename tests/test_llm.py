@@ -106,3 +106,18 @@ def test_dtype_auto_on_cpu_is_bf16_exactly_where_the_cpu_multiplies_bf16(
         monkeypatch.setattr("tokenmill.config.native_bf16", lambda native=native: native)
         for checkpoint_dtype in (None, torch.float16, torch.float32, torch.bfloat16):
             assert EngineConfig(dtype="auto", device="cpu").resolved_dtype(checkpoint_dtype) == dtype
+
+
+def test_a_batch_larger_than_the_waiting_queue_completes_in_order(checkpoint) -> None:
+    """Offline batches are not refused as overload: they go in as the waiting queue frees up."""
+    path, _ = checkpoint
+    llm = LLM(dtype="float32", model=str(path), num_kv_slots=1024, max_waiting_requests=2, max_running_requests=2)
+    prompts = [[5, 6 + i, 7] for i in range(7)]
+    try:
+        together = llm.generate(prompts, GREEDY, use_tqdm=False)
+        alone = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    finally:
+        llm.shutdown()
+    assert [o.prompt_token_ids for o in together] == prompts
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    assert all(len(o.outputs[0].token_ids) == 6 for o in together)

@@ -10,9 +10,12 @@ from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine
+from tokenmill.engine.overload import EngineOverloadedError
 from tokenmill.request import RequestOutput, SamplingParams, accumulate
 
 Prompt = str | list[int] | dict[str, Any]
+OVERLOAD_RETRY_S = 0.05
+"""Seconds between submit retries while the waiting queue is full of other callers' requests."""
 Message = dict[str, Any]
 
 
@@ -85,6 +88,9 @@ class LLM:
         self.engine.shutdown()
 
     def _run(self, batch: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        """Every prompt to completion, in order. A batch larger than ``max_waiting_requests`` goes in
+        as the waiting queue frees up: a refused submit is retried after the batch's next delta
+        (requests leave the queue when scheduled or finished)."""
         engine = self.engine
         deltas: queue.Queue[RequestOutput] = queue.Queue()
         # validate (and tokenize) everything before queueing anything
@@ -92,17 +98,23 @@ class LLM:
         ids: list[str] = []
         totals: dict[str, RequestOutput] = {}
         try:
-            for state in states:
-                ids.append(engine.submit(state))
             done = 0
-            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-                while done < len(ids):
-                    delta = deltas.get()  # the engine sends every request a final delta, even when it stops
+            with tqdm(total=len(states), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while done < len(states):
+                    while len(ids) < len(states):
+                        try:
+                            ids.append(engine.submit(states[len(ids)]))
+                        except EngineOverloadedError:
+                            break
+                    try:  # the engine sends every request a final delta, even when it stops
+                        delta = deltas.get(timeout=None if len(ids) > done else OVERLOAD_RETRY_S)
+                    except queue.Empty:  # nothing of this batch runs: others fill the queue; retry
+                        continue
                     totals[delta.request_id] = accumulate(totals.get(delta.request_id), delta)
                     if delta.finished:
                         done += 1
                         bar.update(1)
-        except BaseException:  # Ctrl-C, or a submit refused part-way: nobody waits for the batch any more
+        except BaseException:  # Ctrl-C, or a submit refused: nobody waits for the batch any more
             for request_id in ids:
                 engine.abort(request_id)
             raise

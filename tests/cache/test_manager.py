@@ -157,8 +157,7 @@ class ManagerMachine(RuleBasedStateMachine):
         live = {p for seq in self.live for p in (mgr.req_pool.table[seq.row, : seq.n_kv].long() // ps).tolist()}
         tree = {p for node in mgr.radix._nodes() for p in node.pages.tolist()}
         capacity = mgr.allocator.capacity
-        assert mgr.usage() == len(live) / capacity
-        assert mgr.prefix_cache_usage() == len(tree - live) / capacity
+        assert mgr.usage() == (len(live) / capacity, len(tree - live) / capacity)
 
     @invariant()
     def rows_map_exactly_their_tokens(self) -> None:

@@ -23,6 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import tokenmill.engine.engine as engine_module
 from tests.tiny_models import hf_greedy, save_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.weights import WeightError
@@ -253,3 +254,22 @@ def test_no_worker_outlives_the_interpreter_without_shutdown(checkpoints, tmp_pa
     assert done.returncode == 0, done.stderr
     pid = int(done.stdout.split()[-1])
     assert not pid_exists(pid)
+
+
+def test_a_build_failing_on_rank_0_stops_the_starting_workers(checkpoints, tp2, monkeypatch) -> None:
+    """Rank 0's build fails after its workers started (here: sizing its KV cache), while they still
+    load or wait for the KV size agreement: they get no step message (a collective they are not in),
+    are stopped, the group is left, and the failure reaches the caller; a new engine then starts."""
+    tp2.close()
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("rank 0 cannot size its KV cache")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine_module, "kv_cache_slots", fail)
+        with pytest.raises(RuntimeError, match="rank 0 cannot size its KV cache"):
+            LLM(model=str(checkpoints["llama"][0]), tensor_parallel_size=2, distributed_timeout_s=300, **ENGINE)
+    assert worker_processes() == []
+    assert not torch.distributed.is_initialized()
+    llm = tp2["llama"]
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2

@@ -18,11 +18,13 @@ import xgrammar as xgr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tokenmill.engine.grammar as grammar_module
 from tests.tiny_models import save_tiny_checkpoint
 from tests.tiny_tokenizer import WORDS
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.grammar import apply_grammar_masks
 from tokenmill.engine.intake import RequestState
+from tokenmill.engine.overload import EngineOverloadedError
 from tokenmill.request import (
     LOGPROB_FLOOR,
     ParameterError,
@@ -88,6 +90,14 @@ def test_regex_output_fully_matches(llm: LLM, sampling: dict) -> None:
     (out,) = generate(llm, StructuredOutputsParams(regex=EMAIL), **sampling)
     assert out.finish_reason == "stop"
     assert re.fullmatch(EMAIL, out.text), out.text
+
+
+def test_choices_are_literal_text(llm: LLM, capfd: pytest.CaptureFixture[str]) -> None:
+    """Characters that mean something in a regex or an EBNF grammar are matched as themselves."""
+    choices = ["a+b (c)?", 'say "hi" \\ now', "é ~&|*", "[x]{2}"]
+    outputs = generate(llm, StructuredOutputsParams(choice=choices), n=8, seed=3, temperature=1.5)
+    assert all(o.text in choices and o.finish_reason == "stop" for o in outputs), [o.text for o in outputs]
+    assert "Warning" not in capfd.readouterr().err  # xgrammar warns about escapes its parser does not know
 
 
 def test_n_siblings_each_follow_their_own_grammar_reproducibly(llm: LLM) -> None:
@@ -250,6 +260,34 @@ def test_compile_time_limit_and_param_type() -> None:
     assert refused.value.param == "structured_outputs"
     with pytest.raises(ParameterError, match="must be StructuredOutputsParams"):
         SamplingParams(structured_outputs={"regex": "a"}).validate(RequestLimits(vocab_size=8192))
+
+
+def test_compiles_that_outlive_their_timeout_hold_their_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile past its timeout cannot be stopped: it keeps its slot, so at most
+    MAX_CONCURRENT_COMPILES compile threads ever run, and a request finding every slot busy for its
+    timeout is refused as overload (nothing allocated); once the compiles end, compiling works again."""
+    engine = LLM(dtype="float32", num_kv_slots=256, structured_output_compile_timeout=0.2).engine
+    release, real_compile = threading.Event(), grammar_module._compile
+    monkeypatch.setattr(
+        grammar_module, "_compile", lambda compiler, spec: release.wait() and real_compile(compiler, spec)
+    )
+    specs = [SamplingParams(structured_outputs=StructuredOutputsParams(regex=f"[a-z]{{{n}}}")) for n in (1, 2, 3)]
+    try:
+        for params in specs[: grammar_module.MAX_CONCURRENT_COMPILES]:
+            with pytest.raises(ParameterError, match="took longer than 0.2s to compile"):
+                engine.intake(PROMPT, params, lambda d: None)
+        with pytest.raises(EngineOverloadedError, match="grammar-compile slots stayed busy"):
+            engine.intake(PROMPT, specs[-1], lambda d: None)
+        compiling = [t for t in threading.enumerate() if t.name == "tokenmill-grammar-compile"]
+        assert len(compiling) == grammar_module.MAX_CONCURRENT_COMPILES
+        release.set()
+        for thread in compiling:
+            thread.join(30)
+        state = engine.intake(PROMPT, specs[-1], lambda d: None)
+        assert [seq.grammar is not None for seq in state.seqs] == [True]
+    finally:
+        release.set()
+        engine.shutdown()
 
 
 def test_masked_greedy_tokens_and_logprobs_equal_transformers(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 from tests.server.conftest import Server, serve, wait_until_idle
 from tests.server.scripted_model import save_scripted_checkpoint
 from tokenmill import LLM, Engine, SamplingParams
+from tokenmill.request import ParameterError
 from tokenmill.server.tool_constraint import forced_call
 from tokenmill.server.tool_parser import parse_tool_calls
 
@@ -193,6 +194,7 @@ def test_invalid_constraints_are_a_400_naming_the_parameter(default_server: Serv
     )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+    assert ".cc:" not in response.json()["error"]["message"]  # xgrammar's log prefix is not for clients
     wait_until_idle(default_server.engine)  # nothing was left allocated
 
 
@@ -276,6 +278,15 @@ def test_forced_call_text_is_what_the_parser_reads(default_llm: LLM, chat_templa
     (call,) = parse_tool_calls(text, {"send", "get_time"}).tool_calls
     schemas = {"send": Letter.model_json_schema(), "get_time": TIME_TOOL["function"]["parameters"]}
     jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+def test_forced_call_refuses_a_bad_parameters_schema_naming_tools() -> None:
+    """The Hermes path builds its grammar from the schema itself: xgrammar's refusal is a clean
+    ParameterError on ``tools``, without xgrammar's log prefix."""
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "minProperties": "x"}}}
+    with pytest.raises(ParameterError) as refused:
+        forced_call([bad], {"f"}, "{{ '<tool_call>' }}")
+    assert refused.value.param == "tools" and ".cc:" not in str(refused.value)
 
 
 # --------------------------------------------------------------------------------------- Anthropic

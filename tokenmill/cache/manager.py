@@ -29,7 +29,7 @@ from tokenmill.cache.allocator import PageAllocator
 from tokenmill.cache.handle import KVHandle
 from tokenmill.cache.radix import RadixCache
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool
-from tokenmill.cache.view_builder import decode_num_splits, make_decode_view, make_prefill_view
+from tokenmill.cache.view_builder import decode_num_splits, decode_scratch, make_decode_view, make_prefill_view
 from tokenmill.cache.views import DecodeKVCache, KVView
 from tokenmill.config import EngineConfig
 
@@ -62,10 +62,9 @@ class CacheManager:
         self.radix = RadixCache(self.allocator) if config.enable_prefix_caching else None
         self.stats = CacheStats()
         self.epoch = 0
-        device = storage.k_buffer.device
-        rows, splits = req_pool.max_rows, config.max_decode_splits
-        self.partial_out = torch.zeros((rows, n_heads, splits, head_dim), dtype=torch.float32, device=device)
-        self.partial_lse = torch.zeros((rows, n_heads, splits), dtype=torch.float32, device=device)
+        self.partial_out, self.partial_lse = decode_scratch(
+            req_pool.max_rows, n_heads, config.max_decode_splits, head_dim, storage.k_buffer.device
+        )
         self._last_decode: tuple[tuple[int | None, ...], list[int], DecodeKVCache] | None = None
 
     # ----------------------------------------------------------------- capacity
@@ -83,14 +82,12 @@ class CacheManager:
         held = -(-kv.n_kv // self.page_size)
         return -(-(kv.n_kv + n_tokens) // self.page_size) - held
 
-    def usage(self) -> float:
-        """Fraction of the pages held by live sequences (a page the prefix cache also stores counts
-        once; pages only the prefix cache holds are reclaimable and count in :meth:`prefix_cache_usage`)."""
-        return (self.allocator.n_used - self.n_reclaimable_pages()) / self.allocator.capacity
-
-    def prefix_cache_usage(self) -> float:
-        """Fraction of the pages held only by the prefix cache: no live sequence uses them, eviction frees them."""
-        return self.n_reclaimable_pages() / self.allocator.capacity
+    def usage(self) -> tuple[float, float]:
+        """``(live, prefix_cache_only)``: the fractions of the pages held by live sequences (a page the
+        prefix cache also stores counts once) and of those only the prefix cache holds (no live
+        sequence uses them; eviction frees them). Walks the prefix tree once."""
+        reclaimable, capacity = self.n_reclaimable_pages(), self.allocator.capacity
+        return (self.allocator.n_used - reclaimable) / capacity, reclaimable / capacity
 
     def n_reclaimable_pages(self) -> int:
         """Pages that only the prefix cache holds (refcount 1, the tree's own reference). Walks the tree."""

@@ -57,6 +57,15 @@ def decode_num_splits(seq_lens: torch.Tensor, min_tokens: int, max_splits: int) 
     return torch.clamp((seq_lens + min_tokens - 1) // min_tokens, 1, max_splits).to(torch.int32)
 
 
+def decode_scratch(
+    rows: int, n_heads: int, splits: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV decode's fp32 partial outputs ``[rows, n_heads, splits, head_dim]`` and log-sum-exps
+    ``[rows, n_heads, splits]``, made once and reused by every decode view."""
+    partial_out = torch.zeros((rows, n_heads, splits, head_dim), dtype=torch.float32, device=device)
+    return partial_out, torch.zeros((rows, n_heads, splits), dtype=torch.float32, device=device)
+
+
 def make_decode_view(
     storage: KVStorage,
     req_to_token: torch.Tensor,

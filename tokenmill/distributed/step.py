@@ -1,9 +1,10 @@
 """The messages rank 0 broadcasts to the tensor-parallel workers: one per step (token ids, positions,
 the rows that need logits, the attention view's index tensors, fork copies), heartbeats while idle,
-and shutdown.
+weight updates, and shutdown.
 
-A message is two broadcasts from rank 0: a fixed-size int64 header (the kind and the lengths), then
-one int64 payload with every index tensor back to back. The view is sent compacted: the slots of
+A step is two broadcasts from rank 0: a fixed-size int64 header (the kind and the lengths), then
+one int64 payload with every index tensor back to back; the other kinds are the header alone (a
+weight update's tensors follow it: ``weights.py``). The view is sent compacted: the slots of
 each request's context (``req_to_token`` rows of the step's requests up to the longest context),
 so a worker rebuilds an identical view over its own KV storage (rows ``0..B-1``) without holding
 the request table.
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from tokenmill.cache.views import DecodeKVCache, KVView
 
-HEADER_LEN = 8
+HEADER_LEN = 7
 
 
 class Kind(IntEnum):
@@ -72,14 +73,14 @@ def step_inputs(
     )
 
 
-def send(kind: Kind, step: StepInputs | None = None, device: torch.device | str = "cpu", extra: int = 0) -> None:
-    """Broadcast a message from rank 0 (``step`` for :attr:`Kind.STEP`; ``extra``: a small int argument)."""
+def send(kind: Kind, step: StepInputs | None = None, device: torch.device | str = "cpu") -> None:
+    """Broadcast a message from rank 0 (``step`` for :attr:`Kind.STEP`)."""
     if step is None:
-        dist.broadcast(torch.tensor([kind, 0, 0, 0, 0, 0, 0, extra], dtype=torch.int64, device=device), src=0)
+        dist.broadcast(torch.tensor([kind] + [0] * (HEADER_LEN - 1), dtype=torch.int64, device=device), src=0)
         return
     n_tokens, (n_reqs, width) = step.input_ids.numel(), step.table.shape
     n_logits = -1 if step.logits_indices is None else step.logits_indices.numel()
-    header = [kind, n_tokens, n_logits, n_reqs, width, step.fork_src.numel(), int(step.is_decode), extra]
+    header = [kind, n_tokens, n_logits, n_reqs, width, step.fork_src.numel(), int(step.is_decode)]
     dist.broadcast(torch.tensor(header, dtype=torch.int64, device=device), src=0)
     parts = [step.input_ids, step.positions, step.out_cache_loc]
     parts += [] if step.logits_indices is None else [step.logits_indices]
@@ -88,13 +89,13 @@ def send(kind: Kind, step: StepInputs | None = None, device: torch.device | str 
     dist.broadcast(torch.cat([p.to(device, torch.int64) for p in parts]), src=0)
 
 
-def receive(device: torch.device | str) -> tuple[Kind, StepInputs | None, int]:
-    """The next message from rank 0 on a worker: ``(kind, step inputs or None, extra)``."""
+def receive(device: torch.device | str) -> tuple[Kind, StepInputs | None]:
+    """The next message from rank 0 on a worker: ``(kind, step inputs or None)``."""
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
     dist.broadcast(header, src=0)
-    kind, n_tokens, n_logits, n_reqs, width, n_forks, is_decode, extra = header.tolist()
+    kind, n_tokens, n_logits, n_reqs, width, n_forks, is_decode = header.tolist()
     if kind != Kind.STEP:
-        return Kind(kind), None, extra
+        return Kind(kind), None
     sizes = [n_tokens, n_tokens, n_tokens, max(n_logits, 0), 2 * n_reqs, n_reqs * width, n_forks, n_forks]
     payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
     dist.broadcast(payload, src=0)
@@ -112,4 +113,4 @@ def receive(device: torch.device | str) -> tuple[Kind, StepInputs | None, int]:
         src,
         dst,
     )
-    return Kind.STEP, step, extra
+    return Kind.STEP, step

@@ -25,7 +25,7 @@ import torch
 
 from tokenmill.cache.sizing import kv_cache_slots
 from tokenmill.cache.storage import KVStorage
-from tokenmill.cache.view_builder import make_decode_view, make_prefill_view
+from tokenmill.cache.view_builder import decode_scratch, make_decode_view, make_prefill_view
 from tokenmill.config import EngineConfig
 from tokenmill.distributed import group, step, weights
 from tokenmill.model.causal_lm import CausalLM
@@ -36,15 +36,13 @@ from tokenmill.model.registry import load_model_config
 logger = logging.getLogger("tokenmill.distributed")
 
 
-def build_rank(
-    config: EngineConfig, tp: TensorParallel, device: torch.device
-) -> tuple[CausalLM, torch.dtype, torch.dtype]:
-    """This rank's shards of the model, with its attention backend; ``(model, dtype, kv dtype)``."""
+def build_rank(config: EngineConfig, tp: TensorParallel, device: torch.device) -> tuple[CausalLM, torch.dtype]:
+    """This rank's shards of the model, with its attention backend; ``(model, kv dtype)``."""
     path = config.model_path()
     dtype = config.resolved_dtype(load_model_config(path).checkpoint_dtype)
     model = load_model(path, dtype, device, tp)
     model.backend = model.make_backend(config, dtype)
-    return model, dtype, config.resolved_kv_dtype(dtype)
+    return model, config.resolved_kv_dtype(dtype)
 
 
 def local_kv_slots(config: EngineConfig, model: CausalLM, kv_dtype: torch.dtype, device: torch.device) -> int:
@@ -64,9 +62,9 @@ class Worker:
         mc = model.config
         n_heads, n_kv_heads = self.model.local_heads()
         self.storage = KVStorage(mc.num_layers, n_slots, n_kv_heads, mc.head_dim, kv_dtype, device)
-        rows, splits = config.max_running_requests, config.max_decode_splits
-        self.partial_out = torch.zeros((rows, n_heads, splits, mc.head_dim), dtype=torch.float32, device=device)
-        self.partial_lse = torch.zeros((rows, n_heads, splits), dtype=torch.float32, device=device)
+        self.partial_out, self.partial_lse = decode_scratch(
+            config.max_running_requests, n_heads, config.max_decode_splits, mc.head_dim, device
+        )
 
     def run_step(self, inputs: step.StepInputs) -> None:
         """Rank 0's forward of this step on this rank's shards (then its fork copies)."""
@@ -156,11 +154,11 @@ def run(
 
 def serve(config: EngineConfig, tp: TensorParallel, device: torch.device, timeout: float) -> None:
     """Build this rank, agree on the KV size with the others, run messages until shutdown."""
-    model, _, kv_dtype = build_rank(config, tp, device)
+    model, kv_dtype = build_rank(config, tp, device)
     n_slots = agree_on_slots(local_kv_slots(config, model, kv_dtype, device), device, timeout)
     worker = Worker(config, model, kv_dtype, device, n_slots)
     while True:
-        kind, inputs, _ = step.receive(device)
+        kind, inputs = step.receive(device)
         if kind == step.Kind.SHUTDOWN:
             return
         if kind == step.Kind.STEP:

@@ -88,7 +88,9 @@ class WorkerGroup:
             self.tp: TensorParallel = group.join(0, size, device, timeout, store)
         except BaseException:
             self._stop_processes(grace=0.0)
+            torch.set_num_threads(self._threads)
             raise
+        self._serving = False  # set once the ranks agreed on the KV size: workers then wait for messages
         self._last_message = time.monotonic()
         self._stopping = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="tokenmill-tp-watchdog", daemon=True)
@@ -97,6 +99,7 @@ class WorkerGroup:
         """The KV slot count every rank can hold (the smallest); starts the watchdog once agreed."""
         with self._collective():
             n_slots = agree_on_slots(n_slots, self.device, self.timeout)
+        self._serving = True
         self._watchdog.start()
         return n_slots
 
@@ -163,16 +166,19 @@ class WorkerGroup:
         self._last_message = time.monotonic()
 
     def shutdown(self) -> None:
-        """Stop the workers (a shutdown message, then kill those still alive) and leave the group."""
+        """Stop the workers (a shutdown message, then kill those still alive) and leave the group.
+        Workers still starting (rank 0's build failed before the KV size agreement) wait in another
+        collective, so they get no message: they are killed (spawned) or time out (torchrun)."""
         self._stopping.set()
         if self._watchdog.is_alive():
             self._watchdog.join()
         acquired = self.lock.acquire(timeout=self.timeout)
         try:
-            if self.failure is None and acquired:
+            told = self.failure is None and acquired and self._serving
+            if told:
                 with contextlib.suppress(Exception):
                     step.send(step.Kind.SHUTDOWN, device=self.device)
-            self._stop_processes(JOIN_TIMEOUT if self.failure is None else 0.0)
+            self._stop_processes(JOIN_TIMEOUT if told else 0.0)
             group.leave()
         finally:
             if acquired:

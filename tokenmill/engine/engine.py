@@ -5,7 +5,7 @@ and receive results through per-request callbacks. Commands are applied between 
 weight update never meets a half-finished forward. A step is three calls in one direction:
 schedule -> run (the runner picks eager, C++ decode or CUDA graph) -> sample, then the output
 stage appends, applies stop rules and emits. A failure inside a step fails that step's requests
-with an error (a sampling failure only its own sequence's) and the loop goes on; if the loop
+with an error (a sampling failure only its own request's) and the loop goes on; if the loop
 itself dies, :meth:`Engine.is_healthy` says so and every later call fails fast. However the loop
 ends (shutdown or death), every request and command it still holds is answered.
 """
@@ -32,6 +32,7 @@ from tokenmill.engine.cuda_graphs import make_cuda_graph_runner
 from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.intake import Intake, RequestState
 from tokenmill.engine.output import OutputProcessor
+from tokenmill.engine.overload import EngineOverloadedError
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler, prompt_logprobs
 from tokenmill.engine.scheduler import Scheduler
@@ -48,10 +49,6 @@ T = TypeVar("T")
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is at ``max_waiting_requests``; retry later."""
 
 
 class Engine:
@@ -138,7 +135,8 @@ class Engine:
         """Validate a request into its state (tokenized once), ready for :meth:`submit`.
 
         Raises :class:`~tokenmill.request.ParameterError` (a ValueError naming the parameter) for
-        bad input; nothing is allocated or queued.
+        bad input, EngineOverloadedError when every grammar-compile slot stays busy; nothing is
+        allocated or queued.
         """
         return self._intake.make(prompt, params, callback, request_id)
 
@@ -227,9 +225,9 @@ class Engine:
             new_version = next_version(self.weight_version, version)
             if self.workers is not None:  # each worker stages its part; raises WeightError if any refuses
                 self.workers.update_weights([(item.name, item.whole) for item in staged])
+            apply_update(staged)  # at once: the workers have applied theirs (no step runs in between)
             if abort_running:
                 self._abort_all()
-            apply_update(staged)
             if flush_cache:
                 self.cache.reset_prefix_cache()
             self.weight_version = new_version
@@ -254,13 +252,14 @@ class Engine:
 
         def snapshot() -> dict[str, Any]:
             cache, graphs = self.cache, self.runner.graphs
+            live_usage, prefix_cache_usage = cache.usage()
             return {
                 "scheduler": asdict(self.scheduler.stats),
                 "cache": asdict(cache.stats),
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
-                "kv_usage": cache.usage(),  # pages of live sequences
-                "kv_prefix_cache_usage": cache.prefix_cache_usage(),  # pages only the prefix cache holds
+                "kv_usage": live_usage,  # pages of live sequences
+                "kv_prefix_cache_usage": prefix_cache_usage,  # pages only the prefix cache holds
                 "kv_free_pages": cache.allocator.n_free,
                 "kv_capacity_pages": cache.allocator.capacity,
                 "kv_cached_pages": cache.radix.n_cached_pages if cache.radix is not None else 0,

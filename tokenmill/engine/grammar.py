@@ -3,7 +3,11 @@
 :class:`GrammarCompiler` turns a request's :class:`~tokenmill.request.StructuredOutputsParams` into
 a compiled grammar on the caller's thread (intake, never the engine thread), within a time limit,
 through xgrammar's compile cache (keyed by the spec, bounded in bytes, least recently used dropped
-first). Each sequence then gets its own :class:`SequenceGrammar`; only the engine thread touches it.
+first). At most :data:`MAX_CONCURRENT_COMPILES` compiles run at once, each in its own thread: a
+compile that outlives its timeout keeps its slot until xgrammar returns (it cannot be stopped), so
+pathological specs cannot pile up threads that compete with the engine for the CPUs; a request that
+waits the whole timeout for a slot gets :class:`EngineOverloadedError`. Each sequence then gets its
+own :class:`SequenceGrammar`; only the engine thread touches it.
 
 Invariant of a :class:`SequenceGrammar`: its matcher has accepted exactly the sequence's output
 tokens, and ``bitmask`` holds the tokens allowed next (the model's EOS ids only where the grammar
@@ -16,6 +20,7 @@ import functools
 import json
 import re
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -23,9 +28,12 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
+from tokenmill.engine.overload import EngineOverloadedError
 from tokenmill.request import ParameterError, StructuredOutputsParams
 
 PARAM = "structured_outputs"
+MAX_CONCURRENT_COMPILES = 2
+"""Grammar compiles running at once, per engine (a compile cache hit takes a slot only briefly)."""
 _XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
@@ -106,11 +114,18 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._compiler: xgr.GrammarCompiler | None = None
         self._non_stop_bits: torch.Tensor | None = None
+        self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_COMPILES)
 
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar of a validated spec; ParameterError("structured_outputs") when it
-        does not compile, takes longer than the timeout, or matches only the empty output."""
+        does not compile, takes longer than the timeout, or matches only the empty output;
+        EngineOverloadedError when no compile slot frees within the timeout."""
         compiler = self._xgrammar_compiler()
+        deadline = time.monotonic() + self._timeout
+        if not self._slots.acquire(timeout=self._timeout):
+            raise EngineOverloadedError(
+                f"all {MAX_CONCURRENT_COMPILES} grammar-compile slots stayed busy for {self._timeout:g}s; retry later"
+            )
         done: Future[xgr.CompiledGrammar] = Future()
 
         def run() -> None:
@@ -118,17 +133,18 @@ class GrammarCompiler:
                 done.set_result(_compile(compiler, spec))
             except BaseException as exc:  # delivered to the waiting caller
                 done.set_exception(exc)
+            finally:
+                self._slots.release()
 
         threading.Thread(target=run, name="tokenmill-grammar-compile", daemon=True).start()
         try:
-            compiled = done.result(self._timeout)
+            compiled = done.result(max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             raise ParameterError(
                 PARAM, f"{spec.kind} took longer than {self._timeout:g}s to compile; simplify it"
             ) from None
         except Exception as exc:
-            message = _XGRAMMAR_LOG_PREFIX.sub("", str(exc)).strip()[:500]
-            raise ParameterError(PARAM, f"{spec.kind} is invalid: {message}") from exc
+            raise ParameterError(PARAM, f"{spec.kind} is invalid: {xgrammar_message(exc)}") from exc
         if self.new_sequence_grammar(compiled).finished:
             raise ParameterError(PARAM, f"{spec.kind} matches only the empty output")
         return compiled
@@ -144,7 +160,7 @@ class GrammarCompiler:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
                 )
-                # one compile thread: compiles share the CPUs with the engine's forward
+                # one thread inside each compile: compiles share the CPUs with the engine's forward
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self._cache_bytes)
                 non_stop = torch.ones(self._vocab_size, dtype=torch.bool)
                 non_stop[self._stop_token_ids] = False
@@ -152,8 +168,14 @@ class GrammarCompiler:
             return self._compiler
 
 
+def xgrammar_message(exc: BaseException) -> str:
+    """xgrammar's error message for a client: without its log prefix (time, source file and line,
+    failed check), at most 500 characters."""
+    return _XGRAMMAR_LOG_PREFIX.sub("", str(exc)).strip()[:500]
+
+
 def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-    """JSON is compact (no free whitespace: a model cannot pad it forever)."""
+    """xgrammar's compiled grammar of ``spec``; JSON is compact (no free whitespace: a model cannot pad it forever)."""
     kind = spec.kind
     if kind == "json":
         schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
@@ -162,8 +184,9 @@ def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xg
         return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
     if kind == "regex":
         return compiler.compile_regex(spec.regex)
-    if kind == "choice":
-        return compiler.compile_regex("|".join(re.escape(choice) for choice in spec.choice or ()))
+    if kind == "choice":  # EBNF string literals: JSON's escapes are the dialect's (a regex escape is not)
+        literals = (json.dumps(choice, ensure_ascii=False) for choice in spec.choice or ())
+        return compiler.compile_grammar("root ::= " + " | ".join(literals))
     grammar = spec.grammar or ""
     return compiler.compile_grammar(grammar) if "::=" in grammar else compiler.compile_lark(grammar)
 

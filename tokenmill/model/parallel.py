@@ -26,7 +26,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,11 +37,10 @@ from tokenmill.kernels.linear import Linear, blocked_linear
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This process's place in its tensor-parallel group (``group`` None: the default group)."""
+    """This process's place in its tensor-parallel group (torch.distributed's default group)."""
 
     size: int = 1
     rank: int = 0
-    group: Any = None
 
     def block(self, total: int, what: str) -> slice:
         """This rank's contiguous block of ``total`` items, which must divide evenly (ValueError naming ``what``)."""
@@ -58,13 +57,13 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the ranks, in place."""
-        dist.all_reduce(x, group=self.group)
+        dist.all_reduce(x)
         return x
 
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[rows, n]`` of every rank side by side: ``[rows, size * n]``, rank 0's columns first."""
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 
 

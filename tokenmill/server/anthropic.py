@@ -80,7 +80,8 @@ async def _prompt(body: MessagesPromptRequest, state: State) -> tuple[list[int],
     what its tools mean for the output."""
     state.check_model(body.model)
     with engine_errors(ALIASES):
-        tools = tool_use(body, state.tokenizer.hf.chat_template)
+        chat_template = state.tokenizer.hf.chat_template  # a forced call's grammar is built off the event loop
+        tools = await state.async_engine.run_tokenizer(lambda: tool_use(body, chat_template))
     return await state.render_chat(template_messages(body.system, body.messages), tools.tools), tools
 
 

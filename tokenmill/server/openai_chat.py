@@ -33,7 +33,7 @@ from tokenmill.server.openai import (
     top_logprobs,
     usage_json,
 )
-from tokenmill.server.params import openai_params, structured_outputs
+from tokenmill.server.params import openai_params, structured_outputs, with_constraint_name
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from tokenmill.server.sse import SSEResponse, sse_event
 from tokenmill.server.state import ServerState, State
@@ -55,13 +55,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     choice = body.tool_choice.function if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
     tools, tool_names = tool_setup([t.model_dump(exclude_none=True) for t in body.tools or []], choice)
     with engine_errors(CHAT_ALIASES):
-        chat_template = state.tokenizer.hf.chat_template
-        constraint = output_constraint(structured_outputs(body), tools, tool_names, body.tool_choice, chat_template)
+        given, chat_template = structured_outputs(body), state.tokenizer.hf.chat_template
+        constraint = await state.async_engine.run_tokenizer(  # a forced call's grammar is built off the event loop
+            lambda: output_constraint(given, tools, tool_names, body.tool_choice, chat_template)
+        )
     prompt = await state.render_chat([template_message(m) for m in body.messages], tools)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    with engine_errors({**CHAT_ALIASES, "structured_outputs": constraint.param} if constraint else CHAT_ALIASES):
+    with engine_errors(with_constraint_name(CHAT_ALIASES, constraint)):
         params = openai_params(body, max_tokens, logprobs, constraint)
         generation = await until_disconnected(request, Generation.start(state, [prompt], [params], rid, arrival))
     chat = _Chat(state, rid, tool_names, logprobs)

@@ -35,7 +35,7 @@ from tokenmill.server.openai import (
     top_logprobs,
     usage_json,
 )
-from tokenmill.server.params import openai_params, structured_outputs
+from tokenmill.server.params import openai_params, structured_outputs, with_constraint_name
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.sse import SSEResponse, sse_event
 from tokenmill.server.state import ServerState, State
@@ -59,7 +59,7 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     if max_tokens is None:
         max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, config.max_tokens_cap or COMPLETION_DEFAULT_MAX_TOKENS)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    with engine_errors({"structured_outputs": constraint.param} if constraint else {}):
+    with engine_errors(with_constraint_name({}, constraint)):
         params = openai_params(body, max_tokens, body.logprobs, constraint)
         if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = body.logprobs  # the echoed prompt's tokens get logprobs too

@@ -37,7 +37,7 @@ from tokenmill.server.content_text import joined_text
 from tokenmill.server.errors import APIError, engine_errors
 from tokenmill.server.generation import Generation, until_disconnected
 from tokenmill.server.openai import json_object_or_text, raise_on_error, tool_setup
-from tokenmill.server.params import OutputConstraint, sampling_params
+from tokenmill.server.params import OutputConstraint, sampling_params, with_constraint_name
 from tokenmill.server.protocol import InputMessage, ResponsesRequest, TextFormat
 from tokenmill.server.sse import SSEResponse, sse_event
 from tokenmill.server.state import State
@@ -68,11 +68,13 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     ]
     tools, tool_names = tool_setup(chat_tools, body.tool_choice)
     with engine_errors(ALIASES):
-        chat_template = state.tokenizer.hf.chat_template
-        constraint = output_constraint(_text_format(body), tools, tool_names, body.tool_choice, chat_template)
+        given, chat_template = _text_format(body), state.tokenizer.hf.chat_template
+        constraint = await state.async_engine.run_tokenizer(  # a forced call's grammar is built off the event loop
+            lambda: output_constraint(given, tools, tool_names, body.tool_choice, chat_template)
+        )
     prompt = await state.render_chat(_template_messages(body), tools, param="input")
     rid = f"resp_{uuid.uuid4().hex}"
-    with engine_errors({**ALIASES, "structured_outputs": constraint.param} if constraint else ALIASES):
+    with engine_errors(with_constraint_name(ALIASES, constraint)):
         fields = {"temperature": body.temperature, "top_p": body.top_p}
         fields["structured_outputs"] = constraint.spec if constraint else None
         params = sampling_params(fields, body.max_output_tokens)

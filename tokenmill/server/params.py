@@ -34,6 +34,12 @@ class OutputConstraint:
     spec: StructuredOutputsParams
 
 
+def with_constraint_name(aliases: dict[str, str], constraint: OutputConstraint | None) -> dict[str, str]:
+    """``aliases`` (engine parameter -> the route's name) plus the request's own name for its
+    output constraint, so an engine refusal of the constraint names the parameter the client set."""
+    return {**aliases, "structured_outputs": constraint.param} if constraint else aliases
+
+
 _OPENAI_FIELDS = (
     "n",
     "temperature",

@@ -20,6 +20,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from tokenmill.engine.grammar import xgrammar_message
 from tokenmill.request import ParameterError, StructuredOutputsParams
 from tokenmill.server.params import OutputConstraint
 from tokenmill.server.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
@@ -62,7 +63,8 @@ def forced_call(tools: list[dict[str, Any]], names: Collection[str], chat_templa
     try:
         call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
     except RuntimeError as exc:  # xgrammar's refusal of a schema
-        raise ParameterError("tools", f"hold a parameters schema that cannot be enforced: {exc}") from exc
+        message = xgrammar_message(exc)
+        raise ParameterError("tools", f"hold a parameters schema that cannot be enforced: {message}") from exc
     tags = [
         xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
         for text in (TOOL_CALL_OPEN + "\n", "\n" + TOOL_CALL_CLOSE)
