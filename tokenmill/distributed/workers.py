@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing.connection
 import threading
 import time
 from collections.abc import Iterator
@@ -39,6 +40,8 @@ from tokenmill.model.weights import WeightError
 logger = logging.getLogger("tokenmill.distributed")
 JOIN_TIMEOUT = 10.0
 """Seconds a worker gets to exit after the shutdown message before it is killed."""
+EXIT_GRACE = 2.0
+"""Seconds a failed collective waits for a worker's exit to show, so the failure names the dead worker."""
 
 
 def spawn_workers(config: EngineConfig, port: int) -> list[mp.Process]:
@@ -130,13 +133,22 @@ class WorkerGroup:
             try:
                 yield
             except Exception as exc:
-                self.failure = self._worker_exits() or f"a collective failed: {type(exc).__name__}: {exc}"
+                self.failure = self._worker_exits(EXIT_GRACE) or f"a collective failed: {type(exc).__name__}: {exc}"
                 raise WorkerGroupError(self.failure) from exc
             finally:
                 self._last_message = time.monotonic()
 
-    def _worker_exits(self) -> str | None:
+    def _worker_exits(self, grace: float = 0.0) -> str | None:
+        """The spawned workers that exited, with their exit codes (None: none did), after waiting up
+        to ``grace`` seconds for one to: a killed worker's sockets (and its sentinel) close before
+        it can be reaped, so a collective can fail while ``is_alive()`` still says True."""
         dead = [p for p in self.processes if not p.is_alive()]
+        if not dead and self.processes and grace > 0:
+            ready = multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout=grace)
+            for process in self.processes:
+                if process.sentinel in ready:  # every file of it is closed: it is exiting
+                    process.join(grace)
+            dead = [p for p in self.processes if not p.is_alive()]
         if not dead:
             return None
         return "; ".join(f"tensor-parallel worker {p.name} exited (code {p.exitcode})" for p in dead)
@@ -161,7 +173,7 @@ class WorkerGroup:
         try:
             step.send(step.Kind.HEARTBEAT, device=self.device)
         except Exception as exc:
-            self.failure = self._worker_exits() or f"a heartbeat failed: {type(exc).__name__}: {exc}"
+            self.failure = self._worker_exits(EXIT_GRACE) or f"a heartbeat failed: {type(exc).__name__}: {exc}"
             logger.error("%s", self.failure)
         self._last_message = time.monotonic()
 
