@@ -10,7 +10,8 @@ engine's own calls: the masks applied to a step's logits (``apply_grammar_masks`
 and the matchers advanced by its tokens (``SequenceGrammar.advance``, which also fills the next
 bitmask). After a warm-up run, the runs go plain, schema, schema, plain (so a shared host's
 drift cancels; no prefix caching, so each computes every prompt) and the report adds up each
-kind's two runs. Other processes on a shared host slow the wall clock far more than this
+kind's two runs. The mask application alone is also timed beside xgrammar's own kernel on the same
+tensors. Other processes on a shared host slow the wall clock far more than this
 process's CPU time, so the report also gives output tokens per CPU second of this process.
 
     python benchmarks/structured_output.py                  # 64 requests, as tokenmill bench throughput
@@ -26,6 +27,10 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import xgrammar as xgr
 
 import tokenmill.engine.grammar as grammar
 import tokenmill.engine.sampler as sampler
@@ -56,6 +61,30 @@ def model_with_tokenizer(folder: Path) -> Path:
     for name in TOKENIZER_FILES:
         shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)
     return folder
+
+
+def mask_kernels_ms(rows: int, vocab: int, repeats: int = 50) -> dict[str, float]:
+    """Median ms to mask ``rows`` x ``vocab`` fp32 logits with random bitmasks: tokenmill's
+    ``apply_grammar_masks`` beside xgrammar's own kernel, on the same tensors."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, vocab, generator=generator)
+    words = (vocab + 31) // 32
+    bitmasks = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, generator=generator)
+    masked = [SimpleNamespace(bitmask=bitmasks[i : i + 1]) for i in range(rows)]
+    kernels = {
+        "tokenmill": lambda: grammar.apply_grammar_masks(logits, list(range(rows)), masked),
+        "xgrammar": lambda: xgr.apply_token_bitmask_inplace(logits, bitmasks),
+    }
+    medians = {}
+    for name, kernel in kernels.items():
+        kernel()  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            kernel()
+            seconds.append(time.perf_counter() - start)
+        medians[name] = 1000 * statistics.median(seconds)
+    return medians
 
 
 def run(llm: LLM, prompts: list[list[int]], output_lens: list[int], spec: StructuredOutputsParams | None) -> dict:
@@ -126,8 +155,10 @@ def main() -> int:
                 runs[name].append(run(llm, work.prompts, work.output_lens, spec if name == "json_schema" else None))
             plain, constrained = (_total(runs[name]) for name in ("plain", "json_schema"))
             dtype = str(llm.engine.dtype).removeprefix("torch.")
+            vocab_size = llm.engine.model_config.vocab_size
         finally:
             llm.shutdown()
+    kernels = mask_kernels_ms(args.max_running_requests, vocab_size)
     report = {
         "dtype": dtype,
         "plain": plain,
@@ -135,6 +166,8 @@ def main() -> int:
         "throughput_ratio": constrained["output_tok_per_s"] / plain["output_tok_per_s"],
         "throughput_ratio_per_cpu_s": constrained["output_tok_per_cpu_s"] / plain["output_tok_per_cpu_s"],
         "mask_apply_ms_per_step_median": 1000 * statistics.median(apply_timer.seconds),
+        "mask_kernel_ms_median": kernels,
+        "mask_kernel_speedup_over_xgrammar": kernels["xgrammar"] / kernels["tokenmill"],
         "matcher_advance_us_per_token_median": 1e6 * statistics.median(advance_timer.seconds),
         "grammar_ms_per_step_mean": 1000
         * (sum(apply_timer.seconds) + sum(advance_timer.seconds))
