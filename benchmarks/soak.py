@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 
 from tokenmill import Engine
-from tokenmill.engine.intake import RequestState
+from tokenmill.engine.request_state import RequestState
 from tokenmill.engine.sequence import Sequence
 from tokenmill.server.background import serve_in_background
 from tokenmill.server.generation import Generation

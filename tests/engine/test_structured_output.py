@@ -23,8 +23,8 @@ from tests.tiny_models import save_tiny_checkpoint
 from tests.tiny_tokenizer import WORDS
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.grammar import apply_grammar_masks
-from tokenmill.engine.intake import RequestState
 from tokenmill.engine.overload import EngineOverloadedError
+from tokenmill.engine.request_state import RequestState
 from tokenmill.request import (
     LOGPROB_FLOOR,
     ParameterError,

@@ -21,7 +21,8 @@ reuse KV computed under old weights.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -99,6 +100,21 @@ class CacheManager:
         pages = torch.cat([node.pages for node in nodes])
         return int((self.allocator.refcount(pages) == 1).sum()) if pages.numel() else 0
 
+    def snapshot(self) -> dict[str, Any]:
+        """Counters and occupancy for metrics: ``cache`` (the :class:`CacheStats`), ``kv_usage`` (pages
+        of live sequences), ``kv_prefix_cache_usage`` (pages only the prefix cache holds), free,
+        capacity and cached pages, free request rows. Walks the prefix tree once."""
+        live_usage, prefix_cache_usage = self.usage()
+        return {
+            "cache": asdict(self.stats),
+            "kv_usage": live_usage,
+            "kv_prefix_cache_usage": prefix_cache_usage,
+            "kv_free_pages": self.allocator.n_free,
+            "kv_capacity_pages": self.allocator.capacity,
+            "kv_cached_pages": self.radix.n_cached_pages if self.radix is not None else 0,
+            "free_rows": self.req_pool.n_free,
+        }
+
     # ----------------------------------------------------------------- lifecycle
     def alloc(self, kv: KVHandle, tokens: Sequence[int], use_prefix_cache: bool = True) -> bool:
         """Give ``kv`` a row and the cached prefix of ``tokens`` (the sequence's token ids).
@@ -167,7 +183,7 @@ class CacheManager:
             page = prev_slot // ps
             page[need] = new_pages
             slots = page * ps + starts % ps
-        self.req_pool.table[rows, starts] = slots.to(torch.int32)
+        self.req_pool.write_positions(rows, starts, slots)
         for s in kvs:
             s.n_kv += 1
         return slots

@@ -62,16 +62,21 @@ class KVStorage:
 class ReqToTokenPool:
     """int32 table ``[max_rows, max_context_len]`` mapping (request row, position) -> slot.
 
-    ``alloc``/``free`` are thread-safe. Only the row's owner writes into its row. A freed row is
-    zeroed, so a new owner never sees the previous owner's slots.
+    ``alloc``/``free`` are thread-safe. Only the row's owner writes into its row, through
+    :meth:`write` or :meth:`write_positions`. A freed row is zeroed, so a new owner never sees the
+    previous owner's slots. With ``journal`` every write is also recorded until
+    :meth:`take_journal`, so a replica of the table elsewhere (another tensor-parallel rank) can
+    apply the same writes; a replica's freed rows are not cleared, and nothing reads a position of a
+    row its owner has not written.
     """
 
-    def __init__(self, max_rows: int, max_context_len: int, device: torch.device | str) -> None:
+    def __init__(self, max_rows: int, max_context_len: int, device: torch.device | str, journal: bool = False) -> None:
         if max_rows < 1 or max_context_len < 1:
             raise ValueError("ReqToTokenPool needs max_rows >= 1 and max_context_len >= 1")
         self.table = torch.zeros((max_rows, max_context_len), dtype=torch.int32, device=device)
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self._lock = threading.Lock()
+        self._journal: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = [] if journal else None
 
     @property
     def max_rows(self) -> int:
@@ -107,3 +112,26 @@ class ReqToTokenPool:
         if end > self.max_context_len:
             raise ValueError(f"position {end} beyond max_context_len {self.max_context_len}")
         self.table[row, start:end] = slots.to(self.table.device, torch.int32)
+        if self._journal is not None:
+            positions = torch.arange(start, end)
+            self._journal.append((torch.full_like(positions, row), positions, slots.to("cpu", torch.int64)))
+
+    def write_positions(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Record ``slots[j]`` as the slot of position ``positions[j]`` of row ``rows[j]`` (int64 CPU tensors)."""
+        self.table[rows, positions] = slots.to(self.table.device, torch.int32)
+        if self._journal is not None:
+            self._journal.append((rows, positions, slots.to(torch.int64)))
+
+    def take_journal(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(rows, positions, slots)``: the entries written since the last call (each position's last
+        write; empty without a journal), and a fresh journal."""
+        entries, none = self._journal or [], torch.empty(0, dtype=torch.int64)
+        if self._journal is not None:
+            self._journal = []
+        if not entries:
+            return none, none, none
+        rows, positions, slots = (torch.cat(parts) for parts in zip(*entries))
+        keys, which = torch.unique(rows * self.max_context_len + positions, return_inverse=True)
+        order = torch.arange(which.numel())
+        last = torch.zeros(keys.numel(), dtype=torch.int64).scatter_reduce_(0, which, order, "amax")
+        return rows[last], positions[last], slots[last]  # one entry per position: the last written

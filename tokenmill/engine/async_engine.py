@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from tokenmill.engine.engine import Engine
+from tokenmill.engine.request_state import new_request_id
 from tokenmill.request import RequestOutput, SamplingParams
 
 T = TypeVar("T")
@@ -44,7 +44,7 @@ class AsyncEngine:
         def deliver(delta: RequestOutput) -> None:
             loop.call_soon_threadsafe(deltas.put_nowait, delta)
 
-        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        rid = request_id or new_request_id()
         finished = False
         gone = threading.Event()  # the consumer left; the submitting thread may not have finished
 

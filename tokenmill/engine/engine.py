@@ -30,9 +30,11 @@ from tokenmill.distributed.group import rank_device
 from tokenmill.distributed.workers import WorkerGroup, WorkerGroupError
 from tokenmill.engine.cuda_graphs import make_cuda_graph_runner
 from tokenmill.engine.grammar import GrammarCompiler
-from tokenmill.engine.intake import Intake, RequestState
+from tokenmill.engine.intake import Intake
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.overload import EngineOverloadedError
+from tokenmill.engine.request_state import RequestState
+from tokenmill.engine.request_table import RequestTable
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import Sampler, prompt_logprobs
 from tokenmill.engine.scheduler import Scheduler
@@ -105,7 +107,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.cache, self.device, graphs, self.workers)
         self.sampler = Sampler(mc.vocab_size, cfg.max_running_requests, self.device, cfg.seed)
         self.weight_version = 0
-        self.output = OutputProcessor(self.scheduler, self.eos_token_ids, lambda: self.weight_version)
+        self.requests = RequestTable(self.scheduler, cfg.max_waiting_requests)
+        self.output = OutputProcessor(self.requests, self.eos_token_ids, lambda: self.weight_version)
         self.context_limit = min(self.max_context_len, self.cache.capacity_tokens)
         grammars = None
         if self.tokenizer is not None:
@@ -152,15 +155,14 @@ class Engine:
         gone, ValueError when the state was submitted before or its request id is in use.
         """
         self._check_alive()
-        if not self.output.reserve(state, self.config.max_waiting_requests):  # queued ones count too
+        if not self.requests.reserve(state):  # queued ones count too
             raise EngineOverloadedError(
                 f"too many waiting requests (max_waiting_requests={self.config.max_waiting_requests})"
             )
         try:
-            self._enqueue(lambda: self.output.admit(state), lambda: self._close_request(state))
+            self._enqueue(lambda: self.requests.admit(state), lambda: self._close_request(state))
         except EngineDeadError:
-            self.output.stop_waiting(state)
-            self.output.release(state.request_id)
+            self.requests.release(state)
             raise
         return state.request_id
 
@@ -251,26 +253,19 @@ class Engine:
         raises TimeoutError if no step boundary comes within ``timeout`` seconds)."""
 
         def snapshot() -> dict[str, Any]:
-            cache, graphs = self.cache, self.runner.graphs
-            live_usage, prefix_cache_usage = cache.usage()
+            graphs, table = self.runner.graphs, self.requests
             return {
                 "scheduler": asdict(self.scheduler.stats),
-                "cache": asdict(cache.stats),
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
-                "kv_usage": live_usage,  # pages of live sequences
-                "kv_prefix_cache_usage": prefix_cache_usage,  # pages only the prefix cache holds
-                "kv_free_pages": cache.allocator.n_free,
-                "kv_capacity_pages": cache.allocator.capacity,
-                "kv_cached_pages": cache.radix.n_cached_pages if cache.radix is not None else 0,
-                "free_rows": cache.req_pool.n_free,
+                **self.cache.snapshot(),
                 "weight_version": self.weight_version,
                 "step_time_s": self.step_time,
                 "forward_time_s": self.forward_time,
                 "cuda_graph_capture_s": sum(graphs.capture_seconds.values()) if graphs else 0.0,
-                "finished_requests": self.output.finished_requests,
-                "failed_requests": self.output.failed_requests,
-                "active_requests": len(self.output.requests),
+                "finished_requests": table.finished_requests,
+                "failed_requests": table.failed_requests,
+                "active_requests": len(table.requests),
             }
 
         return self.call(snapshot, timeout)
@@ -307,7 +302,7 @@ class Engine:
             self.output.close(state, FinishReason.ERROR.value, f"the engine loop died: {self._crash}")
 
     def _abort_all(self) -> int:
-        request_ids = list(self.output.requests)
+        request_ids = list(self.requests.requests)
         for request_id in request_ids:
             self.output.abort(request_id)
         return len(request_ids)
@@ -356,7 +351,7 @@ class Engine:
                 command()
             except Exception:
                 logger.exception("cancelling a queued command failed")
-        for state in list(self.output.requests.values()):
+        for state in list(self.requests.requests.values()):
             try:
                 self._close_request(state)
             except Exception:
@@ -384,7 +379,7 @@ class Engine:
             metrics = seq.group.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = started
-                self.output.stop_waiting(seq.group)
+                self.requests.stop_waiting(seq.group)
         output = self.output
         try:
             logits = self.runner.forward(plan)

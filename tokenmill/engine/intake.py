@@ -11,14 +11,13 @@ that, and nothing touches the engine's loop, scheduler or cache.
 from __future__ import annotations
 
 import copy
-import uuid
-from dataclasses import dataclass, field
 
 import torch
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.prompt_size import bytes_per_token_bound, min_tokens
+from tokenmill.engine.request_state import RequestState, new_request_id
 from tokenmill.engine.sequence import Sequence
 from tokenmill.request import (
     INT63,
@@ -34,30 +33,6 @@ from tokenmill.tokenizer import Tokenizer
 
 SIBLING_SEED_STRIDE = 7919
 """Sequence ``i`` of a seeded request samples with ``seed + i * stride``: distinct, reproducible."""
-
-
-@dataclass(eq=False)
-class RequestState:
-    """Engine-side state of one request and its ``n`` sequences."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    callback: OutputCallback
-    metrics: RequestMetrics
-    token_limit: int  # prompt + max_tokens, as validated: no sequence grows past it
-    seqs: list[Sequence] = field(default_factory=list)
-    detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)  # empty without a tokenizer
-    emitted_tokens: list[int] = field(default_factory=list)  # per sequence: tokens already sent
-    final_sent: list[bool] = field(default_factory=list)  # per sequence: its last delta was sent
-    prompt_logprobs_sent: bool = False  # they go out once, with the first delta after they are complete
-    submitted: bool = False  # set once by Engine.submit: a state runs at most once
-    waiting: bool = False  # submitted, not yet scheduled nor finished: counts against max_waiting_requests
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
 
 
 class Intake:
@@ -112,7 +87,7 @@ class Intake:
             if self.grammars is None:
                 raise ParameterError("structured_outputs", "needs a tokenizer")
             compiled = self.grammars.compile(params.structured_outputs)
-        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        rid = request_id or new_request_id()
         state = RequestState(
             rid, text, ids, params, callback, RequestMetrics(arrival_time=now()), len(ids) + max_tokens
         )

@@ -11,13 +11,12 @@ request leaves the table when its last sequence has finished and its final delta
 from __future__ import annotations
 
 import logging
-import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from tokenmill.engine.intake import RequestState
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.request_state import RequestState
+from tokenmill.engine.request_table import RequestTable
 from tokenmill.engine.sequence import SeqStatus, Sequence
 from tokenmill.request import CompletionOutput, FinishReason, RequestOutput, now
 
@@ -25,56 +24,17 @@ logger = logging.getLogger("tokenmill.engine")
 
 
 class OutputProcessor:
-    """Owns the table of live requests (``requests``) and the finished/failed counters."""
+    """Turns sampled tokens into sequence updates and deltas for the requests of ``table``."""
 
-    def __init__(self, scheduler: Scheduler, eos_token_ids: set[int], weight_version: Callable[[], int]) -> None:
-        self.scheduler = scheduler
+    def __init__(self, table: RequestTable, eos_token_ids: set[int], weight_version: Callable[[], int]) -> None:
+        self.table = table
+        self.scheduler = table.scheduler
         self.eos_token_ids = eos_token_ids
         self.weight_version = weight_version
-        self.requests: dict[str, RequestState] = {}
-        self.finished_requests = 0
-        self.failed_requests = 0
-        self._live_ids: set[str] = set()  # ids from reserve() until the request's final delta
-        self._n_waiting = 0  # requests from reserve() until first scheduled or finished (state.waiting)
-        self._ids_lock = threading.Lock()
-
-    def reserve(self, state: RequestState, max_waiting: int) -> bool:
-        """Claim ``state``'s request id and a waiting place for it (any thread); False, claiming
-        nothing, when ``max_waiting`` requests are waiting already (queued for the loop or in the
-        scheduler's waiting list, not yet scheduled); ValueError if the state was submitted before
-        or the id belongs to a request that has not finished."""
-        with self._ids_lock:
-            if state.submitted:
-                raise ValueError(f"request {state.request_id!r} was already submitted")
-            if state.request_id in self._live_ids:
-                raise ValueError(f"request_id {state.request_id!r} is already in use")
-            if self._n_waiting >= max_waiting:
-                return False
-            state.submitted = state.waiting = True
-            self._n_waiting += 1
-            self._live_ids.add(state.request_id)
-            return True
-
-    def stop_waiting(self, state: RequestState) -> None:
-        """The request was scheduled, finished or never queued: its waiting place is free (idempotent)."""
-        with self._ids_lock:
-            if state.waiting:
-                state.waiting = False
-                self._n_waiting -= 1
-
-    def release(self, request_id: str) -> None:
-        """Free a reserved id (the request finished, or was never queued)."""
-        with self._ids_lock:
-            self._live_ids.discard(request_id)
-
-    def admit(self, state: RequestState) -> None:
-        self.requests[state.request_id] = state
-        for seq in state.seqs:
-            self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         """End every unfinished sequence of the request with "abort"; False if it is not live."""
-        state = self.requests.get(request_id)
+        state = self.table.requests.get(request_id)
         if state is None:
             return False
         for seq in state.seqs:
@@ -97,7 +57,7 @@ class OutputProcessor:
                 logger.error("finishing a token failed:\n%s", traceback.format_exc())
                 self.fail([seq], f"internal error after sampling: {type(exc).__name__}: {exc}")
         for state in touched.values():
-            if state.request_id not in self.requests:
+            if state.request_id not in self.table.requests:
                 continue
             try:
                 self.emit(state)
@@ -107,7 +67,8 @@ class OutputProcessor:
 
     def append(self, seq: Sequence, token: int, logprobs: Any) -> None:
         """Add a sampled token (and its logprobs) to ``seq`` and apply the stop rules."""
-        state: RequestState = seq.group
+        state = seq.group
+        assert state is not None, "a sequence the engine runs belongs to a request"
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now()
         seq.output_token_ids.append(token)
@@ -202,13 +163,7 @@ class OutputProcessor:
         finished = state.finished
         if finished:
             state.metrics.finished_time = now()
-            self.requests.pop(state.request_id, None)
-            self.stop_waiting(state)
-            self.release(state.request_id)
-            if any(s.finish_reason == FinishReason.ERROR.value for s in state.seqs):
-                self.failed_requests += 1
-            else:
-                self.finished_requests += 1
+            self.table.remove_finished(state)
         delta = RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,

@@ -10,13 +10,16 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.cache.handle import KVHandle
 from tokenmill.engine.grammar import SequenceGrammar
 from tokenmill.request import Logprob, SamplingParams
+
+if TYPE_CHECKING:  # the request state holds its sequences: a type-only import both ways
+    from tokenmill.engine.request_state import RequestState
 
 _seq_ids = itertools.count()
 
@@ -32,7 +35,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     index: int = 0
-    group: Any = None  # the engine's per-request state this sequence belongs to
+    group: RequestState | None = None  # the request this sequence belongs to (set by intake)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
