@@ -204,7 +204,7 @@ def e2e_decode(path: Path, cuda_graphs: bool, batch: int, args: argparse.Namespa
         params = SamplingParams(max_tokens=args.e2e_output_len, temperature=0.0, ignore_eos=True)
         llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        graphs = getattr(llm.engine.runner, "graphs", None)
+        graphs = getattr(llm.engine.worker, "graphs", None)
         wired = graphs is not None
         capture = dict(graphs.capture_seconds) if wired else {}
         del graphs

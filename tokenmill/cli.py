@@ -239,7 +239,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     place = launched_place()
     if place is not None and place.rank > 0:  # torchrun started every rank: rank 0 serves, the others are workers
-        from tokenmill.distributed.worker import launched_worker_main
+        from tokenmill.distributed.worker_process import launched_worker_main
 
         launched_worker_main(engine_config(args))  # exits the process once rank 0 stops it
     grace = {} if args.shutdown_grace_seconds is None else {"shutdown_grace_seconds": args.shutdown_grace_seconds}

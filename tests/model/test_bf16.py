@@ -125,7 +125,7 @@ def test_kv_cache_in_another_dtype(tmp_path: Path, dtype: str, kv_dtype: str, ba
     llm = LLM(model=str(tmp_path), dtype=dtype, kv_cache_dtype=kv_dtype, **options)
     try:
         assert llm.engine.cache.storage.k_buffer.dtype == getattr(torch, kv_dtype)
-        fused = llm.engine.runner.cpu_decode  # the C++ decode forward: a cache in the model's dtype only
+        fused = llm.engine.worker.cpu_decode  # the C++ decode forward: a cache in the model's dtype only
         assert fused is None or not fused.can_run(1)
         ours = llm.generate([candidates[i] for i in clear], params, use_tqdm=False)
     finally:

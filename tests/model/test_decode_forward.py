@@ -18,7 +18,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.attention.cpu_backend import CpuBackend
 from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool
-from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.executor import StepExecutor
 from tokenmill.hardware import native_bf16
 from tokenmill.kernels import linear as linear_module
 from tokenmill.kernels.linear import BLOCKED_MAX_ROWS, PANEL_MAX_ROWS, SKINNY_MAX_ROWS
@@ -144,9 +144,9 @@ def test_engine_runs_it_on_every_decode_step(llama: Path, monkeypatch: pytest.Mo
     does, and the tokens and logprobs equal those of the same run on the Python forward."""
     steps: list[tuple[bool, int]] = []  # per forward: (pure decode step, C++ decode forward calls)
     calls = []
-    run_forward, run_fused = ModelRunner.forward, CpuDecodeForward.__call__
+    run_forward, run_fused = StepExecutor.run, CpuDecodeForward.__call__
 
-    def forward(self: ModelRunner, plan) -> torch.Tensor:
+    def forward(self: StepExecutor, plan) -> torch.Tensor:
         before = len(calls)
         logits = run_forward(self, plan)
         steps.append((plan.is_pure_decode, len(calls) - before))
@@ -156,7 +156,7 @@ def test_engine_runs_it_on_every_decode_step(llama: Path, monkeypatch: pytest.Mo
         calls.append(1)
         return run_fused(self, *args)
 
-    monkeypatch.setattr(ModelRunner, "forward", forward)
+    monkeypatch.setattr(StepExecutor, "run", forward)
     monkeypatch.setattr(CpuDecodeForward, "__call__", fused)
     prompts = [[5, 6, 7], [(7 * i) % 90 + 4 for i in range(19)], [8, 9, 10, 11]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
@@ -169,10 +169,10 @@ def test_engine_runs_it_on_every_decode_step(llama: Path, monkeypatch: pytest.Mo
         enable_prefix_caching=False,
     )
     try:
-        assert llm.engine.runner.cpu_decode is not None
+        assert llm.engine.worker.cpu_decode is not None
         with_fused = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert all(n == int(pure) for pure, n in steps) and sum(n for _, n in steps) > 0
-        llm.engine.runner.cpu_decode = None
+        llm.engine.worker.cpu_decode = None
         python = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         llm.shutdown()

@@ -1,7 +1,7 @@
 """Weight updates across the tensor-parallel ranks, all or nothing.
 
 Rank 0 validates and stages an update first (``engine/weight_update.py``), then, between two steps,
-sends the :attr:`~step.Kind.WEIGHTS` message and broadcasts each validated whole tensor (a manifest
+sends the :attr:`~messages.Kind.WEIGHTS` message and broadcasts each validated whole tensor (a manifest
 of names, dtypes and shapes, then each tensor's bytes). Every worker checks and stages its own part
 of each tensor exactly as rank 0 did (``model.weights.stage_tensor``: a part may still overflow the
 parameter's dtype where rank 0's did not), then every rank votes (its refusal, or None). Only when

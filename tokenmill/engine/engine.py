@@ -1,59 +1,51 @@
-"""Engine: one loop thread owns the scheduler, the KV cache and the model.
+"""Engine: one loop thread (:class:`~tokenmill.engine.loop.EngineLoop`) owns the scheduler, the KV
+cache bookkeeping, rank 0's model worker and the sampler.
 
-Other threads talk to it only through a command queue (add, abort, calls such as weight updates)
-and receive results through per-request callbacks. Commands are applied between steps, so a
-weight update never meets a half-finished forward. A step is three calls in one direction:
-schedule -> run (the runner picks eager, C++ decode or CUDA graph) -> sample, then the output
-stage appends, applies stop rules and emits. A failure inside a step fails that step's requests
-with an error (a sampling failure only its own request's) and the loop goes on; if the loop
-itself dies, :meth:`Engine.is_healthy` says so and every later call fails fast. However the loop
-ends (shutdown or death), every request and command it still holds is answered.
+Other threads talk to it only through its command queue (add, abort, calls such as weight
+updates) and receive results through per-request callbacks. Commands are applied between steps,
+so a weight update never meets a half-finished forward. A step is three calls in one direction:
+schedule -> execute (the plan as a plain-data step, run by every rank's model worker, which picks
+eager, C++ decode or CUDA graph) -> sample, then the output stage appends, applies stop rules and
+emits. A failure inside a step fails that step's requests with an error (a sampling failure only
+its own request's) and the loop goes on; if the loop itself dies, :meth:`Engine.is_healthy` says
+so and every later call fails fast.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import queue
-import threading
 import traceback
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import asdict
 from typing import Any, TypeVar
 
 from tokenmill.cache.manager import CacheManager
-from tokenmill.cache.sizing import kv_cache_slots
-from tokenmill.cache.storage import KVStorage, ReqToTokenPool
+from tokenmill.cache.storage import ReqToTokenPool
 from tokenmill.config import EngineConfig
-from tokenmill.distributed.group import rank_device
-from tokenmill.distributed.workers import WorkerGroup, WorkerGroupError
-from tokenmill.engine.cuda_graphs import make_cuda_graph_runner
+from tokenmill.distributed.worker_group import WorkerGroup, WorkerGroupError, start_worker_group
+from tokenmill.engine.commands import EngineDeadError
+from tokenmill.engine.executor import StepExecutor
 from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.intake import Intake
+from tokenmill.engine.loop import EngineLoop
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.overload import EngineOverloadedError
 from tokenmill.engine.request_state import RequestState
 from tokenmill.engine.request_table import RequestTable
-from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.sampler import Sampler, prompt_logprobs
+from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.weight_update import WeightsSource, apply_update, next_version, stage_update
-from tokenmill.model.loader import check_shardable, load_model
-from tokenmill.model.parallel import SINGLE, TensorParallel
+from tokenmill.model.parallel import SINGLE
 from tokenmill.model.registry import load_model_config
 from tokenmill.request import FinishReason, OutputCallback, SamplingParams, now
 from tokenmill.tokenizer import Tokenizer
+from tokenmill.worker.model_worker import build_model_worker, max_context_len
 
 logger = logging.getLogger("tokenmill.engine")
 T = TypeVar("T")
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served."""
-
-
-class Engine:
+class Engine(EngineLoop):
     """Continuous-batching engine over one model. Thread-safe public methods."""
 
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
@@ -67,71 +59,41 @@ class Engine:
         self.eos_token_ids = tokenizer_eos | set(mc.eos_token_ids)
         self.step_time = 0.0  # wall seconds in steps that ran a forward
         self.forward_time = 0.0  # of which inside the model forward
-        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._stop = threading.Event()
-        self._dead: str | None = None
-        self._crash: str | None = None  # why the loop died, if it did (not set by a shutdown)
-        self._closing = threading.Lock()  # orders every enqueue against the loop's final drain
-        self._closed = False  # set under _closing when the loop ends: no command is queued after it
-        self._paused = False
         self.workers: WorkerGroup | None = None  # the other tensor-parallel ranks (tensor_parallel_size > 1)
-        built: Future[None] = Future()
-        self._thread = threading.Thread(target=self._run, args=(built,), name="tokenmill-engine", daemon=True)
-        self._thread.start()
-        built.result()  # the build's error, if any, raised here
+        super().__init__()
+        self._start()
 
     def _build(self) -> None:
-        """Model, attention backend, KV cache, runner, sampler: built on the loop thread, which then
+        """Model worker, KV cache, scheduler, sampler, intake: built on the loop thread, which then
         does every parallel torch op of the engine. (libgomp, torch's OpenMP on Linux, barely
         spin-waits once it manages more threads than CPUs; a second thread with its own OpenMP
         team, such as the caller's after loading a model, would slow every step's many short
         parallel regions; see the README.)"""
-        cfg, mc, path = self.config, self.model_config, self.config.model_path()
-        if cfg.tensor_parallel_size > 1:
-            check_shardable(path, TensorParallel(cfg.tensor_parallel_size))  # before any worker starts
-            self.workers = WorkerGroup(cfg, rank_device(self.device, 0), cfg.distributed_timeout_s)
-        self.model = load_model(path, self.dtype, self.device, self.workers.tp if self.workers else SINGLE)
-        self.model.backend = self.model.make_backend(cfg, self.dtype)
-        dtype = str(self.dtype).removeprefix("torch.") + (" (auto)" if cfg.dtype == "auto" else "")
-        logger.info("%s on %s in %s, attention %s", mc.architecture, self.device, dtype, self.model.backend.name)
-        self.max_context_len = min(cfg.max_context_len or mc.max_context_len, mc.max_context_len)
-        kv_dtype = cfg.resolved_kv_dtype(self.dtype)
-        n_heads, n_kv_heads = self.model.local_heads()  # this rank's share (all of them at tp=1)
-        n_slots = kv_cache_slots(cfg, mc.num_layers, n_kv_heads, mc.head_dim, kv_dtype, self.device)
-        n_slots = self.workers.agree_on_slots(n_slots) if self.workers else n_slots
-        storage = KVStorage(mc.num_layers, n_slots, n_kv_heads, mc.head_dim, kv_dtype, self.device)
-        req_pool = ReqToTokenPool(cfg.max_running_requests, self.max_context_len, self.device)
-        self.cache = CacheManager(cfg, storage, req_pool, n_heads, mc.head_dim)
+        cfg, mc = self.config, self.model_config
+        self.workers = start_worker_group(cfg, self.device)  # None at tensor_parallel_size 1
+        tp = self.workers.tp if self.workers else SINGLE
+        self.max_context_len = max_context_len(cfg, mc)
+        req_pool = ReqToTokenPool(cfg.max_running_requests, self.max_context_len, self.device, journal=tp.size > 1)
+        agree = self.workers.agree_on_slots if self.workers else None
+        self.worker = build_model_worker(cfg, tp, self.device, req_pool.table, agree)
+        self.model = self.worker.model
+        self.cache = CacheManager(cfg, self.worker.storage.n_slots, req_pool)
         self.scheduler = Scheduler(cfg, self.cache)
-        graphs = None if self.workers else make_cuda_graph_runner(self.model, self.cache, cfg)
-        self.runner = ModelRunner(self.model, self.cache, self.device, graphs, self.workers)
+        self.executor = StepExecutor(self.worker, self.cache, self.workers)
         self.sampler = Sampler(mc.vocab_size, cfg.max_running_requests, self.device, cfg.seed)
         self.weight_version = 0
-        self.requests = RequestTable(self.scheduler, cfg.max_waiting_requests)
+        self.requests = RequestTable(self.scheduler)
         self.output = OutputProcessor(self.requests, self.eos_token_ids, lambda: self.weight_version)
         self.context_limit = min(self.max_context_len, self.cache.capacity_tokens)
         grammars = None
         if self.tokenizer is not None:
-            grammars = GrammarCompiler(
-                self.tokenizer.hf,
-                mc.vocab_size,
-                self.eos_token_ids,
-                cfg.structured_output_compile_timeout,
-                cfg.structured_output_cache_bytes,
-            )
+            timeout, cache_bytes = cfg.structured_output_compile_timeout, cfg.structured_output_cache_bytes
+            grammars = GrammarCompiler(self.tokenizer.hf, mc.vocab_size, self.eos_token_ids, timeout, cache_bytes)
         self._intake = Intake(
-            self.tokenizer,
-            cfg.request_limits(mc.vocab_size),
-            self.context_limit,
-            self.device,
-            grammars,
+            self.tokenizer, cfg.request_limits(mc.vocab_size), self.context_limit, self.device, grammars
         )
 
     # ------------------------------------------------------------------ public API
-    def is_healthy(self) -> bool:
-        workers_ok = self.workers is None or self.workers.failure is None
-        return self._dead is None and self._thread.is_alive() and workers_ok
-
     def intake(
         self, prompt: str | list[int], params: SamplingParams, callback: OutputCallback, request_id: str | None = None
     ) -> RequestState:
@@ -155,12 +117,12 @@ class Engine:
         gone, ValueError when the state was submitted before or its request id is in use.
         """
         self._check_alive()
-        if not self.requests.reserve(state):  # queued ones count too
+        if not self.requests.reserve(state, self.config.max_waiting_requests):  # queued ones count too
             raise EngineOverloadedError(
                 f"too many waiting requests (max_waiting_requests={self.config.max_waiting_requests})"
             )
         try:
-            self._enqueue(lambda: self.requests.admit(state), lambda: self._close_request(state))
+            self._commands.put(lambda: self.requests.admit(state), lambda: self._close_request(state))
         except EngineDeadError:
             self.requests.release(state)
             raise
@@ -176,25 +138,11 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Stop a request; its KV is released at the next step boundary."""
         with contextlib.suppress(EngineDeadError):  # a stopped engine already ended every request
-            self._enqueue(lambda: self.output.abort(request_id), lambda: None)
+            self._commands.put(lambda: self.output.abort(request_id), lambda: None)
 
     def abort_all(self) -> int:
         """Abort every request the engine holds, between steps; returns how many were aborted."""
         return self.call(self._abort_all)
-
-    def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
-        """Run ``fn`` on the engine thread between steps and return its result (or raise its error)."""
-        self._check_alive()
-        future: Future[T] = Future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # delivered to the caller
-                future.set_exception(exc)
-
-        self._enqueue(run, lambda: future.set_exception(EngineDeadError(self._dead_message())))
-        return future.result(timeout)
 
     def update_weights(
         self,
@@ -237,28 +185,18 @@ class Engine:
 
         return self.call(apply)
 
-    def pause_generation(self) -> None:
-        """Stop scheduling steps (requests stay queued/running) until :meth:`resume_generation`."""
-        self.call(lambda: setattr(self, "_paused", True))
-
-    def resume_generation(self) -> None:
-        self.call(lambda: setattr(self, "_paused", False))
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
     def stats(self, timeout: float | None = 60.0) -> dict[str, Any]:
         """A consistent snapshot of scheduler, cache and request counters (taken between steps;
         raises TimeoutError if no step boundary comes within ``timeout`` seconds)."""
 
         def snapshot() -> dict[str, Any]:
-            graphs, table = self.runner.graphs, self.requests
+            graphs, table = self.worker.graphs, self.requests
             return {
                 "scheduler": asdict(self.scheduler.stats),
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 **self.cache.snapshot(),
+                "views": asdict(self.worker.views.stats),
                 "weight_version": self.weight_version,
                 "step_time_s": self.step_time,
                 "forward_time_s": self.forward_time,
@@ -269,30 +207,6 @@ class Engine:
             }
 
         return self.call(snapshot, timeout)
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop after its current step and wait up to ``timeout`` seconds for it. Every request
-        still held ends with "abort", queued calls raise EngineDeadError, and later ones raise it too."""
-        self._stop.set()
-        self._commands.put(lambda: None)  # wakes a waiting loop
-        self._thread.join(timeout)
-
-    # ------------------------------------------------------------------ engine thread
-    def _check_alive(self) -> None:
-        if not self.is_healthy():
-            raise EngineDeadError(self._dead_message())
-
-    def _dead_message(self) -> str:
-        return f"the engine loop is not running: {self._dead or 'stopped'}"
-
-    def _enqueue(self, run: Callable[[], None], cancel: Callable[[], None]) -> None:
-        """Queue ``run`` for the loop thread, or raise EngineDeadError once the loop has ended.
-        A command still queued when the loop ends runs ``cancel`` instead (in the final drain), so
-        every command is answered."""
-        with self._closing:
-            if self._closed:
-                raise EngineDeadError(self._dead_message())
-            self._commands.put(lambda: cancel() if self._closed else run())
 
     def _close_request(self, state: RequestState) -> None:
         """The final delta of a request the loop will not run: "abort" after a shutdown, "error" after a crash."""
@@ -307,91 +221,37 @@ class Engine:
             self.output.abort(request_id)
         return len(request_ids)
 
-    def _run(self, built: Future[None]) -> None:
-        try:
-            self._build()
-        except BaseException as exc:
-            self._dead = f"engine build failed: {type(exc).__name__}: {exc}"
-            if self.workers is not None:
-                self.workers.shutdown()
-            built.set_exception(exc)
-            return
-        built.set_result(None)
-        self._loop()
+    # ------------------------------------------------------------------ engine thread
+    def _has_work(self) -> bool:
+        return self.scheduler.has_work()
 
-    def _loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                if self.workers is not None and self.workers.failure is not None:
-                    raise WorkerGroupError(self.workers.failure)
-                self._drain_commands(block=not self.scheduler.has_work() or self._paused)
-                if self.scheduler.has_work() and not self._paused:
-                    self._step()
-        except BaseException as exc:  # the loop itself failed: make it visible, fail everyone
-            self._dead = self._crash = f"{type(exc).__name__}: {exc}"
-            logger.exception("engine loop died")
-        finally:
-            if self._dead is None:
-                self._dead = "shut down"
-            self._close()
-            if self.workers is not None:
-                self.workers.shutdown()
+    def _outside_failure(self) -> BaseException | None:
+        failure = self.workers.failure if self.workers is not None else None
+        return None if failure is None else WorkerGroupError(failure)
 
-    def _close(self) -> None:
-        """Answer everyone still waiting on the ended loop: later enqueues raise, queued commands are
-        cancelled, and every request held gets its final delta."""
-        with self._closing:
-            self._closed = True
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            try:
-                command()
-            except Exception:
-                logger.exception("cancelling a queued command failed")
+    def _answer_all(self) -> None:
         for state in list(self.requests.requests.values()):
             try:
                 self._close_request(state)
             except Exception:
                 logger.exception("ending request %s failed", state.request_id)
 
-    def _drain_commands(self, block: bool) -> None:
-        try:
-            command = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            command()
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+    def _release(self) -> None:
+        if self.workers is not None:
+            self.workers.shutdown()
 
     def _step(self) -> None:
         plan = self.scheduler.schedule()
         if plan is None:
-            self._drain_commands(block=True)  # nothing runnable yet (e.g. n>1 siblings): wait, don't spin
+            self._commands.drain(block=True)  # nothing runnable yet (e.g. n>1 siblings): wait, don't spin
             return
         started = now()
-        for seq in plan.seqs:
-            metrics = seq.group.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = started
-                self.requests.stop_waiting(seq.group)
+        self.requests.mark_scheduled(plan.seqs, started)
         output = self.output
         try:
-            logits = self.runner.forward(plan)
-            sample_seqs = plan.sample_seqs
-            for seq in sample_seqs[len(plan.decode) :]:  # computed prompts, each parent before its forked children
-                self.cache.cache_prompt(seq.kv, seq.all_token_ids)
-            n_sample = len(sample_seqs)
-            spans = plan.prompt_logprobs
-            for (seq, _), entries in zip(spans, prompt_logprobs(logits[n_sample:], spans)):
-                seq.prompt_logprobs.extend(entries)
+            logits = self.executor.run(plan)
             sampled, result, failures = self.sampler.sample_isolating_failures(
-                logits[:n_sample], sample_seqs, self.eos_token_ids
+                logits, plan.sample_seqs, self.eos_token_ids
             )
         except Exception as exc:
             logger.error("step failed; failing its %d sequence(s):\n%s", len(plan.seqs), traceback.format_exc())
@@ -402,4 +262,4 @@ class Engine:
             output.fail([seq], f"internal error in sampling: {type(exc).__name__}: {exc}")
         output.process(sampled, result.token_ids, result.logprobs)
         self.step_time += now() - started
-        self.forward_time += self.runner.last_forward_time
+        self.forward_time += self.worker.last_forward_time

@@ -13,15 +13,15 @@ import threading
 
 from tokenmill.engine.request_state import RequestState
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.sequence import Sequence
 from tokenmill.request import FinishReason
 
 
 class RequestTable:
     """Admitted requests by id, plus the id and waiting-place bookkeeping of submitted ones."""
 
-    def __init__(self, scheduler: Scheduler, max_waiting: int) -> None:
+    def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.max_waiting = max_waiting
         self.requests: dict[str, RequestState] = {}
         self.finished_requests = 0
         self.failed_requests = 0
@@ -29,7 +29,7 @@ class RequestTable:
         self._n_waiting = 0  # requests from reserve() until first scheduled or finished (state.waiting)
         self._ids_lock = threading.Lock()
 
-    def reserve(self, state: RequestState) -> bool:
+    def reserve(self, state: RequestState, max_waiting: int) -> bool:
         """Claim ``state``'s request id and a waiting place for it (any thread); False, claiming
         nothing, when ``max_waiting`` requests are waiting already; ValueError if the state was
         submitted before or the id belongs to a request that has not finished."""
@@ -38,7 +38,7 @@ class RequestTable:
                 raise ValueError(f"request {state.request_id!r} was already submitted")
             if state.request_id in self._live_ids:
                 raise ValueError(f"request_id {state.request_id!r} is already in use")
-            if self._n_waiting >= self.max_waiting:
+            if self._n_waiting >= max_waiting:
                 return False
             state.submitted = state.waiting = True
             self._n_waiting += 1
@@ -57,6 +57,14 @@ class RequestTable:
         self.stop_waiting(state)
         with self._ids_lock:
             self._live_ids.discard(state.request_id)
+
+    def mark_scheduled(self, seqs: list[Sequence], time: float) -> None:
+        """Note the first scheduling of the requests of ``seqs`` (at ``time``): they stop waiting."""
+        for seq in seqs:
+            state = seq.group
+            if state is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = time
+                self.stop_waiting(state)
 
     def admit(self, state: RequestState) -> None:
         """Take a reserved request in and hand its sequences to the scheduler (engine thread)."""

@@ -32,10 +32,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed import group, step, weights
-from tokenmill.distributed.worker import agree_on_slots, worker_main
+from tokenmill.distributed import group, messages, weights
+from tokenmill.distributed.worker_process import agree_on_slots, worker_main
+from tokenmill.model.loader import check_shardable
 from tokenmill.model.parallel import TensorParallel
 from tokenmill.model.weights import WeightError
+from tokenmill.worker.forward_step import ForwardStep
 
 logger = logging.getLogger("tokenmill.distributed")
 JOIN_TIMEOUT = 10.0
@@ -56,6 +58,15 @@ def spawn_workers(config: EngineConfig, port: int) -> list[mp.Process]:
         )
         for rank in range(1, size)
     ]
+
+
+def start_worker_group(config: EngineConfig, device: torch.device) -> WorkerGroup | None:
+    """The workers of ``config.tensor_parallel_size`` > 1 ranks, started and joined with rank 0 on
+    ``device``, once the checkpoint is known to shard that way; None at size 1."""
+    if config.tensor_parallel_size == 1:
+        return None
+    check_shardable(config.model_path(), TensorParallel(config.tensor_parallel_size))  # before any worker starts
+    return WorkerGroup(config, group.rank_device(device, 0), config.distributed_timeout_s)
 
 
 class WorkerGroupError(RuntimeError):
@@ -107,10 +118,10 @@ class WorkerGroup:
         return n_slots
 
     @contextlib.contextmanager
-    def step(self, inputs: step.StepInputs) -> Iterator[None]:
-        """Send a step's inputs; the caller runs rank 0's forward inside (the workers run theirs)."""
+    def step(self, step: ForwardStep) -> Iterator[None]:
+        """Send a step; the caller runs rank 0's forward of it inside (the workers run theirs)."""
         with self._collective():
-            step.send(step.Kind.STEP, inputs, self.device)
+            messages.send(messages.Kind.STEP, step, self.device)
             yield
 
     def update_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -118,7 +129,7 @@ class WorkerGroup:
         worker applied its part, or raise :class:`WeightError` naming each refusing rank (none applied).
         Call between steps, then apply rank 0's part."""
         with self._collective():
-            step.send(step.Kind.WEIGHTS, device=self.device)
+            messages.send(messages.Kind.WEIGHTS, device=self.device)
             votes = weights.send(tensors, self.device)
         refusals = [f"tensor-parallel rank {rank} refused the update: {r}" for rank, r in enumerate(votes) if r]
         if refusals:
@@ -171,7 +182,7 @@ class WorkerGroup:
 
     def _heartbeat(self) -> None:
         try:
-            step.send(step.Kind.HEARTBEAT, device=self.device)
+            messages.send(messages.Kind.HEARTBEAT, device=self.device)
         except Exception as exc:
             self.failure = self._worker_exits(EXIT_GRACE) or f"a heartbeat failed: {type(exc).__name__}: {exc}"
             logger.error("%s", self.failure)
@@ -189,7 +200,7 @@ class WorkerGroup:
             told = self.failure is None and acquired and self._serving
             if told:
                 with contextlib.suppress(Exception):
-                    step.send(step.Kind.SHUTDOWN, device=self.device)
+                    messages.send(messages.Kind.SHUTDOWN, device=self.device)
             self._stop_processes(JOIN_TIMEOUT if told else 0.0)
             group.leave()
         finally:

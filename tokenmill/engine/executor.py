@@ -1,0 +1,87 @@
+"""StepExecutor: rank 0's side of a step's forward. The scheduler's plan becomes one plain-data
+:class:`~tokenmill.worker.forward_step.ForwardStep`; every rank's model worker executes it (with
+tensor parallelism the step is broadcast first and rank 0's worker runs inside the broadcast's
+hold on the group); then, where the data is, the computed prompts go into the prefix cache and the
+prompt logprobs the step produced are collected into their sequences.
+
+Batch order: decode sequences (one token each), then prefill chunks. Logits come back for the
+sampled rows (``plan.sample_seqs`` order, a forked child sharing its parent's row), then the
+positions of ``plan.prompt_logprobs`` in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from tokenmill.cache.manager import CacheManager
+from tokenmill.distributed.worker_group import WorkerGroup
+from tokenmill.engine.sampler import prompt_logprobs
+from tokenmill.engine.scheduler import StepPlan
+from tokenmill.worker.forward_step import ForwardStep, TableWrites
+from tokenmill.worker.model_worker import ModelWorker
+
+
+class StepExecutor:
+    """Runs plans on every rank's :class:`ModelWorker` (rank 0's is ``worker``). Engine thread only."""
+
+    def __init__(self, worker: ModelWorker, cache: CacheManager, workers: WorkerGroup | None = None) -> None:
+        self.worker = worker
+        self.cache = cache
+        self.workers = workers  # the other tensor-parallel ranks: they receive every step
+        self.device = worker.device
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """The logits of ``plan.sample_seqs`` (``[len(sample_seqs), vocab]``), after the forward on
+        every rank, the computed prompts cached and the step's prompt logprobs collected."""
+        step = self.forward_step(plan)
+        hold = self.workers.step(step) if self.workers is not None else contextlib.nullcontext()
+        with hold:
+            logits = self.worker.execute(step)
+        sample_seqs = plan.sample_seqs
+        for seq in sample_seqs[len(plan.decode) :]:  # computed prompts, each parent before its forked children
+            self.cache.cache_prompt(seq.kv, seq.all_token_ids)
+        n_sample = len(sample_seqs)
+        spans = plan.prompt_logprobs
+        for (seq, _), entries in zip(spans, prompt_logprobs(logits[n_sample:], spans)):
+            seq.prompt_logprobs.extend(entries)
+        return logits[:n_sample]
+
+    def forward_step(self, plan: StepPlan) -> ForwardStep:
+        """The plan as plain data, with the table entries written since the previous step."""
+        device = self.device
+        seqs = plan.decode + [s for s, _ in plan.prefill]
+        extend_lens = [1] * len(plan.decode) + [n for _, n in plan.prefill]
+        ids: list[int] = []
+        pos: list[int] = []
+        logits_rows: list[int] = []
+        first_row: dict[int, int] = {}  # id(sequence) -> its first row in the flat batch
+        for seq, n in zip(seqs, extend_lens):
+            start = seq.n_kv - n
+            first_row[id(seq)] = len(ids) - start
+            ids.extend(seq.tokens(start, seq.n_kv))
+            pos.extend(range(start, seq.n_kv))
+            if seq.n_kv == seq.n_tokens:
+                logits_rows.extend([len(ids) - 1] * (1 + len(plan.children(seq))))  # forked children share it
+        for seq, positions in plan.prompt_logprobs:
+            logits_rows.extend(first_row[id(seq)] + p for p in positions)
+        parts = ([plan.decode_slots] if plan.decode else []) + plan.prefill_slots
+        fork_src = [f.src_slots for f in plan.forks]
+        fork_dst = [f.dst_slots for f in plan.forks]
+        no_slots = torch.empty(0, dtype=torch.int64)
+        writes = self.cache.req_pool.take_journal()
+        seq_lens = [s.n_kv for s in seqs]
+        return ForwardStep(
+            is_decode=plan.is_pure_decode,
+            input_ids=torch.tensor(ids, device=device),
+            positions=torch.tensor(pos, device=device),
+            out_cache_loc=torch.cat(parts).to(device, torch.int64),
+            rows=[s.row for s in seqs],
+            seq_lens=seq_lens,
+            prefix_lens=[n - e for n, e in zip(seq_lens, extend_lens)],
+            logits_indices=None if plan.is_pure_decode else torch.tensor(logits_rows, dtype=torch.int64, device=device),
+            fork_src=(torch.cat(fork_src) if fork_src else no_slots).to(device, torch.int64),
+            fork_dst=(torch.cat(fork_dst) if fork_dst else no_slots).to(device, torch.int64),
+            table_writes=TableWrites(*(w.to(device) for w in writes)),
+        )

@@ -1,0 +1,121 @@
+"""ModelWorker: one rank's model, attention backend, KV storage (cache layer 1), its view of the
+request-to-token table (layer 2) and the views it binds (layer 3), executing plain-data steps.
+
+Every rank builds its worker with :func:`build_model_worker` and runs each step through
+:meth:`ModelWorker.execute`; tp=1 is the same code without a broadcast. Rank 0's worker shares
+the cache manager's table; another rank's worker holds a replica, brought up to date by each
+step's ``table_writes`` before the step's view is bound, so every rank binds the same view over
+its own storage.
+
+The worker is the one place that picks a step's execution path: a decode step replays a CUDA
+graph when one is available and fits, else runs the C++ decode forward when the backend and the
+model both support it and it fits, else runs the model eagerly, as every other step does. The
+paths compute the same logits. With tensor parallelism only the eager path exists (the model has
+no C++ decode weights then, and no graphs are built), every rank taking part in its collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from tokenmill.cache.sizing import kv_cache_slots
+from tokenmill.cache.storage import KVStorage
+from tokenmill.cache.view_binder import ViewBinder
+from tokenmill.config import EngineConfig
+from tokenmill.model.causal_lm import CausalLM
+from tokenmill.model.config import ModelConfig
+from tokenmill.model.decode_forward import CpuDecodeForward
+from tokenmill.model.loader import load_model
+from tokenmill.model.parallel import TensorParallel
+from tokenmill.model.registry import load_model_config
+from tokenmill.worker.cuda_graphs import CudaGraphDecodeRunner, make_cuda_graph_runner
+from tokenmill.worker.forward_step import ForwardStep
+
+logger = logging.getLogger("tokenmill.worker")
+
+
+def max_context_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """Most positions one sequence may hold: the engine's limit, capped by the model's."""
+    return min(config.max_context_len or model_config.max_context_len, model_config.max_context_len)
+
+
+class ModelWorker:
+    """One rank's forward machinery. Engine (or worker-loop) thread only."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        storage: KVStorage,
+        table: torch.Tensor,
+        graphs: CudaGraphDecodeRunner | None = None,
+    ) -> None:
+        if model.backend is None:
+            raise ValueError("the model's attention backend must be set before building its worker")
+        self.model = model
+        self.storage = storage
+        self.table = table  # [max_rows, max_context_len] int32: rank 0's own table, or a replica
+        self.device = storage.k_buffer.device
+        self.views = ViewBinder(storage, table)
+        self.graphs = graphs  # CUDA-graph replay of pure decode steps (GPU only)
+        self.cpu_decode = CpuDecodeForward.build(model, model.backend, storage.k_buffer.dtype)  # None: unsupported
+        self.last_forward_time = 0.0  # seconds inside the model call of the last step (CPU: exact)
+
+    def execute(self, step: ForwardStep) -> torch.Tensor:
+        """Logits of the step's ``logits_indices`` rows (every row when None; a CUDA graph's until
+        the next step), after storing the step's keys and values and copying its forked slots."""
+        writes = step.table_writes
+        if len(writes):
+            self.table[writes.rows, writes.positions] = writes.slots.to(torch.int32)
+        if step.is_decode:
+            view = self.views.decode(step.rows, step.seq_lens, step.out_cache_loc)
+        else:
+            view = self.views.prefill(step.rows, step.prefix_lens, step.extend_lens, step.out_cache_loc)
+        start = time.perf_counter()
+        batch = len(step.rows)
+        if step.is_decode and self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.run(step.input_ids, step.positions, view)
+        elif step.is_decode and self.cpu_decode is not None and self.cpu_decode.can_run(batch):
+            logits = self.cpu_decode(step.input_ids, step.positions, view)
+        else:
+            logits = self.model(step.input_ids, step.positions, view, step.logits_indices)
+        if step.fork_src.numel():
+            self.storage.copy_slots(step.fork_src, step.fork_dst)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        self.last_forward_time = time.perf_counter() - start
+        return logits
+
+
+def build_model_worker(
+    config: EngineConfig,
+    tp: TensorParallel,
+    device: torch.device,
+    table: torch.Tensor | None = None,
+    agree_on_slots: Callable[[int], int] | None = None,
+) -> ModelWorker:
+    """This rank's worker: its shards of the model and attention backend, KV storage for its heads
+    (``agree_on_slots`` turns this rank's slot count into the one every rank uses), and ``table``
+    (rank 0's request-to-token table; None: a zeroed replica of the same shape)."""
+    path = config.model_path()
+    model_config = load_model_config(path)
+    dtype = config.resolved_dtype(model_config.checkpoint_dtype)
+    model = load_model(path, dtype, device, tp)
+    model.backend = model.make_backend(config, dtype)
+    dtype_name = str(dtype).removeprefix("torch.") + (" (auto)" if config.dtype == "auto" else "")
+    logger.info("%s on %s in %s, attention %s", model_config.architecture, device, dtype_name, model.backend.name)
+    kv_dtype = config.resolved_kv_dtype(dtype)
+    mc = model.config
+    n_kv_heads = model.local_heads()[1]  # this rank's share (all of them at tp=1)
+    n_slots = kv_cache_slots(config, mc.num_layers, n_kv_heads, mc.head_dim, kv_dtype, device)
+    if agree_on_slots is not None:
+        n_slots = agree_on_slots(n_slots)
+    storage = KVStorage(mc.num_layers, n_slots, n_kv_heads, mc.head_dim, kv_dtype, device)
+    if table is None:
+        shape = (config.max_running_requests, max_context_len(config, model_config))
+        table = torch.zeros(shape, dtype=torch.int32, device=device)
+    graphs = make_cuda_graph_runner(model, storage, table, config) if tp.size == 1 else None
+    return ModelWorker(model, storage, table, graphs)
