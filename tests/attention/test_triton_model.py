@@ -16,6 +16,7 @@ from tests.tiny_models import save_tiny_checkpoint  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.attention.torch_native import TorchNativeBackend  # noqa: E402
 from tokenmill.attention.triton import TritonBackend  # noqa: E402
+from tokenmill.attention.triton.config import TritonConfig  # noqa: E402
 from tokenmill.cache.manager import CacheManager  # noqa: E402
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool  # noqa: E402
 from tokenmill.config import EngineConfig  # noqa: E402
@@ -82,19 +83,13 @@ def test_cuda_graph_static_decode_matches_eager(request: pytest.FixtureRequest, 
     model = load_model(request.getfixturevalue(model_fixture), torch.float32, "cpu")
     cfg = model.config
     assert (cfg.layer_sliding_window(0) == 5) == (model_fixture == "windowed_checkpoint")
-    config = EngineConfig(
-        device="cpu",
-        page_size=16,
-        max_running_requests=8,
-        max_decode_splits=2,
-        decode_split_min_tokens=8,
-        cuda_graph_max_batch=6,
-    )
+    config = EngineConfig(device="cpu", page_size=16, max_running_requests=8, cuda_graph_max_batch=6)
     storage = KVStorage(cfg.num_layers, 256, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     storage.k_buffer.zero_()  # defined contents, to see exactly which slots get written
     storage.v_buffer.zero_()
-    cache = CacheManager(config, storage, ReqToTokenPool(8, 64, "cpu"), cfg.num_heads, cfg.head_dim)
-    triton_backend = TritonBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, config)
+    cache = CacheManager(config, storage, ReqToTokenPool(8, 64, "cpu"))
+    triton_config = TritonConfig(prefill_q_tile=16, max_decode_splits=2, decode_split_min_tokens=8, max_rows=8)
+    triton_backend = TritonBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, triton_config, "cpu")
     torch_backend = TorchNativeBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     seqs = [new_seq(list(range(4, 4 + n))) for n in (3, 18, 9)]
     for seq in seqs:
@@ -124,7 +119,7 @@ def test_cuda_graph_static_decode_matches_eager(request: pytest.FixtureRequest, 
     assert runner.buckets == batch_buckets(6) == [1, 2, 4, 6] and runner.bucket(3) == 4 and not runner.can_run(7)
     k_before, v_before = storage.k_buffer.clone(), storage.v_buffer.clone()
     runner._load(last, positions, view, 4)
-    static = runner._forward(4)
+    static = runner._forward(4, runner._plan(4))
     assert (static[:3] - eager).abs().max().item() <= 1e-5
     moved = ((storage.k_buffer - k_before).abs() + (storage.v_buffer - v_before).abs()).flatten(2).amax((0, 2))
     assert (moved > 1e-5).nonzero().flatten().tolist() == [0]  # the padded entry wrote only the dummy slot

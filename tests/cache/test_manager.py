@@ -26,7 +26,7 @@ from tokenmill.model.loader import load_model
 def make_manager(page_size: int, n_pages: int, rows: int = 4, context: int = 64, **cfg) -> CacheManager:
     config = EngineConfig(page_size=page_size, max_running_requests=rows, **cfg)
     storage = KVStorage(1, n_pages * page_size, 1, 2, torch.float32, "cpu")
-    return CacheManager(config, storage, ReqToTokenPool(rows, context, "cpu"), n_heads=1, head_dim=2)
+    return CacheManager(config, storage, ReqToTokenPool(rows, context, "cpu"))
 
 
 @dataclass(eq=False)
@@ -202,7 +202,7 @@ def test_recycled_row_gets_the_view_a_rebuild_gives(b_prompt_len: int) -> None:
     """A row recycled to a new sequence: whether the steady-state path advances the previous view
     (B exactly one token longer than A's last decode step: it does) or a rebuild runs, the view is
     what a fresh build from the row, its lengths and its slots gives, pointing at B's slots."""
-    mgr = make_manager(1, 64, rows=1, decode_split_min_tokens=4)
+    mgr = make_manager(1, 64, rows=1)
     a = new_seq([1] * 4)
     assert mgr.alloc(a.kv, a.tokens)
     mgr.extend(a.kv, a.n_tokens - a.n_kv)
@@ -220,20 +220,17 @@ def test_recycled_row_gets_the_view_a_rebuild_gives(b_prompt_len: int) -> None:
     slots = mgr.extend_decode([b.kv])
     view = mgr.bind_decode([b.kv], slots)
     assert mgr.stats.steady_state_steps == (2 if b_prompt_len == 6 else 1)
-    fresh = make_decode_view(
-        mgr.storage, mgr.req_pool.table, [row], [b.n_kv], slots, mgr.partial_out, mgr.partial_lse, 4
-    )
-    for name in ("seq_lens", "out_cache_loc", "num_splits", "req_pool_indices"):
+    fresh = make_decode_view(mgr.storage, mgr.req_pool.table, [row], [b.n_kv], slots)
+    for name in ("seq_lens", "out_cache_loc", "req_pool_indices"):
         assert torch.equal(getattr(view, name), getattr(fresh, name)), name
     assert view.max_seq_len == fresh.max_seq_len == b.n_kv == b_prompt_len + 1
     b_slots = mgr.req_pool.table[row, : b.n_kv].tolist()
     assert view.out_cache_loc.tolist() == [b_slots[-1]] == slots.tolist()
 
 
-@pytest.mark.parametrize("split_min_tokens", [1, 3, 256])  # splits change every step / at 4, 7 / never
-def test_steady_state_is_exactly_a_rebuild(split_min_tokens: int) -> None:
+def test_steady_state_is_exactly_a_rebuild() -> None:
     prompts = [[1, 2, 3], [2, 2, 2, 2, 2]]
-    steady, rebuilt = (make_manager(2, 32, decode_split_min_tokens=split_min_tokens) for _ in range(2))
+    steady, rebuilt = (make_manager(2, 32) for _ in range(2))
     for mgr in (steady, rebuilt):
         seqs = [new_seq(p) for p in prompts]
         for s in seqs:
@@ -246,7 +243,7 @@ def test_steady_state_is_exactly_a_rebuild(split_min_tokens: int) -> None:
             if mgr is rebuilt:
                 mgr._last_decode = None  # force the rebuild path
             view = mgr.bind_decode([s.kv for s in seqs], slots)
-            fields = ("seq_lens", "out_cache_loc", "num_splits", "req_pool_indices")
+            fields = ("seq_lens", "out_cache_loc", "req_pool_indices")
             snapshot = {f: getattr(view, f).clone() for f in fields} | {"max": view.max_seq_len}
             if mgr is steady:
                 steady_views = getattr(steady, "_views", [])
@@ -292,7 +289,7 @@ def test_prefix_sharing_through_the_model_matches_a_cold_run(tmp_path: Path) -> 
 
     def manager() -> CacheManager:
         storage = KVStorage(cfg.num_layers, 256, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-        return CacheManager(config, storage, ReqToTokenPool(4, 64, "cpu"), cfg.num_heads, cfg.head_dim)
+        return CacheManager(config, storage, ReqToTokenPool(4, 64, "cpu"))
 
     def run(mgr: CacheManager, tokens: list[int]) -> tuple[torch.Tensor, int]:
         seq = new_seq(tokens)

@@ -28,7 +28,8 @@ def test_runner_exactly_when_enabled_on_cuda_with_a_capturable_backend(
     monkeypatch: pytest.MonkeyPatch, enabled: bool, device: str, backend: str | None
 ) -> None:
     monkeypatch.setattr(cuda_graphs, "CudaGraphDecodeRunner", RecordingRunner)
-    attention = None if backend is None else SimpleNamespace(supports_cuda_graphs=backend == "capturable")
+    capabilities = SimpleNamespace(cuda_graphs=backend == "capturable")
+    attention = None if backend is None else SimpleNamespace(capabilities=capabilities)
     model = SimpleNamespace(backend=attention)
     cache = SimpleNamespace(storage=SimpleNamespace(k_buffer=SimpleNamespace(device=torch.device(device))))
     config = EngineConfig(cuda_graphs=enabled)

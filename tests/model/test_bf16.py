@@ -51,7 +51,7 @@ def bf16_prefill_logits(path: Path, prompts: list[list[int]]) -> torch.Tensor:
         loc.append(slots)
         start += len(prompt)
     lens = [len(p) for p in prompts]
-    view = make_prefill_view(storage, pool.table, rows, [0] * len(prompts), lens, torch.cat(loc), 16)
+    view = make_prefill_view(storage, pool.table, rows, [0] * len(prompts), lens, torch.cat(loc))
     ids = torch.tensor([t for p in prompts for t in p])
     positions = torch.cat([torch.arange(n) for n in lens])
     return model(ids, positions, view).float()

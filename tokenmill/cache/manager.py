@@ -9,9 +9,10 @@ All methods run on the engine thread only.
 Steady-state decode: when a decode step has the same rows as the previous decode step, each one
 token longer, the previous view's tensors are advanced in place. That is exact whichever sequences
 occupy the rows: a decode view is a function of the rows, their lengths and this step's slots
-alone (it reads positions and slots through the live request-to-token table, and its split counts
-follow from the lengths), so advancing it gives what a rebuild would, even for a row recycled to
-a new sequence exactly one token longer than its previous occupant's last step.
+alone (it reads positions and slots through the live request-to-token table), so advancing it gives
+what a rebuild would, even for a row recycled to a new sequence exactly one token longer than its
+previous occupant's last step. Backend metadata is not the cache's: each backend plans it from the
+view per forward.
 
 Epochs: ``reset_prefix_cache`` (e.g. after a weight update) starts a new epoch; a handle
 admitted in an older epoch never inserts its KV into the radix cache, so no later request can
@@ -29,7 +30,7 @@ from tokenmill.cache.allocator import PageAllocator
 from tokenmill.cache.handle import KVHandle
 from tokenmill.cache.radix import RadixCache
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool
-from tokenmill.cache.view_builder import decode_num_splits, decode_scratch, make_decode_view, make_prefill_view
+from tokenmill.cache.view_builder import make_decode_view, make_prefill_view
 from tokenmill.cache.views import DecodeKVCache, KVView
 from tokenmill.config import EngineConfig
 
@@ -46,14 +47,7 @@ class CacheStats:
 
 
 class CacheManager:
-    def __init__(
-        self,
-        config: EngineConfig,
-        storage: KVStorage,
-        req_pool: ReqToTokenPool,
-        n_heads: int,
-        head_dim: int,
-    ) -> None:
+    def __init__(self, config: EngineConfig, storage: KVStorage, req_pool: ReqToTokenPool) -> None:
         self.config = config
         self.page_size = config.page_size
         self.storage = storage
@@ -62,9 +56,6 @@ class CacheManager:
         self.radix = RadixCache(self.allocator) if config.enable_prefix_caching else None
         self.stats = CacheStats()
         self.epoch = 0
-        self.partial_out, self.partial_lse = decode_scratch(
-            req_pool.max_rows, n_heads, config.max_decode_splits, head_dim, storage.k_buffer.device
-        )
         self._last_decode: tuple[tuple[int | None, ...], list[int], DecodeKVCache] | None = None
 
     # ----------------------------------------------------------------- capacity
@@ -258,15 +249,8 @@ class CacheManager:
     def bind_prefill(self, kvs: list[KVHandle], extend_lens: list[int], out_cache_loc: torch.Tensor) -> KVView:
         """View for an extend step; each handle's new tokens end at its current ``n_kv``."""
         prefix_lens = [s.n_kv - e for s, e in zip(kvs, extend_lens)]
-        return make_prefill_view(
-            self.storage,
-            self.req_pool.table,
-            [s.row for s in kvs],
-            prefix_lens,
-            extend_lens,
-            out_cache_loc,
-            self.config.prefill_q_tile,
-        )
+        rows = [s.row for s in kvs]
+        return make_prefill_view(self.storage, self.req_pool.table, rows, prefix_lens, extend_lens, out_cache_loc)
 
     def bind_decode(self, kvs: list[KVHandle], out_cache_loc: torch.Tensor) -> DecodeKVCache:
         """View for a decode step; reuses and advances the previous one in the steady state."""
@@ -277,22 +261,10 @@ class CacheManager:
             view = last[2]
             view.seq_lens.add_(1)
             view.out_cache_loc.copy_(out_cache_loc)
-            split = self.config.decode_split_min_tokens
-            if any(n % split == 1 % split for n in seq_lens):  # a request entered a new split's worth of KV
-                view.num_splits.copy_(decode_num_splits(view.seq_lens, split, self.config.max_decode_splits))
             view.max_seq_len += 1
             self.stats.steady_state_steps += 1
         else:
-            view = make_decode_view(
-                self.storage,
-                self.req_pool.table,
-                [s.row for s in kvs],
-                seq_lens,
-                out_cache_loc,
-                self.partial_out,
-                self.partial_lse,
-                self.config.decode_split_min_tokens,
-            )
+            view = make_decode_view(self.storage, self.req_pool.table, list(signature), seq_lens, out_cache_loc)
             self.stats.rebuilt_decode_steps += 1
         self._last_decode = (signature, seq_lens, view)
         return view

@@ -25,7 +25,7 @@ import torch
 
 from tokenmill.cache.sizing import kv_cache_slots
 from tokenmill.cache.storage import KVStorage
-from tokenmill.cache.view_builder import decode_scratch, make_decode_view, make_prefill_view
+from tokenmill.cache.view_builder import make_decode_view, make_prefill_view
 from tokenmill.config import EngineConfig
 from tokenmill.distributed import group, step, weights
 from tokenmill.model.causal_lm import CausalLM
@@ -52,7 +52,7 @@ def local_kv_slots(config: EngineConfig, model: CausalLM, kv_dtype: torch.dtype,
 
 
 class Worker:
-    """One worker rank's model, KV storage and decode scratch."""
+    """One worker rank's model and KV storage."""
 
     def __init__(
         self, config: EngineConfig, model: CausalLM, kv_dtype: torch.dtype, device: torch.device, n_slots: int
@@ -60,37 +60,17 @@ class Worker:
         self.config = config
         self.model = model
         mc = model.config
-        n_heads, n_kv_heads = self.model.local_heads()
+        n_kv_heads = self.model.local_heads()[1]
         self.storage = KVStorage(mc.num_layers, n_slots, n_kv_heads, mc.head_dim, kv_dtype, device)
-        self.partial_out, self.partial_lse = decode_scratch(
-            config.max_running_requests, n_heads, config.max_decode_splits, mc.head_dim, device
-        )
 
     def run_step(self, inputs: step.StepInputs) -> None:
         """Rank 0's forward of this step on this rank's shards (then its fork copies)."""
         rows = list(range(len(inputs.seq_lens)))
         if inputs.is_decode:
-            view = make_decode_view(
-                self.storage,
-                inputs.table,
-                rows,
-                inputs.seq_lens,
-                inputs.out_cache_loc,
-                self.partial_out,
-                self.partial_lse,
-                self.config.decode_split_min_tokens,
-            )
+            view = make_decode_view(self.storage, inputs.table, rows, inputs.seq_lens, inputs.out_cache_loc)
         else:
             extend = [n - p for n, p in zip(inputs.seq_lens, inputs.prefix_lens)]
-            view = make_prefill_view(
-                self.storage,
-                inputs.table,
-                rows,
-                inputs.prefix_lens,
-                extend,
-                inputs.out_cache_loc,
-                self.config.prefill_q_tile,
-            )
+            view = make_prefill_view(self.storage, inputs.table, rows, inputs.prefix_lens, extend, inputs.out_cache_loc)
         self.model(inputs.input_ids, inputs.positions, view, inputs.logits_indices)
         if inputs.fork_src.numel():
             self.storage.copy_slots(inputs.fork_src, inputs.fork_dst)
