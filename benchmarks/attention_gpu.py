@@ -65,6 +65,7 @@ class PagedKV:
 
 def decode_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tokenmill.attention.triton.decode import decode_attention
+    from tokenmill.attention.triton.plan import TritonDecodePlan, split_counts
     from tokenmill.cache.view_builder import make_decode_view
 
     heads, kv_heads, dim, dtype = args.n_heads, args.n_kv_heads, args.head_dim, torch.bfloat16
@@ -78,32 +79,25 @@ def decode_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             partial_out = torch.empty(batch, heads, args.max_splits, dim, dtype=torch.float32, device="cuda")
             partial_lse = torch.empty(batch, heads, args.max_splits, dtype=torch.float32, device="cuda")
             loc = kv.table[:, ctx - 1].long()
-            view = make_decode_view(
-                kv.storage,
-                kv.table,
-                list(range(batch)),
-                [ctx] * batch,
-                loc,
-                partial_out,
-                partial_lse,
-                args.split_min_tokens,
-            )
+            view = make_decode_view(kv.storage, kv.table, list(range(batch)), [ctx] * batch, loc)
+            num_splits = split_counts(view.seq_lens, args.split_min_tokens, args.max_splits)
+            plan = TritonDecodePlan(view, num_splits, partial_out, partial_lse)
             q = torch.randn(batch, heads, dim, dtype=dtype, device="cuda")
             k_cache, v_cache = kv.storage.k_buffer[0], kv.storage.v_buffer[0]
             scale = dim**-0.5
-            ours = decode_attention(q, k_cache, v_cache, view, scale)
+            ours = decode_attention(q, k_cache, v_cache, plan, scale)
             keys, values = zip(*(kv.dense(b) for b in range(batch)))
             keys, values = torch.stack(keys), torch.stack(values)  # [B, Hkv, L, D]
             sdpa = partial(F.scaled_dot_product_attention, q[:, :, None, :], keys, values, scale=scale, enable_gqa=True)
             err = (ours.float() - sdpa()[:, :, 0].float()).abs().max().item()
-            t_ours = bench_ms(partial(decode_attention, q, k_cache, v_cache, view, scale))
+            t_ours = bench_ms(partial(decode_attention, q, k_cache, v_cache, plan, scale))
             t_sdpa = bench_ms(sdpa)
             gbps_ours, gbps_sdpa = kv_bytes / t_ours / 1e6, kv_bytes / t_sdpa / 1e6
             rows.append(
                 {
                     "batch": batch,
                     "context": ctx,
-                    "splits": int(view.num_splits[0]),
+                    "splits": int(num_splits[0]),
                     "triton_ms": round(t_ours, 4),
                     "triton_gbps": round(gbps_ours, 1),
                     "triton_frac_peak": round(gbps_ours / args.peak_gbps, 3),
@@ -113,7 +107,7 @@ def decode_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "max_abs_err_vs_sdpa": err,
                 }
             )
-            del kv, keys, values, partial_out, partial_lse, view
+            del kv, keys, values, partial_out, partial_lse, view, plan
             torch.cuda.empty_cache()
     return rows
 
@@ -125,6 +119,7 @@ def causal_flops(prefix: int, extend: int, heads: int, dim: int) -> float:
 
 
 def prefill_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tokenmill.attention.triton.plan import prefill_tiles
     from tokenmill.attention.triton.prefill import prefill_attention
     from tokenmill.cache.view_builder import make_prefill_view
 
@@ -150,12 +145,11 @@ def prefill_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             ref = sdpa().transpose(1, 2).reshape(batch * extend, heads, dim)
             sdpa_ms = bench_ms(sdpa)
         for q_tile in args.q_tiles:
-            view = make_prefill_view(
-                kv.storage, kv.table, list(range(batch)), [prefix] * batch, [extend] * batch, loc, q_tile
-            )
+            view = make_prefill_view(kv.storage, kv.table, list(range(batch)), [prefix] * batch, [extend] * batch, loc)
+            plan = prefill_tiles(view, q_tile)
             k_cache, v_cache = kv.storage.k_buffer[0], kv.storage.v_buffer[0]
-            out = prefill_attention(q, k_cache, v_cache, view, scale)
-            t = bench_ms(partial(prefill_attention, q, k_cache, v_cache, view, scale))
+            out = prefill_attention(q, k_cache, v_cache, plan, scale)
+            t = bench_ms(partial(prefill_attention, q, k_cache, v_cache, plan, scale))
             tflops = flops / t / 1e9
             row = {
                 "batch": batch,

@@ -58,16 +58,7 @@ def test_decode_matches_torch(case: tuple) -> None:
     layout.extend_interleaved(rows, torch.randint(0, 64, (batch,)).tolist())  # cached context
     loc = torch.cat(layout.extend_interleaved(rows, [1] * batch))
     seq_lens = [layout.lens[r] for r in rows]
-    view = make_decode_view(
-        storage,
-        layout.pool.table,
-        rows,
-        seq_lens,
-        loc,
-        torch.zeros(batch, n_heads, 1, head_dim),
-        torch.zeros(batch, n_heads, 1),
-        64,
-    )
+    view = make_decode_view(storage, layout.pool.table, rows, seq_lens, loc)
     q = torch.randn(batch, n_heads, head_dim)
     k, v = torch.randn(batch, n_kv, head_dim), torch.randn(batch, n_kv, head_dim)
     cpu, ref = backends(n_heads, n_kv, head_dim)
@@ -100,9 +91,6 @@ def test_decode_long_contexts_match_torch_and_do_not_depend_on_the_batch(context
             [rows[i] for i in index],
             [layout.lens[rows[i]] for i in index],
             loc[index],
-            torch.zeros(len(index), n_heads, 1, head_dim),
-            torch.zeros(len(index), n_heads, 1),
-            64,
         )
 
     everyone = list(range(batch))
@@ -122,7 +110,7 @@ def test_mixed_step_single_rows_match_torch() -> None:
     prefix, extend = [30, 0, 17, 5], [1, 9, 1, 1]
     layout.extend_interleaved(rows, prefix)
     loc = torch.cat(layout.extend_interleaved(rows, extend))
-    view = make_prefill_view(storage, layout.pool.table, rows, prefix, extend, loc, 8)
+    view = make_prefill_view(storage, layout.pool.table, rows, prefix, extend, loc)
     q, k, v = torch.randn(12, 6, 64), torch.randn(12, 2, 64), torch.randn(12, 2, 64)
     cpu, ref = backends(6, 2, 64)
     assert (cpu.forward(q, k, v, LAYER, view) - ref.forward(q, k, v, LAYER, view)).abs().max().item() <= 1e-5
@@ -140,7 +128,7 @@ def test_prefill_matches_torch(monkeypatch: pytest.MonkeyPatch, block_floats: in
     prefix, extend = [0, 40, 3], [45, 33, 70]
     layout.extend_interleaved(rows, prefix)
     loc = torch.cat(layout.extend_interleaved(rows, extend))
-    view = make_prefill_view(storage, layout.pool.table, rows, prefix, extend, loc, 8)
+    view = make_prefill_view(storage, layout.pool.table, rows, prefix, extend, loc)
     n = sum(extend)
     q, k, v = torch.randn(n, 6, 64), torch.randn(n, 2, 64), torch.randn(n, 2, 64)
     cpu, ref = backends(6, 2, 64)
@@ -153,9 +141,7 @@ def test_refuses_fp16() -> None:
     storage = make_storage(2, 8, 2, 64, torch.float16)
     row = layout.new_row()
     loc = layout.extend(row, 1)
-    view = make_decode_view(
-        storage, layout.pool.table, [row], [1], loc, torch.zeros(1, 2, 1, 64), torch.zeros(1, 2, 1), 64
-    )
+    view = make_decode_view(storage, layout.pool.table, [row], [1], loc)
     q, kv = torch.randn(1, 2, 64).half(), torch.randn(1, 2, 64).half()
     with pytest.raises(ValueError, match="fp32/bf16"):
         CpuBackend(2, 2, 64).forward(q, kv, kv, 0, view)
@@ -178,8 +164,7 @@ def test_bf16_decode_matches_fp32_math_on_the_same_values(case: tuple) -> None:
 
     def view(storage):
         seq_lens = [layout.lens[r] for r in rows]
-        scratch = torch.zeros(batch, n_heads, 1, head_dim), torch.zeros(batch, n_heads, 1)
-        return make_decode_view(storage, layout.pool.table, rows, seq_lens, loc, *scratch, 64)
+        return make_decode_view(storage, layout.pool.table, rows, seq_lens, loc)
 
     q = torch.randn(batch, n_heads, head_dim).bfloat16()
     k, v = torch.randn(batch, n_kv, head_dim).bfloat16(), torch.randn(batch, n_kv, head_dim).bfloat16()

@@ -1,8 +1,7 @@
-"""The attention factory: every configurable backend name has a constructor, and "auto" resolves."""
+"""The backend table: every configurable backend name has an entry, and each builds its backend."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tokenmill.attention import factory
@@ -11,42 +10,18 @@ from tokenmill.config import ATTENTION_BACKENDS, EngineConfig
 
 
 def test_every_configurable_name_has_a_backend() -> None:
-    assert set(factory._BACKENDS) == set(ATTENTION_BACKENDS)
+    assert set(factory.BACKENDS) == set(ATTENTION_BACKENDS)
 
 
-def test_explicit_choices_are_strict() -> None:
-    with pytest.raises(ValueError, match="needs fp32 or bf16 on CPU"):
-        factory.make_backend(EngineConfig(attention_backend="cpu", device="cpu"), 4, 2, 8, torch.float16)
-    with pytest.raises(ValueError, match="attention_backend must be one of"):
-        EngineConfig(attention_backend="flash")
-
-
-def test_auto_is_the_reference_for_fp16_on_cpu() -> None:
-    backend = factory.make_backend(EngineConfig(device="cpu"), 4, 2, 8, torch.float16)
+def test_builds_the_named_backend_for_the_shape() -> None:
+    backend = factory.build_backend("torch", factory.BackendShape(4, 2, 8, scale=0.5), EngineConfig(device="cpu"))
     assert type(backend) is TorchNativeBackend
-    assert factory.auto_backend_name(torch.device("cpu"), torch.float16, torch.float16) == "torch"
-    assert factory.auto_backend_name(torch.device("cpu"), torch.bfloat16, torch.float16) == "torch"
+    assert (backend.n_heads, backend.n_kv_heads, backend.head_dim, backend.scale) == (4, 2, 8, 0.5)
 
 
-def test_kv_cache_dtype_is_checked() -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype must be"):
-        EngineConfig(kv_cache_dtype="int8")
-    with pytest.raises(ValueError, match="needs fp32 or bf16"):
-        factory.make_backend(
-            EngineConfig(attention_backend="cpu", device="cpu", kv_cache_dtype="float16"), 4, 2, 8, torch.float32
-        )
+def test_each_backend_declares_the_capabilities_it_is_listed_with() -> None:
+    from tokenmill.attention.cpu_backend import CpuBackend
 
-
-def test_sliding_window_models_get_a_backend_that_applies_the_window() -> None:
-    pytest.importorskip("triton")
-    cpu = EngineConfig(device="cpu")
-    assert factory.make_backend(cpu, 4, 2, 8, torch.float32, sliding_window=True).supports_sliding_window
-    assert factory.make_backend(cpu, 4, 2, 8, torch.float16, sliding_window=True).supports_sliding_window
-    # the triton kernels apply the window: "auto" keeps them on CUDA, an explicit choice is honoured
-    assert factory.auto_backend_name(torch.device("cuda"), torch.float16, torch.float16, True) == "triton"
-    triton = factory.make_backend(
-        EngineConfig(attention_backend="triton", device="cpu"), 4, 2, 8, torch.float32, sliding_window=True
-    )
-    assert triton.name == "triton" and triton.supports_sliding_window
-    # soft-capping stays refused by triton: "auto" passes it over on CUDA
-    assert factory.auto_backend_name(torch.device("cuda"), torch.float16, torch.float16, True, True) == "torch"
+    assert factory.BACKENDS["torch"].capabilities is TorchNativeBackend.capabilities
+    assert factory.BACKENDS["cpu"].capabilities is CpuBackend.capabilities
+    assert factory.BACKENDS["triton"].capabilities.dtypes == (torch.float32, torch.float16, torch.bfloat16)

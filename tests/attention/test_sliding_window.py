@@ -8,6 +8,7 @@ A backend without windows refuses them."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -61,9 +62,7 @@ def decode_case(contexts: list[int], page: int, n_kv: int, head_dim: int) -> tup
     layout.extend_interleaved(rows, contexts)
     loc = torch.cat(layout.extend_interleaved(rows, [1] * len(rows)))
     seq_lens = [layout.lens[r] for r in rows]
-    batch, n_heads = len(rows), 2 * n_kv
-    scratch = torch.zeros(batch, n_heads, 1, head_dim), torch.zeros(batch, n_heads, 1)
-    view = make_decode_view(storage, layout.pool.table, rows, seq_lens, loc, *scratch, 64)
+    view = make_decode_view(storage, layout.pool.table, rows, seq_lens, loc)
     return storage, layout.pool.table, rows, [n - 1 for n in seq_lens], view
 
 
@@ -104,7 +103,7 @@ def prefill_case(prefix: list[int], extend: list[int], page: int) -> tuple:
     rows = [layout.new_row() for _ in prefix]
     layout.extend_interleaved(rows, prefix)
     loc = torch.cat(layout.extend_interleaved(rows, extend))
-    view = make_prefill_view(storage, layout.pool.table, rows, prefix, extend, loc, 8)
+    view = make_prefill_view(storage, layout.pool.table, rows, prefix, extend, loc)
     token_rows = [r for r, n in zip(rows, extend) for _ in range(n)]
     positions = [p + j for p, n in zip(prefix, extend) for j in range(n)]
     return storage, layout.pool.table, token_rows, positions, view
@@ -144,7 +143,7 @@ def test_cpu_prefill_matches_torch(monkeypatch: pytest.MonkeyPatch, case: tuple,
 
 
 class _GlobalOnly(TorchNativeBackend):
-    supports_sliding_window = False
+    capabilities = replace(TorchNativeBackend.capabilities, sliding_window=False)
 
 
 def test_backend_without_windows_refuses_them() -> None:

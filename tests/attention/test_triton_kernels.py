@@ -8,6 +8,7 @@ prefill from scratch, over cached prefixes across the window edge, and split-KV 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -19,10 +20,9 @@ from tests.attention.helpers import PagedLayout, make_storage  # noqa: E402
 from tokenmill.attention.torch_native import TorchNativeBackend  # noqa: E402
 from tokenmill.attention.triton import TritonBackend  # noqa: E402
 from tokenmill.attention.triton import backend as triton_backend  # noqa: E402
+from tokenmill.attention.triton.config import TritonConfig  # noqa: E402
 from tokenmill.cache.view_builder import make_decode_view, make_prefill_view  # noqa: E402
-from tokenmill.config import EngineConfig  # noqa: E402
 
-CPU = EngineConfig(device="cpu")
 LAYER = 1  # of 2: exercises the per-layer buffer offset
 N_HEADS = 4
 MAX_SPLITS = 4
@@ -37,6 +37,12 @@ CASES = [
     (torch.float16, 64, 2, 16),
     (torch.float32, 24, 2, 1),  # head_dim not a power of two: padded and masked
 ]
+
+
+def triton_config(q_tile: int = 8, min_tokens: int = 64, rows: int = 4) -> TritonConfig:
+    return TritonConfig(
+        prefill_q_tile=q_tile, max_decode_splits=MAX_SPLITS, decode_split_min_tokens=min_tokens, max_rows=rows
+    )
 
 
 def case_id(case: tuple) -> str:
@@ -54,10 +60,12 @@ class Pair:
         self.layout = PagedLayout(page_size, n_pages=96 // page_size + 2, rows=4, context=64)
         self.storage = make_storage(2, self.layout.allocator.n_pages * page_size, self.n_kv, head_dim, dtype)
         self.ref = SimpleNamespace(k_buffer=self.storage.k_buffer.float(), v_buffer=self.storage.v_buffer.float())
-        self.triton = TritonBackend(N_HEADS, self.n_kv, head_dim, CPU)
+        self.triton = self.triton_with()
         self.torch = TorchNativeBackend(N_HEADS, self.n_kv, head_dim)
-        self.partial_out = torch.zeros(4, N_HEADS, MAX_SPLITS, head_dim)
-        self.partial_lse = torch.zeros(4, N_HEADS, MAX_SPLITS)
+
+    def triton_with(self, q_tile: int = 8, min_tokens: int = 64) -> TritonBackend:
+        """A Triton backend for this pair's heads, planning with these tile and split sizes."""
+        return TritonBackend(N_HEADS, self.n_kv, self.head_dim, triton_config(q_tile, min_tokens), "cpu")
 
     def qkv(self, n_tokens: int) -> tuple[torch.Tensor, ...]:
         q = torch.randn(n_tokens, N_HEADS, self.head_dim).to(self.dtype)
@@ -66,13 +74,14 @@ class Pair:
         return q, k, v
 
     def run(
-        self, make_view, qkv: tuple[torch.Tensor, ...], window: int | None = None
+        self, make_view, qkv: tuple[torch.Tensor, ...], triton: TritonBackend, window: int | None = None, adjust=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Triton output and fp32 reference output of one forward (both within ``window``); checks
-        the stored k/v too."""
+        """Triton output (its plan changed by ``adjust`` when given) and fp32 reference output of one
+        forward (both within ``window``); checks the stored k/v too."""
         q, k, v = qkv
         view = make_view(self.storage)
-        out = self.triton.forward(q, k, v, LAYER, view, window)
+        plan = triton.plan(view)
+        out = triton.forward(q, k, v, LAYER, plan if adjust is None else adjust(plan), window)
         ref = self.torch.forward(q.float(), k.float(), v.float(), LAYER, make_view(self.ref), window)
         loc = view.out_cache_loc
         assert torch.equal(self.storage.k_buffer[LAYER, loc], k)
@@ -85,8 +94,9 @@ class Pair:
     ):
         loc = torch.cat(self.layout.extend_interleaved(rows, extend))
         table = self.layout.pool.table
+        triton = self.triton_with(q_tile=q_tile)
         return self.run(
-            lambda s: make_prefill_view(s, table, rows, prefix, extend, loc, q_tile), self.qkv(sum(extend)), window
+            lambda s: make_prefill_view(s, table, rows, prefix, extend, loc), self.qkv(sum(extend)), triton, window
         )
 
     def decode(
@@ -102,12 +112,13 @@ class Pair:
         table = self.layout.pool.table
 
         def view(s):
-            v = make_decode_view(s, table, rows, seq_lens, loc, self.partial_out, self.partial_lse, min_tokens)
-            if num_splits is not None:
-                v.num_splits = torch.tensor(num_splits, dtype=torch.int32)
-            return v
+            return make_decode_view(s, table, rows, seq_lens, loc)
 
-        return self.run(view, qkv, window)
+        def forced_splits(plan):
+            return replace(plan, num_splits=torch.tensor(num_splits, dtype=torch.int32))
+
+        triton = self.triton_with(min_tokens=min_tokens)
+        return self.run(view, qkv, triton, window, None if num_splits is None else forced_splits)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -161,14 +172,15 @@ def test_sliding_window_chunked_prefill_equals_one_shot() -> None:
     whole_row, chunk_row = pair.layout.new_row(), pair.layout.new_row()
     torch.manual_seed(2)
     q, k, v = pair.qkv(30)
+    triton = pair.triton_with(q_tile=4)
     outs = []
     for row, chunks in ((whole_row, [30]), (chunk_row, [9, 1, 20])):
         start, parts = 0, []
         for n in chunks:
             loc = pair.layout.extend(row, n)
-            view = make_prefill_view(pair.storage, pair.layout.pool.table, [row], [start], [n], loc, 4)
+            view = make_prefill_view(pair.storage, pair.layout.pool.table, [row], [start], [n], loc)
             chunk = slice(start, start + n)
-            parts.append(pair.triton.forward(q[chunk], k[chunk], v[chunk], 0, view, 6))
+            parts.append(triton.forward(q[chunk], k[chunk], v[chunk], 0, triton.plan(view), 6))
             start += n
         outs.append(torch.cat(parts))
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-3
@@ -180,13 +192,15 @@ def test_chunked_prefill_equals_one_shot() -> None:
     whole_row, chunk_row = pair.layout.new_row(), pair.layout.new_row()
     torch.manual_seed(1)
     q, k, v = pair.qkv(21)
+    triton = pair.triton_with(q_tile=4)
     outs = []
     for row, chunks in ((whole_row, [21]), (chunk_row, [6, 1, 14])):
         start, parts = 0, []
         for n in chunks:
             loc = pair.layout.extend(row, n)
-            view = make_prefill_view(pair.storage, pair.layout.pool.table, [row], [start], [n], loc, 4)
-            parts.append(pair.triton.forward(q[start : start + n], k[start : start + n], v[start : start + n], 0, view))
+            view = make_prefill_view(pair.storage, pair.layout.pool.table, [row], [start], [n], loc)
+            chunk = slice(start, start + n)
+            parts.append(triton.forward(q[chunk], k[chunk], v[chunk], 0, triton.plan(view)))
             start += n
         outs.append(torch.cat(parts))
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-5
@@ -204,33 +218,28 @@ def test_decode_with_more_splits_than_tokens() -> None:
 
 def test_unsupported_calls_raise(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="head_dim"):
-        TritonBackend(4, 2, 512, CPU)
+        TritonBackend(4, 2, 512, triton_config(), "cpu")
     pair = Pair(torch.float32, 64, 2, 1)
-    row = pair.layout.new_row()
-    loc = pair.layout.extend(row, 3)
-    view = make_prefill_view(pair.storage, pair.layout.pool.table, [row], [0], [3], loc, 8)
+    rows = [pair.layout.new_row() for _ in range(2)]
+    loc = pair.layout.extend(rows[0], 3)
+    view = make_prefill_view(pair.storage, pair.layout.pool.table, rows[:1], [0], [3], loc)
     q, k, v = pair.qkv(3)
     with pytest.raises(ValueError, match="bfloat16"):
         bf16 = SimpleNamespace(k_buffer=pair.storage.k_buffer.bfloat16(), v_buffer=pair.storage.v_buffer.bfloat16())
-        bf16_view = make_prefill_view(bf16, pair.layout.pool.table, [row], [0], [3], loc, 8)
-        pair.triton.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0, bf16_view)
-    short = make_decode_view(
-        pair.storage,
-        pair.layout.pool.table,
-        [row],
-        [3],
-        loc[:1],
-        torch.zeros(1, N_HEADS, 2, 32),
-        torch.zeros(1, N_HEADS, 2),
-        8,
-    )
-    with pytest.raises(ValueError, match="partial_out"):
-        pair.triton.forward(q[:1], k[:1], v[:1], 0, short)
+        bf16_view = make_prefill_view(bf16, pair.layout.pool.table, rows[:1], [0], [3], loc)
+        pair.triton.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0, pair.triton.plan(bf16_view))
+    with pytest.raises(ValueError, match="its own plan"):
+        pair.triton.forward(q, k, v, 0, view)
+    loc = torch.cat([loc[:1], pair.layout.extend(rows[1], 1)])
+    two = make_decode_view(pair.storage, pair.layout.pool.table, rows, [3, 1], loc)
+    one_row = TritonBackend(N_HEADS, pair.n_kv, 64, triton_config(rows=1), "cpu")
+    with pytest.raises(ValueError, match="max_rows 1"):
+        one_row.plan(two)
     monkeypatch.setattr(triton_backend, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        TritonBackend(4, 2, 64, CPU)
+        TritonBackend(4, 2, 64, triton_config(), "cpu")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        pair.triton.forward(q, k, v, 0, view)
+        pair.triton.forward(q, k, v, 0, pair.triton.plan(view))
 
 
 def test_kernels_are_interpreted_on_cpu() -> None:

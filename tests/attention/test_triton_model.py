@@ -16,12 +16,14 @@ from tests.tiny_models import save_tiny_checkpoint  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.attention.torch_native import TorchNativeBackend  # noqa: E402
 from tokenmill.attention.triton import TritonBackend  # noqa: E402
+from tokenmill.attention.triton.config import TritonConfig  # noqa: E402
 from tokenmill.cache.manager import CacheManager  # noqa: E402
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool  # noqa: E402
+from tokenmill.cache.view_binder import ViewBinder  # noqa: E402
 from tokenmill.config import EngineConfig  # noqa: E402
-from tokenmill.engine.cuda_graphs import CudaGraphDecodeRunner, batch_buckets  # noqa: E402
 from tokenmill.engine.sequence import Sequence  # noqa: E402
 from tokenmill.model.loader import load_model  # noqa: E402
+from tokenmill.worker.cuda_graphs import CudaGraphDecodeRunner, batch_buckets  # noqa: E402
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -82,26 +84,21 @@ def test_cuda_graph_static_decode_matches_eager(request: pytest.FixtureRequest, 
     model = load_model(request.getfixturevalue(model_fixture), torch.float32, "cpu")
     cfg = model.config
     assert (cfg.layer_sliding_window(0) == 5) == (model_fixture == "windowed_checkpoint")
-    config = EngineConfig(
-        device="cpu",
-        page_size=16,
-        max_running_requests=8,
-        max_decode_splits=2,
-        decode_split_min_tokens=8,
-        cuda_graph_max_batch=6,
-    )
+    config = EngineConfig(device="cpu", page_size=16, max_running_requests=8, cuda_graph_max_batch=6)
     storage = KVStorage(cfg.num_layers, 256, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     storage.k_buffer.zero_()  # defined contents, to see exactly which slots get written
     storage.v_buffer.zero_()
-    cache = CacheManager(config, storage, ReqToTokenPool(8, 64, "cpu"), cfg.num_heads, cfg.head_dim)
-    triton_backend = TritonBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, config)
+    pool = ReqToTokenPool(8, 64, "cpu")
+    cache, views = CacheManager(config, storage.n_slots, pool), ViewBinder(storage, pool.table)
+    triton_config = TritonConfig(prefill_q_tile=16, max_decode_splits=2, decode_split_min_tokens=8, max_rows=8)
+    triton_backend = TritonBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, triton_config, "cpu")
     torch_backend = TorchNativeBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     seqs = [new_seq(list(range(4, 4 + n))) for n in (3, 18, 9)]
     for seq in seqs:
         assert cache.alloc(seq.kv, seq.all_token_ids)
     lens = [len(s.prompt_token_ids) for s in seqs]
     loc = torch.cat([cache.extend(s.kv, n) for s, n in zip(seqs, lens)])
-    view = cache.bind_prefill([s.kv for s in seqs], lens, loc)
+    view = views.prefill([s.row for s in seqs], [0] * len(seqs), lens, loc)
     ids = torch.tensor([t for s in seqs for t in s.prompt_token_ids])
     pos = torch.cat([torch.arange(n) for n in lens])
     model.backend = torch_backend
@@ -111,7 +108,7 @@ def test_cuda_graph_static_decode_matches_eager(request: pytest.FixtureRequest, 
 
     kvs = [s.kv for s in seqs]
     loc = cache.extend_decode(kvs)
-    view = cache.bind_decode(kvs, loc)
+    view = views.decode([s.row for s in seqs], [s.n_kv for s in seqs], loc)
     last = torch.tensor([s.prompt_token_ids[-1] for s in seqs])
     positions = view.seq_lens - 1
     model.backend = torch_backend
@@ -120,11 +117,11 @@ def test_cuda_graph_static_decode_matches_eager(request: pytest.FixtureRequest, 
     eager = model(last, positions, view)
     assert (eager - ref).abs().max().item() <= 1e-4
 
-    runner = CudaGraphDecodeRunner(model, cache, config)
+    runner = CudaGraphDecodeRunner(model, storage, pool.table, config)
     assert runner.buckets == batch_buckets(6) == [1, 2, 4, 6] and runner.bucket(3) == 4 and not runner.can_run(7)
     k_before, v_before = storage.k_buffer.clone(), storage.v_buffer.clone()
     runner._load(last, positions, view, 4)
-    static = runner._forward(4)
+    static = runner._forward(4, runner._plan(4))
     assert (static[:3] - eager).abs().max().item() <= 1e-5
     moved = ((storage.k_buffer - k_before).abs() + (storage.v_buffer - v_before).abs()).flatten(2).amax((0, 2))
     assert (moved > 1e-5).nonzero().flatten().tolist() == [0]  # the padded entry wrote only the dummy slot

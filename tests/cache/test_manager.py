@@ -7,7 +7,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -18,15 +17,14 @@ from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.cache.handle import KVHandle
 from tokenmill.cache.manager import CacheManager
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool
-from tokenmill.cache.view_builder import make_decode_view
+from tokenmill.cache.view_binder import ViewBinder
 from tokenmill.config import EngineConfig
 from tokenmill.model.loader import load_model
 
 
 def make_manager(page_size: int, n_pages: int, rows: int = 4, context: int = 64, **cfg) -> CacheManager:
     config = EngineConfig(page_size=page_size, max_running_requests=rows, **cfg)
-    storage = KVStorage(1, n_pages * page_size, 1, 2, torch.float32, "cpu")
-    return CacheManager(config, storage, ReqToTokenPool(rows, context, "cpu"), n_heads=1, head_dim=2)
+    return CacheManager(config, n_pages * page_size, ReqToTokenPool(rows, context, "cpu"))
 
 
 @dataclass(eq=False)
@@ -103,8 +101,7 @@ class ManagerMachine(RuleBasedStateMachine):
         copies = self.mgr.fork(parent.kv, child.kv)
         if copies is None:
             return
-        src, dst = copies
-        self.mgr.copy_kv(src, dst)
+        src, dst = copies  # the step's fork copies: the slots' content follows
         for s, d in zip(src.tolist(), dst.tolist()):
             self.shadow[d] = self.shadow[s]
         self.live.append(child)
@@ -197,70 +194,6 @@ def test_alloc_is_all_or_nothing_when_rows_run_out() -> None:
     assert second.row is None and mgr.allocator.n_free == free_before
 
 
-@pytest.mark.parametrize("b_prompt_len", [6, 7])  # B one token longer than A's last step / shorter
-def test_recycled_row_gets_the_view_a_rebuild_gives(b_prompt_len: int) -> None:
-    """A row recycled to a new sequence: whether the steady-state path advances the previous view
-    (B exactly one token longer than A's last decode step: it does) or a rebuild runs, the view is
-    what a fresh build from the row, its lengths and its slots gives, pointing at B's slots."""
-    mgr = make_manager(1, 64, rows=1, decode_split_min_tokens=4)
-    a = new_seq([1] * 4)
-    assert mgr.alloc(a.kv, a.tokens)
-    mgr.extend(a.kv, a.n_tokens - a.n_kv)
-    for _ in range(2):  # A decodes in row 0, reaching the steady state: its last step has length 6
-        a.tokens.append(2)
-        mgr.bind_decode([a.kv], mgr.extend_decode([a.kv]))
-    assert mgr.stats.steady_state_steps == 1
-    row = a.row
-    mgr.free(a.kv, a.tokens, cache_pages=False)
-
-    b = new_seq([0, 2] * 3 + [0] * (b_prompt_len - 6))
-    assert mgr.alloc(b.kv, b.tokens) and b.row == row
-    mgr.extend(b.kv, b.n_tokens - b.n_kv)
-    b.tokens.append(1)
-    slots = mgr.extend_decode([b.kv])
-    view = mgr.bind_decode([b.kv], slots)
-    assert mgr.stats.steady_state_steps == (2 if b_prompt_len == 6 else 1)
-    fresh = make_decode_view(
-        mgr.storage, mgr.req_pool.table, [row], [b.n_kv], slots, mgr.partial_out, mgr.partial_lse, 4
-    )
-    for name in ("seq_lens", "out_cache_loc", "num_splits", "req_pool_indices"):
-        assert torch.equal(getattr(view, name), getattr(fresh, name)), name
-    assert view.max_seq_len == fresh.max_seq_len == b.n_kv == b_prompt_len + 1
-    b_slots = mgr.req_pool.table[row, : b.n_kv].tolist()
-    assert view.out_cache_loc.tolist() == [b_slots[-1]] == slots.tolist()
-
-
-@pytest.mark.parametrize("split_min_tokens", [1, 3, 256])  # splits change every step / at 4, 7 / never
-def test_steady_state_is_exactly_a_rebuild(split_min_tokens: int) -> None:
-    prompts = [[1, 2, 3], [2, 2, 2, 2, 2]]
-    steady, rebuilt = (make_manager(2, 32, decode_split_min_tokens=split_min_tokens) for _ in range(2))
-    for mgr in (steady, rebuilt):
-        seqs = [new_seq(p) for p in prompts]
-        for s in seqs:
-            assert mgr.alloc(s.kv, s.tokens)
-            mgr.extend(s.kv, s.n_tokens - s.n_kv)
-        for _ in range(4):
-            for s in seqs:
-                s.tokens.append(1)
-            slots = mgr.extend_decode([s.kv for s in seqs])
-            if mgr is rebuilt:
-                mgr._last_decode = None  # force the rebuild path
-            view = mgr.bind_decode([s.kv for s in seqs], slots)
-            fields = ("seq_lens", "out_cache_loc", "num_splits", "req_pool_indices")
-            snapshot = {f: getattr(view, f).clone() for f in fields} | {"max": view.max_seq_len}
-            if mgr is steady:
-                steady_views = getattr(steady, "_views", [])
-                steady._views = steady_views + [snapshot]
-            else:
-                expected = steady._views.pop(0)
-                for f in fields:
-                    assert torch.equal(snapshot[f], expected[f]), f
-                assert snapshot["max"] == expected["max"]
-        for s in seqs:
-            mgr.free(s.kv, s.tokens)
-    assert steady.stats.steady_state_steps == 3
-
-
 def test_full_pool_evicts_only_unreferenced_cache(tmp_path: Path) -> None:
     mgr = make_manager(2, 9, rows=4)  # 8 usable pages of 2 slots
     done = new_seq([1, 1, 1, 1, 0, 0])
@@ -290,16 +223,18 @@ def test_prefix_sharing_through_the_model_matches_a_cold_run(tmp_path: Path) -> 
     ps = 4
     config = EngineConfig(page_size=ps, max_running_requests=4)
 
-    def manager() -> CacheManager:
+    def manager() -> tuple[CacheManager, ViewBinder]:
+        pool = ReqToTokenPool(4, 64, "cpu")
         storage = KVStorage(cfg.num_layers, 256, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-        return CacheManager(config, storage, ReqToTokenPool(4, 64, "cpu"), cfg.num_heads, cfg.head_dim)
+        return CacheManager(config, storage.n_slots, pool), ViewBinder(storage, pool.table)
 
-    def run(mgr: CacheManager, tokens: list[int]) -> tuple[torch.Tensor, int]:
+    def run(rank: tuple[CacheManager, ViewBinder], tokens: list[int]) -> tuple[torch.Tensor, int]:
+        mgr, views = rank
         seq = new_seq(tokens)
         assert mgr.alloc(seq.kv, seq.tokens)
         computed = seq.n_tokens - seq.n_kv
         slots = mgr.extend(seq.kv, computed)
-        view = mgr.bind_prefill([seq.kv], [computed], slots)
+        view = views.prefill([seq.row], [seq.n_kv - computed], [computed], slots)
         ids = torch.tensor(tokens[-computed:])
         logits = model(ids, torch.arange(len(tokens) - computed, len(tokens)), view)
         mgr.free(seq.kv, seq.tokens)

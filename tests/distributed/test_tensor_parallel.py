@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import tokenmill.engine.engine as engine_module
+import tokenmill.worker.model_worker as model_worker_module
 from tests.tiny_models import hf_greedy, save_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.weights import WeightError
@@ -266,7 +266,7 @@ def test_a_build_failing_on_rank_0_stops_the_starting_workers(checkpoints, tp2, 
         raise RuntimeError("rank 0 cannot size its KV cache")
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine_module, "kv_cache_slots", fail)
+        patch.setattr(model_worker_module, "kv_cache_slots", fail)
         with pytest.raises(RuntimeError, match="rank 0 cannot size its KV cache"):
             LLM(model=str(checkpoints["llama"][0]), tensor_parallel_size=2, distributed_timeout_s=300, **ENGINE)
     assert worker_processes() == []

@@ -343,10 +343,10 @@ def test_tiny_temperature_and_top_p_stay_well_defined(llm: LLM) -> None:
 
 
 def test_the_loop_thread_builds_the_model_and_cache(checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Model, cache and runner are made on the engine's own thread (the caller's thread then has
-    no OpenMP team of torch's competing with the loop's), and a failing build raises from the
-    constructor."""
-    from tokenmill.engine import engine as engine_module
+    """The model worker (model, KV storage) is made on the engine's own thread (the caller's thread
+    then has no OpenMP team of torch's competing with the loop's), and a failing build raises from
+    the constructor."""
+    from tokenmill.worker import model_worker as engine_module
 
     builders: list[str] = []
     load_model, storage = engine_module.load_model, engine_module.KVStorage

@@ -51,7 +51,7 @@ def bf16_prefill_logits(path: Path, prompts: list[list[int]]) -> torch.Tensor:
         loc.append(slots)
         start += len(prompt)
     lens = [len(p) for p in prompts]
-    view = make_prefill_view(storage, pool.table, rows, [0] * len(prompts), lens, torch.cat(loc), 16)
+    view = make_prefill_view(storage, pool.table, rows, [0] * len(prompts), lens, torch.cat(loc))
     ids = torch.tensor([t for p in prompts for t in p])
     positions = torch.cat([torch.arange(n) for n in lens])
     return model(ids, positions, view).float()
@@ -77,7 +77,7 @@ def greedy(path: Path, dtype: str, prompts: list[list[int]]) -> list[CompletionO
     params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
     llm = LLM(model=str(path), dtype=dtype, device="cpu", num_kv_slots=4096, skip_tokenizer_init=True)
     try:
-        assert llm.engine.cache.storage.k_buffer.dtype == getattr(torch, dtype)
+        assert llm.engine.worker.storage.k_buffer.dtype == getattr(torch, dtype)
         return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         llm.shutdown()
@@ -124,7 +124,7 @@ def test_kv_cache_in_another_dtype(tmp_path: Path, dtype: str, kv_dtype: str, ba
     options = dict(device="cpu", num_kv_slots=4096, skip_tokenizer_init=True, attention_backend=backend)
     llm = LLM(model=str(tmp_path), dtype=dtype, kv_cache_dtype=kv_dtype, **options)
     try:
-        assert llm.engine.cache.storage.k_buffer.dtype == getattr(torch, kv_dtype)
+        assert llm.engine.worker.storage.k_buffer.dtype == getattr(torch, kv_dtype)
         fused = llm.engine.worker.cpu_decode  # the C++ decode forward: a cache in the model's dtype only
         assert fused is None or not fused.can_run(1)
         ours = llm.generate([candidates[i] for i in clear], params, use_tqdm=False)

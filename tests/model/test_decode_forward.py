@@ -7,6 +7,7 @@ where both the backend and the model allow it."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -44,8 +45,6 @@ def cpu_harness(model: CausalLM) -> KVHarness:
     dtype = model.model.embed_tokens.weight.dtype
     harness.storage = KVStorage(cfg.num_layers, 1024, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
     harness.pool = ReqToTokenPool(MAX_ROWS, 256, "cpu")
-    harness.partial_out = torch.zeros(MAX_ROWS, cfg.num_heads, 4, cfg.head_dim)
-    harness.partial_lse = torch.zeros(MAX_ROWS, cfg.num_heads, 4)
     model.backend = CpuBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     return harness
 
@@ -239,11 +238,13 @@ class _LlamaWithQKNorm(LlamaForCausalLM):
 class _UnmodelledFamily(LlamaForCausalLM):
     """Llama's parameters, but a family that did not opt in (it might compute something else)."""
 
-    supports_cpu_decode_forward = False
+    capabilities = replace(LlamaForCausalLM.capabilities, cpu_decode_forward=False)
 
 
 @pytest.mark.parametrize("family", [_LlamaWithQKNorm, _UnmodelledFamily])
 def test_declines_qk_norms_and_families_that_did_not_opt_in(llama: Path, family: type[CausalLM]) -> None:
     with torch.device("meta"):
         model = family(load_model_config(llama))
-    assert model.cpu_decode_weights() is None
+    cfg = model.config
+    backend = CpuBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    assert CpuDecodeForward.build(model, backend, torch.float32) is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,10 @@ import torch
 from tests.model.test_parity import greedy_through_cache, hf_reference
 from tests.tiny_models import save_tiny_checkpoint, save_tiny_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.attention.factory import auto_backend_name, make_backend
+from tokenmill.attention.factory import BackendShape, build_backend
 from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.config import EngineConfig
+from tokenmill.model.capabilities import Combination, FamilyCapabilities, choose_backend
 from tokenmill.model.config import ModelConfigError
 from tokenmill.model.loader import load_model
 from tokenmill.model.registry import load_model_config
@@ -159,13 +161,19 @@ def test_model_refuses_a_backend_with_another_scale_or_softcap(tmp_path: Path) -
 
 def test_softcap_backend_choice() -> None:
     """Triton refuses soft-capping (it would attend without it); "auto" never picks it then."""
-    cpu = torch.device("cpu")
-    assert auto_backend_name(cpu, torch.float32, torch.float32, softcap=True) in ("cpu", "torch")
-    backend = make_backend(EngineConfig(device="cpu", attention_backend="torch"), 4, 2, 8, torch.float32, softcap=2.0)
+    gemma = Combination(
+        "Gemma2ForCausalLM", FamilyCapabilities(), torch.device("cpu"), torch.float32, torch.float32, softcap=True
+    )
+    assert choose_backend("auto", gemma) in ("cpu", "torch")
+    assert choose_backend("auto", replace(gemma, device=torch.device("cuda"))) == "torch"
+    with pytest.raises(ValueError, match="'triton' cannot run .* attention logit soft-capping"):
+        choose_backend("triton", gemma)
+    backend = build_backend("torch", BackendShape(4, 2, 8, softcap=2.0), EngineConfig(device="cpu"))
     assert (backend.softcap, backend.scale) == (2.0, 8**-0.5)
     pytest.importorskip("triton")
     from tokenmill.attention.triton import TritonBackend
+    from tokenmill.attention.triton.config import TritonConfig
 
-    assert not TritonBackend.supports_softcap
+    assert not TritonBackend.capabilities.softcap
     with pytest.raises(ValueError, match="triton attention backend does not implement attention logit soft-capping"):
-        TritonBackend(4, 2, 8, EngineConfig(device="cpu"), softcap=2.0)
+        TritonBackend(4, 2, 8, TritonConfig(16, 16, 256, 4), "cpu", softcap=2.0)

@@ -160,8 +160,6 @@ class KVHarness:
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_scale, cfg.attn_logit_softcapping
         )
         self.next_slot = 1
-        self.partial_out = torch.zeros(8, cfg.num_heads, 4, cfg.head_dim)
-        self.partial_lse = torch.zeros(8, cfg.num_heads, 4)
 
     def _slots(self, row: int, start: int, n: int) -> torch.Tensor:
         slots = torch.arange(self.next_slot, self.next_slot + n)
@@ -173,7 +171,7 @@ class KVHarness:
         """Compute ``seqs[i][prefix_lens[i]:]`` for each request; logits of every new token."""
         new = [s[p:] for s, p in zip(seqs, prefix_lens)]
         loc = torch.cat([self._slots(r, p, len(n)) for r, p, n in zip(rows, prefix_lens, new)])
-        view = make_prefill_view(self.storage, self.pool.table, rows, prefix_lens, [len(n) for n in new], loc, 4)
+        view = make_prefill_view(self.storage, self.pool.table, rows, prefix_lens, [len(n) for n in new], loc)
         ids = torch.tensor([t for n in new for t in n])
         pos = torch.cat([torch.arange(p, p + len(n)) for p, n in zip(prefix_lens, new)])
         return self.model(ids, pos, view)
@@ -181,9 +179,7 @@ class KVHarness:
     def decode(self, rows: list[int], last_tokens: list[int], seq_lens: list[int]) -> torch.Tensor:
         """One token per request at position ``seq_lens[i] - 1``."""
         loc = torch.cat([self._slots(r, n - 1, 1) for r, n in zip(rows, seq_lens)])
-        view = make_decode_view(
-            self.storage, self.pool.table, rows, seq_lens, loc, self.partial_out, self.partial_lse, 8
-        )
+        view = make_decode_view(self.storage, self.pool.table, rows, seq_lens, loc)
         return self.model(torch.tensor(last_tokens), torch.tensor(seq_lens) - 1, view)
 
 

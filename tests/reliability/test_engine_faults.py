@@ -124,7 +124,7 @@ def test_dead_loop_is_visible_and_calls_fail_fast(tmp_path: Path) -> None:
     generating.start()
     while engine.stats()["active_requests"] == 0:
         generating.join(0.01)
-    engine._commands.put(boom)
+    engine._commands.put(boom, lambda: None)  # a command that raises past the loop
     engine._thread.join(10)
     generating.join(60)
     assert not engine.is_healthy()

@@ -111,7 +111,7 @@ def test_shutdown_mid_step_answers_every_waiting_caller(llm: LLM) -> None:
     queued_add: queue.Queue[RequestOutput] = queue.Queue()
     engine.add_request([3, 4], LONG, queued_add.put)  # queued, never admitted
     stats = Caller(engine.stats)
-    wait_until(lambda: engine._commands.qsize() == 2)  # the add and the stats call are queued
+    wait_until(lambda: len(engine._commands) == 2)  # the add and the stats call are queued
     stopping = Caller(engine.shutdown)
     wait_until(engine._stop.is_set)
     release.set()  # the step ends, then the loop stops

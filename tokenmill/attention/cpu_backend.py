@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.attention.capabilities import BackendCapabilities
 from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.kernels.cpu import load_cpu_kernels
 
@@ -33,7 +34,15 @@ class CpuBackend(TorchNativeBackend):
     """fp32 or bf16 on CPU; needs a C++ compiler and ninja the first time (see ``tokenmill.kernels.cpu``)."""
 
     name = "cpu"
-    supports_cpu_decode_forward = True
+    capabilities = BackendCapabilities(
+        devices=("cpu",),
+        dtypes=SUPPORTED_DTYPES,
+        converts_kv_dtype=True,
+        sliding_window=True,
+        softcap=True,
+        cuda_graphs=False,
+        cpu_decode_forward=True,
+    )
 
     def __init__(
         self, n_heads: int, n_kv_heads: int, head_dim: int, scale: float | None = None, softcap: float | None = None

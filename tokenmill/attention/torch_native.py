@@ -7,6 +7,7 @@ query of the call can see (a decode row's last ``sliding_window``) and masking t
 copies K/V per query head: the query heads of one KV head are folded into the query-row dimension
 instead. With soft-capping (``softcap``) scores are computed explicitly, in transformers' eager order
 (``q.k * scale``, ``/ softcap``, tanh, ``* softcap``, mask, fp32 softmax); without it, by SDPA.
+It plans nothing: its plan is the view itself.
 """
 
 from __future__ import annotations
@@ -15,16 +16,26 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.base import AttentionBackend
+from tokenmill.attention.capabilities import BackendCapabilities
 from tokenmill.cache.views import DecodeKVCache, KVView, PrefillKVCache
 
 DECODE_GROUP = 16  # decode requests padded together (sorted by length) in one attention call
 
 
-class TorchNativeBackend(AttentionBackend):
+class TorchNativeBackend(AttentionBackend[KVView]):
     name = "torch"
-    converts_kv_dtype = True
-    supports_sliding_window = True
-    supports_softcap = True
+    capabilities = BackendCapabilities(
+        devices=None,
+        dtypes=(torch.float32, torch.bfloat16, torch.float16),
+        converts_kv_dtype=True,
+        sliding_window=True,
+        softcap=True,
+        cuda_graphs=False,
+        cpu_decode_forward=False,
+    )
+
+    def plan(self, view: KVView) -> KVView:
+        return view
 
     def forward(
         self,

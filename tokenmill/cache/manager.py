@@ -1,17 +1,12 @@
-"""CacheManager: gives sequences KV slots, shares prefixes, and binds a step to a layer-3 view.
+"""CacheManager: gives sequences KV slots and shares prefixes (cache layer 2 and the pages of layer 1).
 
 Each sequence is represented by its :class:`KVHandle` (written only here) and, where the radix
 cache needs them, its token ids (prompt then output, passed in). Ownership: a handle's positions
 ``0 .. n_kv-1`` have slots recorded in its request-to-token row. Every page a row points at
 carries one reference for that handle; the radix cache holds one more on the pages it stores.
-All methods run on the engine thread only.
-
-Steady-state decode: when a decode step has the same rows as the previous decode step, each one
-token longer, the previous view's tensors are advanced in place. That is exact whichever sequences
-occupy the rows: a decode view is a function of the rows, their lengths and this step's slots
-alone (it reads positions and slots through the live request-to-token table, and its split counts
-follow from the lengths), so advancing it gives what a rebuild would, even for a row recycled to
-a new sequence exactly one token longer than its previous occupant's last step.
+All methods run on the engine thread only. The KV storage itself, and the views each step binds
+over it, belong to the model worker (``worker/model_worker.py``); the manager knows only how many
+slots there are.
 
 Epochs: ``reset_prefix_cache`` (e.g. after a weight update) starts a new epoch; a handle
 admitted in an older epoch never inserts its KV into the radix cache, so no later request can
@@ -29,9 +24,7 @@ import torch
 from tokenmill.cache.allocator import PageAllocator
 from tokenmill.cache.handle import KVHandle
 from tokenmill.cache.radix import RadixCache
-from tokenmill.cache.storage import KVStorage, ReqToTokenPool
-from tokenmill.cache.view_builder import decode_num_splits, decode_scratch, make_decode_view, make_prefill_view
-from tokenmill.cache.views import DecodeKVCache, KVView
+from tokenmill.cache.storage import ReqToTokenPool
 from tokenmill.config import EngineConfig
 
 
@@ -42,31 +35,18 @@ class CacheStats:
     prefix_queries: int = 0
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
-    steady_state_steps: int = 0
-    rebuilt_decode_steps: int = 0
 
 
 class CacheManager:
-    def __init__(
-        self,
-        config: EngineConfig,
-        storage: KVStorage,
-        req_pool: ReqToTokenPool,
-        n_heads: int,
-        head_dim: int,
-    ) -> None:
+    def __init__(self, config: EngineConfig, n_slots: int, req_pool: ReqToTokenPool) -> None:
+        """``n_slots``: the KV storage's slots (``n_slots // page_size`` pages); ``req_pool``: layer 2."""
         self.config = config
         self.page_size = config.page_size
-        self.storage = storage
         self.req_pool = req_pool
-        self.allocator = PageAllocator(storage.n_slots // self.page_size, self.page_size)
+        self.allocator = PageAllocator(n_slots // self.page_size, self.page_size)
         self.radix = RadixCache(self.allocator) if config.enable_prefix_caching else None
         self.stats = CacheStats()
         self.epoch = 0
-        self.partial_out, self.partial_lse = decode_scratch(
-            req_pool.max_rows, n_heads, config.max_decode_splits, head_dim, storage.k_buffer.device
-        )
-        self._last_decode: tuple[tuple[int | None, ...], list[int], DecodeKVCache] | None = None
 
     # ----------------------------------------------------------------- capacity
     @property
@@ -219,10 +199,10 @@ class CacheManager:
         its full pages and a page of its own for the partial last one. All or nothing: None leaves
         nothing allocated.
 
-        Returns the partial page's (source, destination) slots: the caller copies their K/V with
-        :meth:`copy_kv` once ``parent``'s KV there is computed (it may be computed in a step still to
-        run), before either sequence writes past ``n_kv``. The child inserts into the radix cache
-        only if the parent would (same epoch).
+        Returns the partial page's (source, destination) slots: their K/V are copied (the step's
+        fork copies, ``KVStorage.copy_slots``) once ``parent``'s KV there is computed (it may be
+        computed in a step still to run), before either sequence writes past ``n_kv``. The child
+        inserts into the radix cache only if the parent would (same epoch).
         """
         assert child.row is None and parent.row is not None
         n, ps = parent.n_kv, self.page_size
@@ -242,10 +222,6 @@ class CacheManager:
         self.req_pool.write(row, 0, torch.cat([slots[:n_full], copies]))
         child.row, child.n_kv, child.n_cached_tokens, child.epoch = row, n, n, parent.epoch
         return slots[n_full:], copies
-
-    def copy_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy the K/V of slots ``src`` to slots ``dst`` in every layer (see :meth:`fork`)."""
-        self.storage.copy_slots(src, dst)
 
     def free(self, kv: KVHandle, tokens: Sequence[int], cache_pages: bool = True) -> None:
         """Release the row and page references of ``kv`` (holding ``tokens``); with
@@ -269,49 +245,6 @@ class CacheManager:
         if self.radix is not None:
             self.radix.reset()
         self.epoch += 1
-
-    # ----------------------------------------------------------------- views
-    def bind_prefill(self, kvs: list[KVHandle], extend_lens: list[int], out_cache_loc: torch.Tensor) -> KVView:
-        """View for an extend step; each handle's new tokens end at its current ``n_kv``."""
-        prefix_lens = [s.n_kv - e for s, e in zip(kvs, extend_lens)]
-        return make_prefill_view(
-            self.storage,
-            self.req_pool.table,
-            [s.row for s in kvs],
-            prefix_lens,
-            extend_lens,
-            out_cache_loc,
-            self.config.prefill_q_tile,
-        )
-
-    def bind_decode(self, kvs: list[KVHandle], out_cache_loc: torch.Tensor) -> DecodeKVCache:
-        """View for a decode step; reuses and advances the previous one in the steady state."""
-        signature = tuple(s.row for s in kvs)
-        seq_lens = [s.n_kv for s in kvs]
-        last = self._last_decode
-        if last is not None and last[0] == signature and all(a + 1 == b for a, b in zip(last[1], seq_lens)):
-            view = last[2]
-            view.seq_lens.add_(1)
-            view.out_cache_loc.copy_(out_cache_loc)
-            split = self.config.decode_split_min_tokens
-            if any(n % split == 1 % split for n in seq_lens):  # a request entered a new split's worth of KV
-                view.num_splits.copy_(decode_num_splits(view.seq_lens, split, self.config.max_decode_splits))
-            view.max_seq_len += 1
-            self.stats.steady_state_steps += 1
-        else:
-            view = make_decode_view(
-                self.storage,
-                self.req_pool.table,
-                [s.row for s in kvs],
-                seq_lens,
-                out_cache_loc,
-                self.partial_out,
-                self.partial_lse,
-                self.config.decode_split_min_tokens,
-            )
-            self.stats.rebuilt_decode_steps += 1
-        self._last_decode = (signature, seq_lens, view)
-        return view
 
     # ----------------------------------------------------------------- internals
     def _alloc_pages(self, n: int) -> torch.Tensor | None:

@@ -1,8 +1,10 @@
 """KV cache layer 3: phase-specific views handed to attention backends (pure data, no methods).
 
-A view is built by the cache manager for exactly one forward. Token tensors are laid out flat
-over the ragged batch: request ``i`` owns query rows ``qo_indptr[i]:qo_indptr[i+1]``.
-Host-side ints (``max_*``) are carried so that backends never need a device sync to size work.
+A view is built by the cache manager for exactly one forward and carries only what every backend
+needs; a backend derives its own metadata (tiles, split counts, scratch) from it in its ``plan``.
+Token tensors are laid out flat over the ragged batch: request ``i`` owns query rows
+``qo_indptr[i]:qo_indptr[i+1]``. Host-side ints and lists (``max_seq_len``, ``*_cpu``) are carried
+so that backends never need a device sync to size work.
 """
 
 from __future__ import annotations
@@ -29,9 +31,6 @@ class PrefillKVCache:
     extend_lens: torch.Tensor  # [B] int64 query rows of each request this step
     qo_indptr: torch.Tensor  # [B + 1] int64 query-row offsets
     out_cache_loc: torch.Tensor  # [T] int64 slot where each new token's k/v are stored
-    tile_req: torch.Tensor  # [n_tiles] int32 request of each Q tile
-    tile_q_start: torch.Tensor  # [n_tiles] int32 first query row (within its request) of each tile
-    q_tile: int  # query rows per tile
     max_seq_len: int
     extend_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
@@ -41,8 +40,8 @@ class PrefillKVCache:
 class DecodeKVCache:
     """A pure decode step: one query token per request, at position ``seq_lens[i] - 1``.
 
-    ``partial_out`` / ``partial_lse`` are preallocated split-KV scratch buffers (fixed shapes,
-    so a decode step can be captured in a CUDA graph); only the first ``B`` rows are used.
+    Every tensor's shape depends on the batch size only, so a decode view over static tensors can
+    be replayed in a CUDA graph (``max_seq_len`` is then an upper bound).
     """
 
     k_buffer: torch.Tensor
@@ -51,9 +50,6 @@ class DecodeKVCache:
     req_pool_indices: torch.Tensor  # [B] int64
     seq_lens: torch.Tensor  # [B] int64 KV length including this step's token
     out_cache_loc: torch.Tensor  # [B] int64
-    num_splits: torch.Tensor  # [B] int32 KV splits per request for the split-KV kernel
-    partial_out: torch.Tensor  # [max_rows, n_heads, max_splits, head_dim] fp32
-    partial_lse: torch.Tensor  # [max_rows, n_heads, max_splits] fp32
     max_seq_len: int
 
 

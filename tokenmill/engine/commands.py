@@ -37,6 +37,10 @@ class CommandQueue:
                 raise EngineDeadError(self._dead_message())
             self._commands.put(lambda: cancel() if self._closed else run())
 
+    def __len__(self) -> int:
+        """Commands waiting for the loop (a snapshot: other threads may be adding)."""
+        return self._commands.qsize()
+
     def wake(self) -> None:
         """Wake a loop waiting in :meth:`drain` (a no-op command)."""
         self._commands.put(lambda: None)

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from tokenmill.attention.base import AttentionBackend
-from tokenmill.cache.views import KVView
 from tokenmill.kernels.fused import GATED_ACTIVATIONS, add_rms_norm, apply_rotary, rms_norm, rotary_split_qkv
 from tokenmill.kernels.linear import Linear
 from tokenmill.model import parallel
@@ -299,7 +298,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         backend: AttentionBackend,
-        kv_view: KVView,
+        plan: object,
     ) -> torch.Tensor:
         n_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -310,9 +309,7 @@ class Attention(nn.Module):
             q = apply_rotary(self.q_norm(q.reshape(n_tokens, self.n_heads, self.head_dim)), cos, sin)
             k = apply_rotary(self.k_norm(k.reshape(n_tokens, self.n_kv_heads, self.head_dim)), cos, sin)
             v = v.reshape(n_tokens, self.n_kv_heads, self.head_dim)
-        out = backend.forward(
-            q.contiguous(), k.contiguous(), v.contiguous(), self.layer_id, kv_view, self.sliding_window
-        )
+        out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), self.layer_id, plan, self.sliding_window)
         return self.o_proj(out.reshape(n_tokens, self.n_heads * self.head_dim))
 
 
@@ -333,7 +330,7 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         backend: AttentionBackend,
-        kv_view: KVView,
+        plan: object,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is carried unsummed: the layer's input is ``h + residual`` (``h`` alone
         for the first layer), its output ``(mlp_out, residual)``; each sum is fused into the next norm."""
@@ -341,7 +338,5 @@ class DecoderLayer(nn.Module):
             residual, x = h, self.input_layernorm(h)
         else:
             x, residual = self.input_layernorm.add_and_norm(h, residual)
-        x, residual = self.post_attention_layernorm.add_and_norm(
-            self.self_attn(x, cos, sin, backend, kv_view), residual
-        )
+        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, cos, sin, backend, plan), residual)
         return self.mlp(x), residual

@@ -1,8 +1,10 @@
 """CausalLM: the base of every family, a decoder-only transformer over a flat ragged token layout.
 
-``forward(input_ids, positions, kv_view, logits_indices)``: ``input_ids`` and ``positions`` are
-1-D over every token of every request in the step; only the rows in ``logits_indices`` are
-projected through the LM head. ``backend`` must be set before the first forward.
+``forward(input_ids, positions, kv_view, logits_indices, attention_plan)``: ``input_ids`` and
+``positions`` are 1-D over every token of every request in the step; only the rows in
+``logits_indices`` are projected through the LM head. ``backend`` must be set before the first
+forward; the forward plans the backend's metadata from ``kv_view`` once (unless given the plan, as
+the CUDA-graph runner does) and hands that plan to every layer.
 
 A family subclasses :class:`CausalLM` in its own file and declares:
 
@@ -10,12 +12,10 @@ A family subclasses :class:`CausalLM` in its own file and declares:
 - ``packed_modules``: checkpoint module name -> (packed module, shard) (``weights.py`` derives
   every checkpoint name and the rows it loads into from it and the parameters);
 - :meth:`CausalLM.adjust_config`: its config.json quirks, applied to the generic parse;
-- ``supports_partial_rotary``: whether its layers follow ``partial_rotary_factor`` < 1 as its
-  transformers implementation does (``registry.load_model_config`` refuses it otherwise);
+- ``capabilities``: its row of the capability table (:class:`FamilyCapabilities`: tensor
+  parallelism, the C++ decode forward, partial rotary), checked in ``model/capabilities.py``;
 - ``activations``: the MLP activations (``ModelConfig.hidden_act``) its layers implement (the
-  registry refuses others); ``norm_class``: its final norm; :meth:`CausalLM.embed`: its embedding;
-- ``supports_cpu_decode_forward``: an explicit opt-in, true only when its layer computes exactly
-  what ``kernels/cpu/decode_forward.cpp`` computes (see :meth:`CausalLM.cpu_decode_weights`).
+  registry refuses others); ``norm_class``: its final norm; :meth:`CausalLM.embed`: its embedding.
 
 Parameter names are Hugging Face's (``model.layers.N.self_attn...``) except for packed projections.
 
@@ -36,12 +36,13 @@ import torch
 from torch import nn
 
 from tokenmill.attention.base import AttentionBackend
-from tokenmill.attention.factory import make_backend
+from tokenmill.attention.factory import BackendShape, build_backend
 from tokenmill.cache.views import DecodeKVCache, KVView
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.linear import Linear, linear
 from tokenmill.model import parallel
 from tokenmill.model.blocks import RMSNorm, RotaryEmbedding
+from tokenmill.model.capabilities import Combination, FamilyCapabilities, check_tensor_parallel, choose_backend
 from tokenmill.model.config import ModelConfig
 
 CPU_DECODE_LAYER_WEIGHTS = (
@@ -94,10 +95,7 @@ class CausalLM(nn.Module, ABC):
     packed_modules: ClassVar[dict[str, tuple[str, int]]] = {}
     checkpoint_module_names: ClassVar[dict[str, str]] = {}
     """Module name -> the checkpoint's name for it, where they differ (``weights.py`` applies it)."""
-    supports_cpu_decode_forward: ClassVar[bool] = False
-    supports_tensor_parallel: ClassVar[bool] = False
-    """Whether its layers are built from the tensor-parallel-aware blocks only (``parallel.py``)."""
-    supports_partial_rotary: ClassVar[bool] = False
+    capabilities: ClassVar[FamilyCapabilities] = FamilyCapabilities()
     activations: ClassVar[tuple[str, ...]] = ("silu",)
     norm_class: ClassVar[type[RMSNorm]] = RMSNorm
 
@@ -105,8 +103,7 @@ class CausalLM(nn.Module, ABC):
         super().__init__()
         self.config = config
         self.tp = tp = parallel.current()
-        if tp.size > 1 and not self.supports_tensor_parallel:
-            raise ValueError(f"{config.architecture} does not support tensor_parallel_size > 1")
+        check_tensor_parallel(config.architecture, self.capabilities, tp.size)
         layers = [self.decoder_layer(config, i) for i in range(config.num_layers)]
         self.model = DecoderStack(config, layers, self.norm_class)
         self.build_rotary()
@@ -159,19 +156,23 @@ class CausalLM(nn.Module, ABC):
         self._backend = backend
 
     def make_backend(self, engine_config: EngineConfig, dtype: torch.dtype) -> AttentionBackend:
-        """The attention backend ``engine_config.attention_backend`` names for this model: its head
-        shape, softmax scale and soft-cap, and whether any layer slides (a backend that cannot
-        apply windows is then refused, or skipped by "auto")."""
+        """The attention backend ``engine_config.attention_backend`` names ("auto": chosen) for this
+        model in ``dtype``, after checking the whole combination against the capability table
+        (ValueError naming what is unsupported); built for its heads, softmax scale and soft-cap."""
         cfg = self.config
-        return make_backend(
-            engine_config,
-            *self.local_heads(),
-            cfg.head_dim,
-            dtype,
-            any(cfg.layer_sliding_window(i) is not None for i in range(cfg.num_layers)),
-            scale=cfg.attention_scale,
-            softcap=cfg.attn_logit_softcapping,
+        combo = Combination(
+            architecture=cfg.architecture,
+            family=self.capabilities,
+            device=engine_config.resolved_device(),
+            dtype=dtype,
+            kv_dtype=engine_config.resolved_kv_dtype(dtype),
+            tensor_parallel_size=self.tp.size,
+            sliding_window=any(cfg.layer_sliding_window(i) is not None for i in range(cfg.num_layers)),
+            softcap=cfg.attn_logit_softcapping is not None,
         )
+        name = choose_backend(engine_config.attention_backend, combo)
+        shape = BackendShape(*self.local_heads(), cfg.head_dim, cfg.attention_scale, cfg.attn_logit_softcapping)
+        return build_backend(name, shape, engine_config)
 
     def local_heads(self) -> tuple[int, int]:
         """``(query heads, KV heads)`` this rank computes and caches (all of them at tp=1)."""
@@ -196,15 +197,14 @@ class CausalLM(nn.Module, ABC):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def cpu_decode_weights(self) -> CpuDecodeWeights | None:
-        """The weights of the C++ decode forward, or None when it would not compute this model.
+        """The weights of the C++ decode forward, or None when it would not compute this instance
+        (whether the family and backend allow it at all is ``capabilities.cpu_decode_forward_applies``).
 
-        Allow-list: the family opted in (``supports_cpu_decode_forward``), RoPE has fixed
-        frequencies and rotates whole heads, and every layer has exactly :data:`CPU_DECODE_LAYER_WEIGHTS`.
+        Allow-list: RoPE has fixed frequencies and rotates whole heads, and every layer has exactly
+        :data:`CPU_DECODE_LAYER_WEIGHTS`.
         """
         if (
-            not self.supports_cpu_decode_forward
-            or self.tp.size > 1
-            or self.rotary.is_dynamic
+            self.rotary.is_dynamic
             or self.rotary.dim != self.config.head_dim
             or self.sliding_rotary is not None
             or self.config.hidden_act != "silu"
@@ -242,10 +242,13 @@ class CausalLM(nn.Module, ABC):
         positions: torch.Tensor,
         kv_view: KVView,
         logits_indices: torch.Tensor | None = None,
+        attention_plan: object | None = None,
     ) -> torch.Tensor:
-        """Logits ``[len(logits_indices), vocab]`` (all rows when ``logits_indices`` is None)."""
+        """Logits ``[len(logits_indices), vocab]`` (all rows when ``logits_indices`` is None).
+        ``attention_plan``: the backend's plan of ``kv_view`` when the caller made it (None: planned here)."""
         if self.backend is None:
             raise RuntimeError(f"{type(self).__name__}.backend must be set before forward")
+        plan = self.backend.plan(kv_view) if attention_plan is None else attention_plan
         h = self.embed(input_ids)
         sliding = self.sliding_rotary
         dynamic = self.rotary.is_dynamic or (sliding is not None and sliding.is_dynamic)
@@ -255,7 +258,7 @@ class CausalLM(nn.Module, ABC):
         residual = None
         for layer, slides in zip(self.model.layers, self._sliding_rope_layers):  # at least one layer
             cos, sin = sliding_cos_sin if slides else cos_sin
-            h, residual = layer(h, residual, cos, sin, self.backend, kv_view)
+            h, residual = layer(h, residual, cos, sin, self.backend, plan)
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]
         h, _ = self.model.norm.add_and_norm(h, residual)

@@ -31,7 +31,7 @@ class RopeConfig:
 
     ``partial_rotary_factor``: the fraction of each head's dims that RoPE rotates (the first
     ``int(head_dim * partial_rotary_factor)``, see ``ModelConfig.rotary_dim``); only families with
-    ``supports_partial_rotary`` accept a value other than 1. "longrope": ``short_factor`` and
+    ``capabilities.partial_rotary`` accept a value other than 1. "longrope": ``short_factor`` and
     ``long_factor`` (one per rotated frequency) divide the frequencies of a request no longer /
     longer than ``original_max_position_embeddings``.
     """

@@ -1,12 +1,13 @@
 """The forward of a pure decode step as one C++ call (``kernels/cpu/decode_forward.cpp``).
 
-:meth:`CpuDecodeForward.build` returns one only when both sides allow it: the attention backend
-(``supports_cpu_decode_forward``: the kernel's attention is that backend's) and the model
-(``CausalLM.cpu_decode_weights``: its family opted in and the instance has nothing the kernel does
-not compute), and when the C++ kernels are available. The kernels and their order are those of the
-Python forward, products included (each projection's blocked oneDNN weight where its ``Linear``
-would use one for the step's rows, else the functional ``linear``'s choice), so logits and stored
-keys/values are bit-identical to it. The caller (the engine's runner) decides per step:
+:meth:`CpuDecodeForward.build` returns one only when the capability table allows it
+(``capabilities.cpu_decode_forward_applies``: the backend's decode attention is the kernel's, the
+family opted in, no soft-capping, one rank), the instance has nothing the kernel does not compute
+(``CausalLM.cpu_decode_weights``) and the C++ kernels are available. It reads the neutral decode
+view (such a backend plans nothing). The kernels and their order are those of the Python forward,
+products included (each projection's blocked oneDNN weight where its ``Linear`` would use one for
+the step's rows, else the functional ``linear``'s choice), so logits and stored keys/values are
+bit-identical to it. The caller (the engine's runner) decides per step:
 :meth:`CpuDecodeForward.can_run`, then call it with the step's decode view.
 """
 
@@ -20,6 +21,7 @@ from tokenmill.attention.base import AttentionBackend
 from tokenmill.cache.views import DecodeKVCache
 from tokenmill.kernels import linear as linear_kernels
 from tokenmill.kernels.cpu import load_cpu_kernels
+from tokenmill.model.capabilities import cpu_decode_forward_applies
 from tokenmill.model.causal_lm import CausalLM, CpuDecodeWeights
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -41,8 +43,10 @@ class CpuDecodeForward:
     def build(cls, model: CausalLM, backend: AttentionBackend, kv_dtype: torch.dtype) -> CpuDecodeForward | None:
         """The C++ decode forward of ``model`` attending like ``backend`` over a ``kv_dtype`` cache;
         None where not supported (the kernel stores and reads a cache in the model's dtype, fp32 or bf16)."""
-        if not backend.supports_cpu_decode_forward or backend.softcap is not None or kv_dtype not in KERNEL_DTYPES:
-            return None  # the kernel has no attention soft-capping
+        softcap = backend.softcap is not None
+        applies = cpu_decode_forward_applies(backend.capabilities, model.capabilities, softcap, model.tp.size)
+        if not applies or kv_dtype not in KERNEL_DTYPES:
+            return None
         weights = model.cpu_decode_weights()
         if weights is None:
             return None

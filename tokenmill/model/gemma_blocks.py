@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from tokenmill.attention.base import AttentionBackend
-from tokenmill.cache.views import KVView
 from tokenmill.model.blocks import SPLIT_PROJECTIONS, Attention, GatedMLP, RMSNorm
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig, ModelConfigError
@@ -65,7 +64,7 @@ class GemmaDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         backend: AttentionBackend,
-        kv_view: KVView,
+        plan: object,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``DecoderLayer``'s contract: input ``h + residual`` (``h`` alone for the first layer),
         output ``(post_ff_norm(mlp_out), residual)``, the sum left to the next norm."""
@@ -73,7 +72,7 @@ class GemmaDecoderLayer(nn.Module):
             residual, x = h, self.input_layernorm(h)
         else:
             x, residual = self.input_layernorm.add_and_norm(h, residual)
-        attn = self.post_attention_layernorm(self.self_attn(x, cos, sin, backend, kv_view))
+        attn = self.post_attention_layernorm(self.self_attn(x, cos, sin, backend, plan))
         x, residual = self.pre_feedforward_layernorm.add_and_norm(attn, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 

@@ -9,14 +9,14 @@ exactly its computation.
 from __future__ import annotations
 
 from tokenmill.model.blocks import SPLIT_PROJECTIONS, Attention, DecoderLayer, GatedMLP
+from tokenmill.model.capabilities import FamilyCapabilities
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig
 
 
 class LlamaForCausalLM(CausalLM):
     packed_modules = SPLIT_PROJECTIONS
-    supports_tensor_parallel = True
-    supports_cpu_decode_forward = True
+    capabilities = FamilyCapabilities(tensor_parallel=True, cpu_decode_forward=True)
 
     def decoder_layer(self, config: ModelConfig, layer_id: int) -> DecoderLayer:
         bias = config.attention_bias

@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any
 
 from tokenmill.model.blocks import SPLIT_PROJECTIONS, Attention, DecoderLayer
+from tokenmill.model.capabilities import FamilyCapabilities
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.moe import ExpertNames, SparseMoE, parse_moe
@@ -18,7 +19,7 @@ MIXTRAL_EXPERT_NAMES = ExpertNames(gate="w1", up="w3", down="w2")
 
 class MixtralForCausalLM(CausalLM):
     packed_modules = SPLIT_PROJECTIONS
-    supports_tensor_parallel = True
+    capabilities = FamilyCapabilities(tensor_parallel=True)
     checkpoint_module_names = {"mlp": "block_sparse_moe"}
 
     @classmethod

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.model.blocks import Attention, DecoderLayer, GatedMLP
+from tokenmill.model.capabilities import FamilyCapabilities
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig, ModelConfigError
 
@@ -37,7 +38,7 @@ ROPE_TYPES = ("default", "longrope")
 
 class Phi3ForCausalLM(CausalLM):
     packed_modules = {}  # qkv_proj and gate_up_proj load whole, under their own names
-    supports_partial_rotary = True
+    capabilities = FamilyCapabilities(partial_rotary=True)
 
     @classmethod
     def adjust_config(cls, config: ModelConfig, raw: dict[str, Any]) -> ModelConfig:

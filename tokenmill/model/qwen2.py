@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 from tokenmill.model.blocks import SPLIT_PROJECTIONS, Attention, DecoderLayer, GatedMLP
+from tokenmill.model.capabilities import FamilyCapabilities
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig, ModelConfigError
 
@@ -42,7 +43,7 @@ def qwen_sliding_layers(config: ModelConfig, raw: dict[str, Any]) -> ModelConfig
 
 class Qwen2ForCausalLM(CausalLM):
     packed_modules = SPLIT_PROJECTIONS
-    supports_tensor_parallel = True
+    capabilities = FamilyCapabilities(tensor_parallel=True)
 
     @classmethod
     def adjust_config(cls, config: ModelConfig, raw: dict[str, Any]) -> ModelConfig:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.model.blocks import SPLIT_PROJECTIONS, Attention, DecoderLayer, GatedMLP
+from tokenmill.model.capabilities import FamilyCapabilities
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.qwen2 import qwen_sliding_layers, qwen_sliding_window
@@ -13,7 +14,7 @@ from tokenmill.model.qwen2 import qwen_sliding_layers, qwen_sliding_window
 
 class Qwen3ForCausalLM(CausalLM):
     packed_modules = SPLIT_PROJECTIONS
-    supports_tensor_parallel = True
+    capabilities = FamilyCapabilities(tensor_parallel=True)
 
     @classmethod
     def adjust_config(cls, config: ModelConfig, raw: dict[str, Any]) -> ModelConfig:

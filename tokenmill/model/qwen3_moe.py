@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 from tokenmill.model.blocks import SPLIT_PROJECTIONS, Attention, DecoderLayer, GatedMLP
+from tokenmill.model.capabilities import FamilyCapabilities
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig, ModelConfigError
 from tokenmill.model.moe import ExpertNames, SparseMoE, parse_moe
@@ -21,7 +22,7 @@ QWEN_EXPERT_NAMES = ExpertNames(gate="gate_proj", up="up_proj", down="down_proj"
 
 class Qwen3MoeForCausalLM(CausalLM):
     packed_modules = SPLIT_PROJECTIONS
-    supports_tensor_parallel = True
+    capabilities = FamilyCapabilities(tensor_parallel=True)
 
     @classmethod
     def adjust_config(cls, config: ModelConfig, raw: dict[str, Any]) -> ModelConfig:

@@ -2,7 +2,7 @@
 
 A new family is its file plus one line in :data:`MODELS`. :func:`load_model_config` is the one way
 to read a checkpoint's :class:`ModelConfig`: the generic parse, corrected by the family's
-``adjust_config`` and checked against what the family supports (``supports_partial_rotary``,
+``adjust_config`` and checked against what the family supports (``capabilities.partial_rotary``,
 ``activations``).
 """
 
@@ -47,7 +47,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
     raw, source = read_config_json(path)
     cls = model_class(architecture(raw), source)
     config = cls.adjust_config(ModelConfig.from_dict(raw, source), raw)
-    if config.rotary_dim != config.head_dim and not cls.supports_partial_rotary:
+    if config.rotary_dim != config.head_dim and not cls.capabilities.partial_rotary:
         raise ModelConfigError(f"{source}: partial_rotary_factor != 1 is not supported for {config.architecture}")
     if config.hidden_act not in cls.activations:
         raise ModelConfigError(

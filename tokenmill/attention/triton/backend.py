@@ -3,8 +3,8 @@
 Strict: every unsupported case raises at construction or in ``forward`` (attention logit
 soft-capping included); nothing falls back to another implementation. Sliding-window layers pass
 their window to the kernels as a plain int argument (no device data). The decode path launches a
-fixed grid from tensor shapes and never syncs with the host, so a decode forward can be captured
-in a CUDA graph.
+fixed grid from tensor shapes and never syncs with the host, and its plan is tensor ops into
+buffers it owns, so a decode forward can be captured in a CUDA graph.
 
 On CPU the kernels run only under Triton's interpreter, which is chosen when the kernels are
 defined: ``TRITON_INTERPRET=1`` must be in the environment before this package is first
@@ -17,40 +17,76 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 from tokenmill.attention.base import AttentionBackend
+from tokenmill.attention.triton.config import TritonConfig
 from tokenmill.attention.triton.decode import decode_attention
+from tokenmill.attention.triton.plan import (
+    TritonDecodePlan,
+    TritonGraphBuffers,
+    TritonPlan,
+    TritonPrefillPlan,
+    prefill_tiles,
+    split_counts,
+)
 from tokenmill.attention.triton.prefill import prefill_attention
 from tokenmill.attention.triton.store import _store_kv_kernel, store_kv
+from tokenmill.attention.triton_capabilities import TRITON_CAPABILITIES
 from tokenmill.cache.views import DecodeKVCache, KVView
-from tokenmill.config import EngineConfig
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = TRITON_CAPABILITIES.dtypes
 MAX_HEAD_DIM = 256
 
 INTERPRETED = isinstance(_store_kv_kernel, InterpretedFunction)
 """Whether the kernels were built for Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
 
 
-class TritonBackend(AttentionBackend):
-    """Triton kernels for CUDA tensors (or CPU tensors under the interpreter); any head_dim <= 256."""
+class TritonBackend(AttentionBackend[TritonPlan]):
+    """Triton kernels for CUDA tensors (or CPU tensors under the interpreter); any head_dim <= 256.
+
+    Owns its split-KV decode scratch (``config.max_rows`` rows on ``device``); plans tile maps for
+    prefill and split counts for decode (:mod:`tokenmill.attention.triton.plan`)."""
 
     name = "triton"
-    supports_cuda_graphs = True
-    """Decode forwards are capturable: fixed grids, no host syncs, scratch from the view."""
-    supports_sliding_window = True
+    capabilities = TRITON_CAPABILITIES
 
     def __init__(
         self,
         n_heads: int,
         n_kv_heads: int,
         head_dim: int,
-        config: EngineConfig,
+        config: TritonConfig,
+        device: torch.device | str,
         scale: float | None = None,
         softcap: float | None = None,
     ) -> None:
         super().__init__(n_heads, n_kv_heads, head_dim, scale, softcap)  # refuses softcap (not implemented)
         if not 1 <= head_dim <= MAX_HEAD_DIM:
             raise ValueError(f"the triton attention backend supports head_dim 1..{MAX_HEAD_DIM}, got {head_dim}")
-        self._check_device(config.resolved_device())
+        device = torch.device(device)
+        self._check_device(device)
+        self.config = config
+        rows, splits = config.max_rows, config.max_decode_splits
+        self.partial_out = torch.zeros((rows, n_heads, splits, head_dim), dtype=torch.float32, device=device)
+        self.partial_lse = torch.zeros((rows, n_heads, splits), dtype=torch.float32, device=device)
+
+    def plan(self, view: KVView) -> TritonPlan:
+        """Prefill: the tile map; decode: split counts (tensor ops only) and the scratch."""
+        if isinstance(view, DecodeKVCache):
+            self._check_rows(view.req_pool_indices.numel())
+            cfg = self.config
+            num_splits = split_counts(view.seq_lens, cfg.decode_split_min_tokens, cfg.max_decode_splits)
+            return TritonDecodePlan(view, num_splits, self.partial_out, self.partial_lse)
+        return prefill_tiles(view, self.config.prefill_q_tile)
+
+    def graph_buffers(self, max_batch: int) -> TritonGraphBuffers:
+        self._check_rows(max_batch)
+        return TritonGraphBuffers(torch.ones(max_batch, dtype=torch.int32, device=self.partial_out.device))
+
+    def plan_into(self, buffers: object, view: DecodeKVCache) -> TritonDecodePlan:
+        assert isinstance(buffers, TritonGraphBuffers)
+        num_splits = buffers.num_splits[: view.req_pool_indices.numel()]
+        cfg = self.config
+        num_splits.copy_(split_counts(view.seq_lens, cfg.decode_split_min_tokens, cfg.max_decode_splits))
+        return TritonDecodePlan(view, num_splits, self.partial_out, self.partial_lse)
 
     def forward(
         self,
@@ -58,18 +94,25 @@ class TritonBackend(AttentionBackend):
         k: torch.Tensor,
         v: torch.Tensor,
         layer_id: int,
-        kv_view: KVView,
+        plan: TritonPlan,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        self._check_fwd(q, k, v, layer_id, kv_view, sliding_window)
-        self._check_supported(q, kv_view)
+        if not isinstance(plan, (TritonPrefillPlan, TritonDecodePlan)):
+            raise ValueError(f"the triton backend attends with its own plan (plan(view)), got {type(plan).__name__}")
+        view = plan.view
+        self._check_fwd(q, k, v, layer_id, view, sliding_window)
+        self._check_supported(q, view)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        k_cache = kv_view.k_buffer[layer_id]
-        v_cache = kv_view.v_buffer[layer_id]
-        store_kv(k, v, k_cache, v_cache, kv_view.out_cache_loc)
-        if isinstance(kv_view, DecodeKVCache):
-            return decode_attention(q, k_cache, v_cache, kv_view, self.scale, sliding_window)
-        return prefill_attention(q, k_cache, v_cache, kv_view, self.scale, sliding_window)
+        k_cache = view.k_buffer[layer_id]
+        v_cache = view.v_buffer[layer_id]
+        store_kv(k, v, k_cache, v_cache, view.out_cache_loc)
+        if isinstance(plan, TritonDecodePlan):
+            return decode_attention(q, k_cache, v_cache, plan, self.scale, sliding_window)
+        return prefill_attention(q, k_cache, v_cache, plan, self.scale, sliding_window)
+
+    def _check_rows(self, batch: int) -> None:
+        if batch > self.config.max_rows:
+            raise ValueError(f"a decode batch of {batch} exceeds the triton backend's max_rows {self.config.max_rows}")
 
     @staticmethod
     def _check_device(device: torch.device) -> None:
@@ -94,17 +137,3 @@ class TritonBackend(AttentionBackend):
             raise ValueError("KV buffers must be contiguous in head_dim")
         if view.req_to_token.stride(-1) != 1:
             raise ValueError("req_to_token must be contiguous in its position dimension")
-        if isinstance(view, DecodeKVCache):
-            rows, heads, splits, dim = view.partial_out.shape
-            batch = view.req_pool_indices.numel()
-            if rows < batch or (heads, dim) != (self.n_heads, self.head_dim):
-                raise ValueError(
-                    f"partial_out {tuple(view.partial_out.shape)} must be [>= B={batch}, "
-                    f"{self.n_heads}, max_splits, {self.head_dim}]"
-                )
-            if view.partial_lse.shape != (rows, heads, splits):
-                raise ValueError(f"partial_lse {tuple(view.partial_lse.shape)} must be {(rows, heads, splits)}")
-            if view.partial_out.dtype != torch.float32 or view.partial_lse.dtype != torch.float32:
-                raise ValueError("partial_out / partial_lse must be float32")
-            if view.partial_out.stride(-1) != 1 or view.partial_lse.stride(-1) != 1:
-                raise ValueError("partial_out / partial_lse must be contiguous in their last dimension")

@@ -28,7 +28,7 @@ from tokenmill.attention.triton.common import (
     dot_precision,
     kernel_window,
 )
-from tokenmill.cache.views import DecodeKVCache
+from tokenmill.attention.triton.plan import TritonDecodePlan
 
 
 @triton.jit
@@ -165,7 +165,7 @@ def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    view: DecodeKVCache,
+    plan: TritonDecodePlan,
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
@@ -173,13 +173,14 @@ def decode_attention(
     ``sliding_window`` keys when given); returns ``[B, H, D]``.
 
     ``k_cache``/``v_cache`` are one layer's ``[n_slots, Hkv, D]``; this step's k/v must already be
-    stored. Uses ``view.partial_out/partial_lse`` rows ``0..B-1`` as scratch.
+    stored. Uses ``plan.partial_out/partial_lse`` rows ``0..B-1`` as scratch.
     """
     batch, n_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[1]
     group = n_heads // n_kv_heads
-    max_splits = view.partial_out.shape[2]
-    part_out, part_lse = view.partial_out, view.partial_lse
+    view = plan.view
+    max_splits = plan.partial_out.shape[2]
+    part_out, part_lse = plan.partial_out, plan.partial_lse
     out = torch.empty_like(q)
     if batch == 0:
         return out
@@ -191,7 +192,7 @@ def decode_attention(
         view.req_to_token,
         view.req_pool_indices,
         view.seq_lens,
-        view.num_splits,
+        plan.num_splits,
         part_out,
         part_lse,
         q.stride(0),
@@ -220,7 +221,7 @@ def decode_attention(
     _decode_combine_kernel[(batch, n_heads)](
         part_out,
         part_lse,
-        view.num_splits,
+        plan.num_splits,
         out,
         part_out.stride(0),
         part_out.stride(1),

@@ -24,7 +24,7 @@ from tokenmill.attention.triton.common import (
     dot_precision,
     kernel_window,
 )
-from tokenmill.cache.views import PrefillKVCache
+from tokenmill.attention.triton.plan import TritonPrefillPlan
 
 
 @triton.jit
@@ -127,7 +127,7 @@ def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    view: PrefillKVCache,
+    plan: TritonPrefillPlan,
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
@@ -138,11 +138,12 @@ def prefill_attention(
     stored. Returns ``[T, H, D]`` in ``q``'s dtype.
     """
     n_tokens, n_heads, head_dim = q.shape
-    n_tiles = view.tile_req.numel()
+    view = plan.view
+    n_tiles = plan.tile_req.numel()
     out = torch.empty_like(q)
     if n_tokens == 0 or n_tiles == 0:
         return out
-    block_m = dot_block(view.q_tile)
+    block_m = dot_block(plan.q_tile)
     _prefill_kernel[(n_tiles, n_heads)](
         q,
         k_cache,
@@ -153,8 +154,8 @@ def prefill_attention(
         view.prefix_lens,
         view.extend_lens,
         view.qo_indptr,
-        view.tile_req,
-        view.tile_q_start,
+        plan.tile_req,
+        plan.tile_q_start,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -165,7 +166,7 @@ def prefill_attention(
         v_cache.stride(1),
         view.req_to_token.stride(0),
         scale * LOG2E,
-        view.q_tile,
+        plan.q_tile,
         kernel_window(sliding_window, view.req_to_token),
         GROUP=n_heads // k_cache.shape[1],
         HEAD_DIM=head_dim,

@@ -1,4 +1,4 @@
-"""When the engine gets a CUDA-graph runner: exactly when graphs are on, the KV cache lives on CUDA and
+"""When a model worker gets a CUDA-graph runner: exactly when graphs are on, the KV storage lives on CUDA and
 the attention backend is capturable (checked on CPU with stand-ins; no tensor is made on CUDA)."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine import cuda_graphs
+from tokenmill.worker import cuda_graphs
 
 
 class RecordingRunner:
     """Stands in for CudaGraphDecodeRunner, whose buffers would be allocated on CUDA."""
 
-    def __init__(self, model: object, cache: object, config: EngineConfig) -> None:
-        self.args = (model, cache, config)
+    def __init__(self, model: object, storage: object, table: object, config: EngineConfig) -> None:
+        self.args = (model, storage, table, config)
 
 
 @pytest.mark.parametrize(
@@ -28,12 +28,14 @@ def test_runner_exactly_when_enabled_on_cuda_with_a_capturable_backend(
     monkeypatch: pytest.MonkeyPatch, enabled: bool, device: str, backend: str | None
 ) -> None:
     monkeypatch.setattr(cuda_graphs, "CudaGraphDecodeRunner", RecordingRunner)
-    attention = None if backend is None else SimpleNamespace(supports_cuda_graphs=backend == "capturable")
+    capabilities = SimpleNamespace(cuda_graphs=backend == "capturable")
+    attention = None if backend is None else SimpleNamespace(capabilities=capabilities)
     model = SimpleNamespace(backend=attention)
-    cache = SimpleNamespace(storage=SimpleNamespace(k_buffer=SimpleNamespace(device=torch.device(device))))
+    storage = SimpleNamespace(k_buffer=SimpleNamespace(device=torch.device(device)))
+    table = torch.zeros(2, 4, dtype=torch.int32)
     config = EngineConfig(cuda_graphs=enabled)
-    runner = cuda_graphs.make_cuda_graph_runner(model, cache, config)
+    runner = cuda_graphs.make_cuda_graph_runner(model, storage, table, config)
     if enabled and device == "cuda" and backend == "capturable":
-        assert isinstance(runner, RecordingRunner) and runner.args == (model, cache, config)
+        assert isinstance(runner, RecordingRunner) and runner.args == (model, storage, table, config)
     else:
         assert runner is None

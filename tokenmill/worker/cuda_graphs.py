@@ -2,13 +2,16 @@
 
 A decode step of ``B`` requests runs in the graph of the smallest bucket ``bs >= B`` (1, 2, 4, 8,
 ... up to ``cuda_graph_max_batch``). Every tensor the captured forward reads lives in static
-buffers; :meth:`CudaGraphDecodeRunner.run` copies the step's metadata into them and replays.
+buffers: the runner holds the neutral view's (ids, positions, rows, lengths, slots) and the backend
+its own metadata (``graph_buffers``). :meth:`CudaGraphDecodeRunner.run` copies the step into the
+view's buffers, asks the backend to plan into its buffers (``plan_into``, outside the graph) and
+replays.
 Entries ``B .. bs-1`` are padding: token 0 at position 0 in request row 0 with one token of
 context, storing its k/v in ``RESERVED_SLOT`` (never handed to a request), so they
 read only valid slots and write nothing anyone reads. Sampling stays outside the graph.
 
 Requirements: a CUDA device and a backend whose decode forward is capturable
-(``supports_cuda_graphs``: fixed grid, no host sync); weights updated in place (as
+(``capabilities.cuda_graphs``: fixed grid, no host sync, a static plan); weights updated in place (as
 ``apply_update`` does) stay valid, since the graphs hold the parameters' addresses.
 """
 
@@ -18,8 +21,7 @@ import time
 
 import torch
 
-from tokenmill.cache.manager import CacheManager
-from tokenmill.cache.storage import RESERVED_SLOT
+from tokenmill.cache.storage import RESERVED_SLOT, KVStorage
 from tokenmill.cache.views import DecodeKVCache
 from tokenmill.config import EngineConfig
 from tokenmill.model.causal_lm import CausalLM
@@ -38,28 +40,31 @@ def batch_buckets(max_batch: int) -> list[int]:
     return buckets + [max_batch]
 
 
-def make_cuda_graph_runner(model: CausalLM, cache: CacheManager, config: EngineConfig) -> CudaGraphDecodeRunner | None:
-    """A runner when ``config.cuda_graphs`` is on, the cache lives on CUDA and the backend is capturable."""
-    device = cache.storage.k_buffer.device
-    if not config.cuda_graphs or device.type != "cuda":
+def make_cuda_graph_runner(
+    model: CausalLM, storage: KVStorage, table: torch.Tensor, config: EngineConfig
+) -> CudaGraphDecodeRunner | None:
+    """A runner when ``config.cuda_graphs`` is on, the KV storage lives on CUDA and the backend is capturable."""
+    if not config.cuda_graphs or storage.k_buffer.device.type != "cuda":
         return None
-    if model.backend is None or not model.backend.supports_cuda_graphs:
+    if model.backend is None or not model.backend.capabilities.cuda_graphs:
         return None
-    return CudaGraphDecodeRunner(model, cache, config)
+    return CudaGraphDecodeRunner(model, storage, table, config)
 
 
 class CudaGraphDecodeRunner:
     """Lazily captured decode graphs per batch bucket, replayed with metadata copied in place.
 
-    Engine thread only. ``run`` returns logits ``[B, vocab]`` that stay valid until the next
+    Worker thread only. ``run`` returns logits ``[B, vocab]`` that stay valid until the next
     ``run`` (they live in the graph's output buffer).
     """
 
-    def __init__(self, model: CausalLM, cache: CacheManager, config: EngineConfig) -> None:
+    def __init__(self, model: CausalLM, storage: KVStorage, table: torch.Tensor, config: EngineConfig) -> None:
         self.model = model
-        self.cache = cache
-        device = cache.storage.k_buffer.device
-        self.max_batch = min(config.cuda_graph_max_batch, cache.partial_out.shape[0])
+        self.backend = model.backend
+        self.storage = storage
+        self.table = table  # [max_rows, max_context_len] int32 request-to-token table the graphs read
+        device = storage.k_buffer.device
+        self.max_batch = min(config.cuda_graph_max_batch, table.shape[0])
         if self.max_batch < 1:
             raise ValueError(f"cuda_graph_max_batch must be >= 1, got {config.cuda_graph_max_batch}")
         self.buckets = batch_buckets(self.max_batch)
@@ -69,7 +74,7 @@ class CudaGraphDecodeRunner:
         self.req_pool_indices = torch.full((n,), PAD_ROW, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.full((n,), RESERVED_SLOT, dtype=torch.int64, device=device)
-        self.num_splits = torch.ones(n, dtype=torch.int32, device=device)
+        self.attention_buffers = self.backend.graph_buffers(n)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds: dict[int, float] = {}
@@ -87,8 +92,9 @@ class CudaGraphDecodeRunner:
         batch = input_ids.numel()
         size = self.bucket(batch)
         self._load(input_ids, positions, view, size)
+        plan = self._plan(size)
         if size not in self.graphs:
-            self._capture(size)
+            self._capture(size, plan)
         self.graphs[size].replay()
         return self.outputs[size][:batch]
 
@@ -100,35 +106,33 @@ class CudaGraphDecodeRunner:
         self.req_pool_indices[:n].copy_(view.req_pool_indices)
         self.seq_lens[:n].copy_(view.seq_lens)
         self.out_cache_loc[:n].copy_(view.out_cache_loc)
-        self.num_splits[:n].copy_(view.num_splits)
         if n < size:
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
             self.req_pool_indices[n:size].fill_(PAD_ROW)
             self.seq_lens[n:size].fill_(1)
             self.out_cache_loc[n:size].fill_(RESERVED_SLOT)
-            self.num_splits[n:size].fill_(1)
 
     def _view(self, size: int) -> DecodeKVCache:
         """The decode view over the first ``size`` static entries."""
-        cache = self.cache
         return DecodeKVCache(
-            k_buffer=cache.storage.k_buffer,
-            v_buffer=cache.storage.v_buffer,
-            req_to_token=cache.req_pool.table,
+            k_buffer=self.storage.k_buffer,
+            v_buffer=self.storage.v_buffer,
+            req_to_token=self.table,
             req_pool_indices=self.req_pool_indices[:size],
             seq_lens=self.seq_lens[:size],
             out_cache_loc=self.out_cache_loc[:size],
-            num_splits=self.num_splits[:size],
-            partial_out=cache.partial_out,
-            partial_lse=cache.partial_lse,
-            max_seq_len=cache.req_pool.max_context_len,  # an upper bound; capturable backends ignore it
+            max_seq_len=self.table.shape[1],  # an upper bound; capturable backends ignore it
         )
 
-    def _forward(self, size: int) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size], self._view(size))
+    def _plan(self, size: int) -> object:
+        """The backend's plan of the static view of ``size`` entries, written into its static buffers."""
+        return self.backend.plan_into(self.attention_buffers, self._view(size))
 
-    def _capture(self, size: int) -> None:
+    def _forward(self, size: int, plan: object) -> torch.Tensor:
+        return self.model(self.input_ids[:size], self.positions[:size], self._view(size), attention_plan=plan)
+
+    def _capture(self, size: int, plan: object) -> None:
         """Warm up (compiles kernels; rewrites this step's k/v with the same values), then capture."""
         started = time.perf_counter()
         torch.cuda.synchronize()
@@ -136,11 +140,11 @@ class CudaGraphDecodeRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward(size)
+                self._forward(size, plan)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self.outputs[size] = self._forward(size)
+            self.outputs[size] = self._forward(size, plan)
         self._pool = graph.pool()
         self.graphs[size] = graph
         torch.cuda.synchronize()
