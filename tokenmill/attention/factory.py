@@ -53,9 +53,9 @@ def _build_triton(shape: BackendShape, config: EngineConfig) -> AttentionBackend
         decode_split_min_tokens=config.decode_split_min_tokens,
         max_rows=config.max_running_requests,
     )
-    s = shape
+    device = config.resolved_device()
     return TritonBackend(
-        s.n_heads, s.n_kv_heads, s.head_dim, triton_config, config.resolved_device(), s.scale, s.softcap
+        shape.n_heads, shape.n_kv_heads, shape.head_dim, triton_config, device, shape.scale, shape.softcap
     )
 
 
