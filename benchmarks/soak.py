@@ -50,7 +50,7 @@ from tokenmill.engine.intake import RequestState
 from tokenmill.engine.sequence import Sequence
 from tokenmill.server.background import serve_in_background
 from tokenmill.server.config import ServerConfig
-from tokenmill.server.generation import Generation
+from tokenmill.server.shared.generation import Generation
 
 WORDS = ["hello", "world", "the", "cat", "dog", "sat", "on", "mat", "one", "two", "three", "def", "return", "x"]
 OPENAI_FINISH = {"stop", "length"}

@@ -31,7 +31,7 @@ from tokenmill.cli import build_parser, config_from_args
 from tokenmill.request import ParameterError
 from tokenmill.server.background import serve_in_background
 from tokenmill.server.config import ServerConfig
-from tokenmill.server.log_throttle import LogThrottle
+from tokenmill.server.http.log_throttle import LogThrottle
 
 KEY = "secret-key"
 AUTH = f"Authorization: Bearer {KEY}\r\n"

@@ -1,18 +1,14 @@
-"""The HTTP app: FastAPI app factory, API-key check, operational routes.
+"""The HTTP app: middleware in front of every route, the error shapes, and the routers of each API.
 
-Routes: OpenAI (:mod:`tokenmill.server.openai`, ``openai_chat``, ``openai_completions``, ``openai_responses``),
-Anthropic (:mod:`tokenmill.server.anthropic`), vLLM's ``/tokenize`` and ``/detokenize``
-(:mod:`tokenmill.server.tokenization`),
-``GET /health`` (200 while the engine loop runs, else 503; never needs the API key),
-``GET /metrics`` (Prometheus text), ``GET /version``, and the RL control routes of
-:mod:`tokenmill.server.admin` (weight updates from disk under ``allowed_weight_roots``,
-pause/resume, weight version).
+Routes: OpenAI's and vLLM's (:mod:`tokenmill.server.openai`: models, chat completions, completions,
+responses, tokenization), Anthropic's (:mod:`tokenmill.server.anthropic`: messages), and the
+operations routes (:mod:`tokenmill.server.operations`: health, metrics, version, RL control).
 
 The options are a :class:`~tokenmill.server.config.ServerConfig`. With ``api_key`` set, every route
 but ``/health`` needs ``Authorization: Bearer KEY`` or ``x-api-key: KEY``, checked before the body is
-read (:class:`~tokenmill.server.auth.APIKeyCheck`). Request bodies over ``max_body_bytes`` are refused
-with 413, bodies not complete within ``body_timeout_seconds`` with 408
-(:class:`~tokenmill.server.body_limit.BodyLimits`). CORS is off unless ``allowed_origins`` names
+read (:class:`~tokenmill.server.http.auth.APIKeyCheck`). Request bodies over ``max_body_bytes`` are
+refused with 413, bodies not complete within ``body_timeout_seconds`` with 408
+(:class:`~tokenmill.server.http.body_limit.BodyLimits`). CORS is off unless ``allowed_origins`` names
 origins (``"*"``: any); then browsers on those origins may call every route (preflights are
 answered before the API-key check, which then applies as usual).
 Starting and stopping a server: :mod:`tokenmill.server.lifecycle`.
@@ -20,30 +16,20 @@ Starting and stopping a server: :mod:`tokenmill.server.lifecycle`.
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenmill import __version__
 from tokenmill.engine.engine import Engine
 from tokenmill.metrics import ServerMetrics
-from tokenmill.server import (
-    admin,
-    anthropic,
-    openai,
-    openai_chat,
-    openai_completions,
-    openai_responses,
-    tokenization,
-)
-from tokenmill.server.auth import APIKeyCheck
-from tokenmill.server.body_limit import BodyLimits
+from tokenmill.server.anthropic import messages
 from tokenmill.server.config import ServerConfig
-from tokenmill.server.errors import install_error_handlers
-from tokenmill.server.state import ServerState, State
+from tokenmill.server.http.auth import APIKeyCheck
+from tokenmill.server.http.body_limit import BodyLimits
+from tokenmill.server.http.errors import install_error_handlers
+from tokenmill.server.http.state import ServerState
+from tokenmill.server.openai import chat, completions, models, responses, tokenization
+from tokenmill.server.operations import rl_control, status
 
 
 def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI:
@@ -67,26 +53,7 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
         )
     app.state.server = ServerState(engine, name, ServerMetrics(engine), config.allow_special_tokens_in_content)
     install_error_handlers(app, config.max_body_bytes)
-    app.include_router(openai.router)
-    app.include_router(openai_chat.router)
-    app.include_router(openai_completions.router)
-    app.include_router(openai_responses.router)
-    app.include_router(anthropic.router)
-    app.include_router(tokenization.router)
-    app.include_router(admin.build_router(config.allowed_weight_roots))
-
-    @app.get("/health")
-    async def health(state: State) -> JSONResponse:
-        if state.engine.is_healthy():
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "engine is not running"}, status_code=503)
-
-    @app.get("/metrics")
-    async def metrics(state: State) -> Response:
-        return Response(await asyncio.to_thread(state.metrics.render), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
-
+    for module in (models, chat, completions, responses, tokenization, messages, status):
+        app.include_router(module.router)
+    app.include_router(rl_control.build_router(config.allowed_weight_roots))
     return app

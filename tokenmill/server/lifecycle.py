@@ -1,17 +1,17 @@
 """Starting and stopping a server: ``run_server``, and the drain that makes shutdown graceful.
 
 ``run_server`` shuts down gracefully on SIGTERM or SIGINT: the listening socket is closed, requests
-that still arrive get 503, those in flight get the config's ``shutdown_grace_seconds`` to finish, then the
-engine aborts the rest (streams end with ``finish_reason: "abort"``) and a request whose body is
-still arriving is answered 503, the engine stops, and ``run_server`` returns normally
+that still arrive get 503, those in flight get the config's ``shutdown_grace_seconds`` to finish,
+then the engine aborts the rest (streams end with ``finish_reason: "abort"``) and a request whose
+body is still arriving is answered 503, the engine stops, and ``run_server`` returns normally
 (``tokenmill serve`` exits 0).
 
 Every connection's time is bounded (the connection limits of
 :class:`~tokenmill.server.config.ServerConfig`): headers
-(:mod:`~tokenmill.server.header_deadline`), body (:class:`~tokenmill.server.body_limit.BodyLimits`),
-keep-alive idle time and the number of connections (uvicorn's own settings); messages that a
-client or a lack of file descriptors can repeat at will are throttled in the log
-(:mod:`~tokenmill.server.log_throttle`).
+(:mod:`~tokenmill.server.http.header_deadline`), body
+(:class:`~tokenmill.server.http.body_limit.BodyLimits`), keep-alive idle time and the number of
+connections (uvicorn's own settings); messages that a client or a lack of file descriptors can
+repeat at will are throttled in the log (:mod:`~tokenmill.server.http.log_throttle`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine, EngineDeadError
 from tokenmill.server.app import create_app
 from tokenmill.server.config import ServerConfig
-from tokenmill.server.errors import APIError, error_response
-from tokenmill.server.header_deadline import HeaderDeadlineH11Protocol
-from tokenmill.server.log_throttle import install_log_throttle
+from tokenmill.server.http.errors import APIError, error_response
+from tokenmill.server.http.header_deadline import HeaderDeadlineH11Protocol
+from tokenmill.server.http.log_throttle import install_log_throttle
 
 logger = logging.getLogger("tokenmill.server")
 
