@@ -49,8 +49,8 @@ from tokenmill import Engine
 from tokenmill.engine.request_state import RequestState
 from tokenmill.engine.sequence import Sequence
 from tokenmill.server.background import serve_in_background
-from tokenmill.server.generation import Generation
-from tokenmill.server.limits import ConnectionLimits
+from tokenmill.server.config import ServerConfig
+from tokenmill.server.shared.generation import Generation
 
 WORDS = ["hello", "world", "the", "cat", "dog", "sat", "on", "mat", "one", "two", "three", "def", "return", "x"]
 OPENAI_FINISH = {"stop", "length"}
@@ -326,7 +326,7 @@ async def _oversized_stop(client: httpx.AsyncClient, url: str, model: str) -> st
 
 
 async def _attacker(
-    kind: str, url: str, model: str, limits: ConnectionLimits, stop: asyncio.Event, result: AttackResult
+    kind: str, url: str, model: str, limits: ServerConfig, stop: asyncio.Event, result: AttackResult
 ) -> None:
     """Attack until ``stop`` is set, one connection or request at a time, each followed until the server ends it."""
     host, port = url.removeprefix("http://").split(":")
@@ -350,7 +350,7 @@ async def _attacker(
 
 
 async def run_with_attacks(
-    url: str, calls: list[Call], concurrency: int, attackers: int, model: str, limits: ConnectionLimits
+    url: str, calls: list[Call], concurrency: int, attackers: int, model: str, limits: ServerConfig
 ) -> tuple[SoakResult, AttackResult, int]:
     """``run_calls`` beside ``attackers`` clients of each kind in :data:`ATTACKS`.
 
@@ -441,9 +441,9 @@ def rss_mb() -> float:
 
 
 @contextlib.contextmanager
-def serving(engine: Engine, **app_options: Any) -> Iterator[str]:
-    """Serve ``engine`` on a free loopback port in a background thread; yields the base URL."""
-    with serve_in_background(engine, **app_options) as port:
+def serving(engine: Engine, config: ServerConfig) -> Iterator[str]:
+    """Serve ``engine`` as ``config`` says on a free loopback port in a background thread; yields the base URL."""
+    with serve_in_background(engine, config) as port:
         yield f"http://127.0.0.1:{port}"
 
 
@@ -457,18 +457,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-kv-slots", type=int, default=8192)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--attackers", type=int, default=2, help="attack clients of each kind beside the soak")
-    defaults = ConnectionLimits()
+    defaults = ServerConfig()
     parser.add_argument("--header-timeout-seconds", type=float, default=defaults.header_timeout_seconds)
     parser.add_argument("--body-timeout-seconds", type=float, default=defaults.body_timeout_seconds)
     args = parser.parse_args(argv)
 
-    limits = ConnectionLimits(
+    limits = ServerConfig(
         header_timeout_seconds=args.header_timeout_seconds, body_timeout_seconds=args.body_timeout_seconds
     )
     engine = Engine(model=args.model, num_kv_slots=args.num_kv_slots)
     model = engine.config.model_path().name
     try:
-        with serving(engine, limits=limits) as url:
+        with serving(engine, limits) as url:
             warm = asyncio.run(run_calls(url, make_calls(args.warmup, args.seed, model), args.concurrency))
             leaks(engine)
             rss_before = rss_mb()

@@ -125,7 +125,7 @@ def test_every_option_of_every_command_explains_itself() -> None:
     assert {"tokenmill bench serve --request-rate", "tokenmill generate --no-cuda-graphs"} <= set(every)
     undocumented = sorted(name for name, action in every.items() if not action.help or not action.help.strip())
     assert undocumented == []
-    # the engine options' help is the EngineConfig field's docstring, as config.py has it, and the default
+    # the engine options' help is the EngineConfig field's help, as config.py has it, and the default
     page_size = "Slots per KV page (power of two, 1..256). 1 = token-level allocation."
     assert every["tokenmill serve --page-size"].help == page_size + " (default: 1)"
 

@@ -1,107 +1,81 @@
 """Command line: ``tokenmill generate | chat | serve | bench``.
 
-Every :class:`~tokenmill.config.EngineConfig` field is also an option (``--max-running-requests``), its
-help the field's docstring. ``generate`` and ``chat`` take the sampling settings the user does not give
-from the model's ``generation_config.json`` (vLLM's ``--generation-config auto``), else from
-:data:`SAMPLING_DEFAULTS`.
+Every :class:`~tokenmill.config.EngineConfig` field is also an option (``--max-running-requests``), and
+``serve`` has one per :class:`~tokenmill.server.config.ServerConfig` field, each derived by
+:func:`add_options` from the field's help and section. ``generate`` and ``chat`` take the sampling
+settings the user does not give from the model's ``generation_config.json`` (vLLM's
+``--generation-config auto``), else from :data:`SAMPLING_DEFAULTS`.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import asyncio
 import dataclasses
-import inspect
 import json
 import logging
 import sys
-import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, TypeVar
 
 from tokenmill.config import EngineConfig
 from tokenmill.request import SamplingParams
-from tokenmill.server.limits import ConnectionLimits
+from tokenmill.server.config import ServerConfig
 
-
-class FieldDoc(NamedTuple):
-    section: str
-    """The ``# comment`` heading the field's block in the class ("" for the fields above the first)."""
-    text: str
-    """The field's attribute docstring (the string literal under it), on one line."""
-
-
-def field_docs(cls: type) -> dict[str, FieldDoc]:
-    """The section and docstring of each documented field of the dataclass ``cls``, read from its source."""
-    source = textwrap.dedent(inspect.getsource(cls))
-    lines = source.splitlines()
-    (class_def,) = ast.parse(source).body
-    body = class_def.body
-    docs, section = {}, ""
-    for before, node, after in zip([class_def, *body], body, [*body[1:], None]):
-        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
-            continue
-        gap = lines[(before.end_lineno if before is not class_def else class_def.lineno) : node.lineno - 1]
-        comments = [line.strip().lstrip("#").strip() for line in gap if line.strip().startswith("#")]
-        if comments:
-            section = comments[0].split(" (")[0]
-        if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
-            docs[node.target.id] = FieldDoc(section, " ".join(after.value.value.split()))
-    return docs
+Config = TypeVar("Config")
 
 
 def _help(text: str, default: Any) -> str:
-    """argparse help: ``text`` (``%`` escaped) and the default."""
+    """argparse help: ``text`` (``%`` escaped) and the default (a tuple as its items, comma-separated)."""
+    if isinstance(default, tuple):
+        default = ", ".join(default) or "none"
     return f"{text.replace('%', '%%')} (default: {default})"
 
 
-def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    hints = typing.get_type_hints(EngineConfig)
-    docs = field_docs(EngineConfig)
+def _comma_list(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type, title_prefix: str = "") -> None:
+    """One flag per field of the dataclass ``cls`` (``max_running_requests`` -> ``--max-running-requests``),
+    from the field's :func:`~tokenmill.config.option` metadata: listed in the group titled ``title_prefix`` +
+    its section, its help followed by its default. A flag not given is None (:func:`config_from_args`); a
+    flag the parser already has (``--seed`` of the sampling options) serves both."""
+    hints = typing.get_type_hints(cls)
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for f in dataclasses.fields(EngineConfig):
-        kind = hints[f.name]
-        if isinstance(kind, types.UnionType):  # X | None
-            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        if flag in parser._option_string_actions:  # a sampling option of the same name (--seed) serves both
+        if flag in parser._option_string_actions:
             continue
-        doc = docs.get(f.name, FieldDoc("", ""))
-        title = f"engine options: {doc.section or 'model'}"
+        title = title_prefix + f.metadata["section"]
         if title not in groups:
             groups[title] = parser.add_argument_group(title)
         group = groups[title]
-        help_text = _help(doc.text, f.default) if doc.text else None
+        kind = hints[f.name]
+        if isinstance(kind, types.UnionType):  # X | None
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        help_text = _help(f.metadata["help"], f.default)
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            group.add_argument(flag, type=kind, default=None, metavar=kind.__name__.upper(), help=help_text)
+            continue
+        if typing.get_origin(kind) is tuple:  # one flag, repeatable, of several words (or comma-separated ones)
+            word = typing.get_args(kind)[0]
+            metavar = f.metadata.get("metavar", word.__name__.upper())
+            if f.metadata.get("comma_separated"):
+                group.add_argument(flag, action="extend", type=_comma_list, metavar=metavar, help=help_text)
+            else:
+                group.add_argument(flag, action="extend", nargs="+", type=word, metavar=metavar, help=help_text)
+            continue
+        metavar = f.metadata.get("metavar", kind.__name__.upper())
+        group.add_argument(flag, type=kind, default=None, metavar=metavar, help=help_text)
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from the options given on the command line (others keep their defaults)."""
-    given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in given.items() if v is not None})
-
-
-def _add_connection_limit_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("connection limits")
-    hints = typing.get_type_hints(ConnectionLimits)
-    for f in dataclasses.fields(ConnectionLimits):
-        help_text = _help(f.metadata["help"], f.default)
-        kind = hints[f.name]
-        group.add_argument(
-            "--" + f.name.replace("_", "-"), type=kind, default=None, metavar=kind.__name__.upper(), help=help_text
-        )
-
-
-def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
-    """ConnectionLimits from the options given on the command line (others keep their defaults)."""
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ConnectionLimits)}
-    return ConnectionLimits(**{k: v for k, v in given.items() if v is not None})
+def config_from_args(cls: type[Config], args: argparse.Namespace) -> Config:
+    """``cls`` from the flags :func:`add_options` added and the command line gave (others keep their defaults)."""
+    given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in given.items() if v is not None})
 
 
 SAMPLING_DEFAULTS: dict[str, Any] = {
@@ -186,7 +160,7 @@ async def _stream(engine: Any, prompt: str | list[int], params: SamplingParams) 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tokenmill.engine.engine import Engine
 
-    config = engine_config(args)
+    config = config_from_args(EngineConfig, args)
     params = _sampling_params(args, config.model_path())
     engine = Engine(config)
     try:
@@ -200,7 +174,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from tokenmill.engine.engine import Engine
 
-    config = engine_config(args)
+    config = config_from_args(EngineConfig, args)
     params = _sampling_params(args, config.model_path())
     engine = Engine(config)
     messages: list[dict[str, str]] = []
@@ -226,36 +200,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
         engine.shutdown()
 
 
-CORS_OPTIONS = {  # run_server's CORS parameter -> what it lists, and its default
-    "allowed_origins": ("origins browsers may call the server from, '*' for any", "none, CORS off"),
-    "allowed_methods": ("HTTP methods allowed from those origins", "*"),
-    "allowed_headers": ("request headers allowed from those origins", "*"),
-}
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.distributed.group import launched_place
     from tokenmill.server.lifecycle import run_server
 
+    engine_config = config_from_args(EngineConfig, args)
     place = launched_place()
     if place is not None and place.rank > 0:  # torchrun started every rank: rank 0 serves, the others are workers
         from tokenmill.distributed.worker_process import launched_worker_main
 
-        launched_worker_main(engine_config(args))  # exits the process once rank 0 stops it
-    grace = {} if args.shutdown_grace_seconds is None else {"shutdown_grace_seconds": args.shutdown_grace_seconds}
-    run_server(
-        engine_config(args),
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        api_key=args.api_key,
-        max_body_bytes=args.max_body_bytes,
-        allowed_weight_roots=args.allowed_weight_roots,
-        limits=connection_limits(args),
-        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-        **grace,
-        **{name: getattr(args, name) for name in CORS_OPTIONS if getattr(args, name)},
-    )
+        launched_worker_main(engine_config)  # exits the process once rank 0 stops it
+    run_server(engine_config, config_from_args(ServerConfig, args))
     return 0
 
 
@@ -270,14 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete one prompt, streaming to stdout")
     gen.add_argument("prompt")
     _add_sampling_options(gen)
-    _add_engine_options(gen)
+    add_options(gen, EngineConfig, "engine options: ")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="chat with the model (interactive, or --message for one turn)")
     chat.add_argument("--message", action="append", default=None, help="a user turn (repeatable); else stdin")
     chat.add_argument("--system", default=None, help="system prompt (default: none)")
     _add_sampling_options(chat)
-    _add_engine_options(chat)
+    add_options(chat, EngineConfig, "engine options: ")
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser(
@@ -285,45 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="OpenAI- and Anthropic-compatible HTTP server",
         description="Under torchrun (tensor parallelism over machines) rank 0 serves and the other ranks run workers.",
     )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    serve.add_argument("--served-model-name", default=None, help="model name clients send (default: folder name)")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or x-api-key)")
-    serve.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=4 * 1024 * 1024,
-        help="a request body larger than this gets 413 (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--allowed-weight-roots",
-        nargs="+",
-        default=[],
-        metavar="DIR",
-        help="folders POST /update_weights_from_disk may load checkpoints from (default: none)",
-    )
-    serve.add_argument(
-        "--shutdown-grace-seconds",
-        type=float,
-        default=None,
-        metavar="S",
-        help="on SIGTERM/SIGINT, seconds running requests get to finish before they are aborted (default: 10)",
-    )
-    serve.add_argument(
-        "--allow-special-tokens-in-content",
-        action="store_true",
-        help="tokenize special-token text typed in chat messages as control tokens (default: as plain text)",
-    )
-    for name, (what, default) in CORS_OPTIONS.items():
-        serve.add_argument(
-            "--" + name.replace("_", "-"),
-            action="extend",
-            type=lambda value: [part.strip() for part in value.split(",") if part.strip()],
-            metavar="LIST",
-            help=f"CORS: {what}; repeatable or comma-separated (default: {default})",
-        )
-    _add_connection_limit_options(serve)
-    _add_engine_options(serve)
+    add_options(serve, ServerConfig)
+    add_options(serve, EngineConfig, "engine options: ")
     serve.set_defaults(func=cmd_serve)
 
     from tokenmill.bench import serve as bench_serve

@@ -8,7 +8,7 @@ cache manager's sizing; everything else is read as is.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,101 +30,190 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def option(default: Any, help: str, section: str, metavar: str | None = None, comma_separated: bool = False) -> Any:
+    """A documented dataclass field; the command line derives one flag from each (``cli.add_options``).
+
+    Its metadata holds ``help`` (what the option does), ``section`` (the group ``--help`` lists it
+    under) and, where they differ from the defaults, the flag's ``metavar`` (else the type's name) and
+    ``comma_separated`` (a tuple option whose words are also split at commas).
+    """
+    metadata: dict[str, Any] = {"help": help, "section": section}
+    if metavar is not None:
+        metadata["metavar"] = metavar
+    if comma_separated:
+        metadata["comma_separated"] = True
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class EngineConfig:
-    """Engine settings. All fields can be passed as keyword arguments to ``LLM(...)``."""
+    """Engine settings. All fields can be passed as keyword arguments to ``LLM(...)``; each is an
+    :func:`option`, its help and section in the field's metadata."""
 
-    model: str | None = None
-    """Path to a Hugging Face checkpoint folder; None means the bundled default model."""
-    dtype: str = "auto"
-    """"auto" (CPU: bf16 with native bf16 hardware, else fp32; GPU: the checkpoint's dtype), "float32",
-    "bfloat16" or "float16"."""
-    device: str = "auto"
-    """"auto" (cuda if available, else cpu), or any torch device string."""
-    seed: int = 0
-    """Seed of the engine's default random generator (requests without a seed)."""
-    skip_tokenizer_init: bool = False
-    """Run without a tokenizer: prompts must be token ids, outputs carry token ids and no text."""
+    model: str | None = option(
+        None,
+        "Path to a Hugging Face checkpoint folder; None means the bundled default model.",
+        section="model",
+    )
+    dtype: str = option(
+        "auto",
+        '"auto" (CPU: bf16 with native bf16 hardware, else fp32; GPU: the checkpoint\'s dtype), "float32",'
+        ' "bfloat16" or "float16".',
+        section="model",
+    )
+    device: str = option("auto", '"auto" (cuda if available, else cpu), or any torch device string.', section="model")
+    seed: int = option(0, "Seed of the engine's default random generator (requests without a seed).", section="model")
+    skip_tokenizer_init: bool = option(
+        False,
+        "Run without a tokenizer: prompts must be token ids, outputs carry token ids and no text.",
+        section="model",
+    )
 
-    # KV cache
-    kv_cache_dtype: str = "auto"
-    """"auto" (the model's dtype), "float32", "bfloat16" or "float16" (CPU backends: fp32 or bf16)."""
-    page_size: int = 1
-    """Slots per KV page (power of two, 1..256). 1 = token-level allocation."""
-    num_kv_slots: int | None = None
-    """Exact number of KV slots; overrides the memory budget below when set."""
-    kv_cache_memory: int | None = None
-    """KV cache budget in bytes; when None, ``kv_cache_memory_fraction`` of free memory is used."""
-    kv_cache_memory_fraction: float | None = None
-    """Fraction of free memory (after weights) for the KV cache; None = 0.85 on GPU, 0.1 on CPU."""
-    max_kv_slots: int = 262_144
-    """Upper bound on slots derived from a memory budget (keeps CPU allocations sane)."""
-    enable_prefix_caching: bool = True
-    """Share full KV pages between requests with identical prefixes (radix cache)."""
+    kv_cache_dtype: str = option(
+        "auto",
+        '"auto" (the model\'s dtype), "float32", "bfloat16" or "float16" (CPU backends: fp32 or bf16).',
+        section="KV cache",
+    )
+    page_size: int = option(
+        1,
+        "Slots per KV page (power of two, 1..256). 1 = token-level allocation.",
+        section="KV cache",
+    )
+    num_kv_slots: int | None = option(
+        None,
+        "Exact number of KV slots; overrides the memory budget below when set.",
+        section="KV cache",
+    )
+    kv_cache_memory: int | None = option(
+        None,
+        "KV cache budget in bytes; when None, ``kv_cache_memory_fraction`` of free memory is used.",
+        section="KV cache",
+    )
+    kv_cache_memory_fraction: float | None = option(
+        None,
+        "Fraction of free memory (after weights) for the KV cache; None = 0.85 on GPU, 0.1 on CPU.",
+        section="KV cache",
+    )
+    max_kv_slots: int = option(
+        262_144,
+        "Upper bound on slots derived from a memory budget (keeps CPU allocations sane).",
+        section="KV cache",
+    )
+    enable_prefix_caching: bool = option(
+        True,
+        "Share full KV pages between requests with identical prefixes (radix cache).",
+        section="KV cache",
+    )
 
-    # Batching
-    max_running_requests: int = 128
-    """Rows in the request-to-token table: the most requests running at once."""
-    max_context_len: int | None = None
-    """Longest prompt + output; None means the model's limit."""
-    max_num_batched_tokens: int = 2048
-    """Per-step token budget: prefill chunks plus decode tokens in one forward."""
-    max_waiting_requests: int = 4096
-    """Bound on the waiting queue; new requests beyond it are refused."""
+    max_running_requests: int = option(
+        128,
+        "Rows in the request-to-token table: the most requests running at once.",
+        section="Batching",
+    )
+    max_context_len: int | None = option(
+        None,
+        "Longest prompt + output; None means the model's limit.",
+        section="Batching",
+    )
+    max_num_batched_tokens: int = option(
+        2048,
+        "Per-step token budget: prefill chunks plus decode tokens in one forward.",
+        section="Batching",
+    )
+    max_waiting_requests: int = option(
+        4096,
+        "Bound on the waiting queue; new requests beyond it are refused.",
+        section="Batching",
+    )
 
-    # Attention
-    attention_backend: str = "auto"
-    """"auto" (triton on CUDA; "cpu" for fp32 on CPU when its C++ kernels build; else torch), "torch",
-    "cpu" or "triton"; explicit choices are strict."""
-    prefill_q_tile: int = 16
-    """Query rows per tile of the ragged prefill kernel."""
-    max_decode_splits: int = 16
-    """Cap on the number of KV splits per request in the split-KV decode kernel."""
-    decode_split_min_tokens: int = 256
-    """A decode split covers at least this many context tokens."""
+    attention_backend: str = option(
+        "auto",
+        '"auto" (triton on CUDA; "cpu" for fp32 on CPU when its C++ kernels build; else torch), "torch", '
+        '"cpu" or "triton"; explicit choices are strict.',
+        section="Attention",
+    )
+    prefill_q_tile: int = option(16, "Query rows per tile of the ragged prefill kernel.", section="Attention")
+    max_decode_splits: int = option(
+        16,
+        "Cap on the number of KV splits per request in the split-KV decode kernel.",
+        section="Attention",
+    )
+    decode_split_min_tokens: int = option(
+        256,
+        "A decode split covers at least this many context tokens.",
+        section="Attention",
+    )
 
-    # Tensor parallelism
-    tensor_parallel_size: int = 1
-    """Processes the model is split over (``tokenmill.distributed``): this one (rank 0: scheduler,
-    cache bookkeeping, sampling) and ``tensor_parallel_size - 1`` workers it spawns (gloo on CPU,
-    NCCL on GPU: one GPU each). 1 runs everything in this process."""
-    distributed_timeout_s: float = 60.0
-    """Seconds any collective of the tensor-parallel group may take before it fails (a worker that
-    hangs or dies then fails the engine instead of blocking it; idle workers get heartbeats). Starting
-    the ranks and loading their shards may take up to 600 s (or this, if longer)."""
+    tensor_parallel_size: int = option(
+        1,
+        "Processes the model is split over (``tokenmill.distributed``): this one (rank 0: scheduler, "
+        "cache bookkeeping, sampling) and ``tensor_parallel_size - 1`` workers it spawns (gloo on CPU, "
+        "NCCL on GPU: one GPU each). 1 runs everything in this process.",
+        section="Tensor parallelism",
+    )
+    distributed_timeout_s: float = option(
+        60.0,
+        "Seconds any collective of the tensor-parallel group may take before it fails (a worker that "
+        "hangs or dies then fails the engine instead of blocking it; idle workers get heartbeats). "
+        "Starting the ranks and loading their shards may take up to 600 s (or this, if longer).",
+        section="Tensor parallelism",
+    )
 
-    # CUDA graphs
-    cuda_graphs: bool = True
-    """Capture steady-state decode steps in CUDA graphs (GPU only)."""
-    cuda_graph_max_batch: int = 64
-    """Largest decode batch captured in a CUDA graph."""
+    cuda_graphs: bool = option(
+        True,
+        "Capture steady-state decode steps in CUDA graphs (GPU only).",
+        section="CUDA graphs",
+    )
+    cuda_graph_max_batch: int = option(64, "Largest decode batch captured in a CUDA graph.", section="CUDA graphs")
 
-    # Request caps (checked by SamplingParams.validate for every request, API and server alike)
-    max_n: int = 16
-    """Most completions per request."""
-    max_tokens_cap: int | None = None
-    """Most output tokens per request; a request without max_tokens gets this (or less, to fit)."""
-    max_top_logprobs: int = 20
-    """Most alternatives per token in logprobs / prompt_logprobs."""
-    max_stop_strings: int = 16
-    """Most stop strings per request."""
-    max_stop_chars: int = 2048
-    """Most characters in all of a request's stop strings together (bounds the stop-string matching
-    state and the streaming hold-back, which is shorter than the longest stop string)."""
-    max_stop_token_ids: int = 64
-    """Most entries in a request's ``stop_token_ids`` (checked as a set built once per sequence)."""
-    max_structured_output_chars: int = 32_768
-    """Most characters in a request's ``structured_outputs`` spec (a schema counts as its compact JSON
-    text; choices as their total length): bounds the grammar compile time and memory."""
-    structured_output_compile_timeout: float = 10.0
-    """Seconds a request's grammar may take to compile at intake before the request is refused
-    (ParameterError "structured_outputs"). A compile cannot be interrupted: an overrunning one
-    finishes in the background, and its result goes to the compile cache."""
-    structured_output_cache_bytes: int = 64 * 2**20
-    """Memory for compiled grammars kept for reuse (least recently used dropped first)."""
-    tokenizer_threads: int = 4
-    """Threads that tokenize off the event loop (AsyncEngine and the HTTP server); more concurrent
-    tokenizations wait for one of them instead of taking other worker threads."""
+    # checked by SamplingParams.validate for every request, API and server alike
+    max_n: int = option(16, "Most completions per request.", section="Request caps")
+    max_tokens_cap: int | None = option(
+        None,
+        "Most output tokens per request; a request without max_tokens gets this (or less, to fit).",
+        section="Request caps",
+    )
+    max_top_logprobs: int = option(
+        20,
+        "Most alternatives per token in logprobs / prompt_logprobs.",
+        section="Request caps",
+    )
+    max_stop_strings: int = option(16, "Most stop strings per request.", section="Request caps")
+    max_stop_chars: int = option(
+        2048,
+        "Most characters in all of a request's stop strings together (bounds the stop-string matching "
+        "state and the streaming hold-back, which is shorter than the longest stop string).",
+        section="Request caps",
+    )
+    max_stop_token_ids: int = option(
+        64,
+        "Most entries in a request's ``stop_token_ids`` (checked as a set built once per sequence).",
+        section="Request caps",
+    )
+    max_structured_output_chars: int = option(
+        32_768,
+        "Most characters in a request's ``structured_outputs`` spec (a schema counts as its compact JSON "
+        "text; choices as their total length): bounds the grammar compile time and memory.",
+        section="Request caps",
+    )
+    structured_output_compile_timeout: float = option(
+        10.0,
+        "Seconds a request's grammar may take to compile at intake before the request is refused "
+        '(ParameterError "structured_outputs"). A compile cannot be interrupted: an overrunning one '
+        "finishes in the background, and its result goes to the compile cache.",
+        section="Request caps",
+    )
+    structured_output_cache_bytes: int = option(
+        64 * 2**20,
+        "Memory for compiled grammars kept for reuse (least recently used dropped first).",
+        section="Request caps",
+    )
+    tokenizer_threads: int = option(
+        4,
+        "Threads that tokenize off the event loop (AsyncEngine and the HTTP server); more concurrent "
+        "tokenizations wait for one of them instead of taking other worker threads.",
+        section="Request caps",
+    )
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size > 256 or self.page_size & (self.page_size - 1):

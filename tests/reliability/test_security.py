@@ -4,7 +4,6 @@ and no remote code from a model folder."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import pickle
@@ -19,10 +18,10 @@ import torch
 from tests.server.conftest import MODEL, Server, serve
 from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import Engine
-from tokenmill.cli import build_parser
+from tokenmill.cli import build_parser, config_from_args
 from tokenmill.model.loader import load_model
 from tokenmill.server.app import create_app
-from tokenmill.server.lifecycle import run_server
+from tokenmill.server.config import ServerConfig
 
 KEY = "k3y"
 AUTH = {"x-api-key": KEY}
@@ -64,17 +63,18 @@ def client(guarded: Server) -> Iterator[httpx.Client]:
 
 
 def test_serve_binds_loopback_by_default() -> None:
-    assert build_parser().parse_args(["serve"]).host == "127.0.0.1"
-    assert inspect.signature(run_server).parameters["host"].default == "127.0.0.1"
-    assert build_parser().parse_args(["serve"]).allowed_weight_roots == []  # weight loading from disk is off
+    default = config_from_args(ServerConfig, build_parser().parse_args(["serve"]))
+    assert default.host == "127.0.0.1"
+    assert default.allowed_weight_roots == ()  # weight loading from disk is off
     args = build_parser().parse_args(["serve", "--allowed-weight-roots", "a", "b", "--shutdown-grace-seconds", "2.5"])
-    assert (args.allowed_weight_roots, args.shutdown_grace_seconds) == (["a", "b"], 2.5)
+    config = config_from_args(ServerConfig, args)
+    assert (config.allowed_weight_roots, config.shutdown_grace_seconds) == (("a", "b"), 2.5)
 
 
 def test_every_route_but_health_needs_the_api_key(
     guarded: Server, client: httpx.Client, models: dict[str, Path]
 ) -> None:
-    app = create_app(guarded.engine, api_key=KEY, allowed_weight_roots=[models["roots"]])
+    app = create_app(guarded.engine, ServerConfig(api_key=KEY, allowed_weight_roots=[models["roots"]]))
     paths = app.openapi()["paths"]  # every route of the app (the schema is built even though it is not served)
     routes = {(method.upper(), path) for path, operations in paths.items() for method in operations}
     assert {

@@ -14,12 +14,12 @@ from benchmarks.soak import ATTACKS, leaks, make_calls, rss_mb, run_calls, run_w
 from tests.server.conftest import serve
 from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import Engine
-from tokenmill.server.limits import ConnectionLimits
+from tokenmill.server.config import ServerConfig
 
 BATCH = 100  # two batches: 200 requests
 CONCURRENCY = 16
 RSS_GROWTH_LIMIT_MB = 50
-LIMITS = ConnectionLimits(header_timeout_seconds=0.5, body_timeout_seconds=0.5)  # attack connections end fast
+LIMITS = {"header_timeout_seconds": 0.5, "body_timeout_seconds": 0.5}  # attack connections end fast
 
 
 def test_soak_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -27,7 +27,7 @@ def test_soak_leaves_nothing_behind(tmp_path: Path) -> None:
     # few KV slots for 16 clients x up to 3 choices: exercises preemption and prefix-cache eviction
     engine = Engine(dtype="float32", model=str(tmp_path), num_kv_slots=256, max_running_requests=32)
     model = tmp_path.name
-    with serve(engine, limits=LIMITS) as server:
+    with serve(engine, **LIMITS) as server:
         baseline = leaks(engine)
         calls = make_calls(BATCH, seed=1234, model=model)
         assert sum(c.leave_after_events is not None or c.leave_after_s is not None for c in calls) > 5
@@ -43,7 +43,9 @@ def test_soak_leaves_nothing_behind(tmp_path: Path) -> None:
         held = leaks(engine)
         rss_after = rss_mb()
 
-        attacked, attacks, peak = asyncio.run(run_with_attacks(server.url, calls, CONCURRENCY, 1, model, LIMITS))
+        attacked, attacks, peak = asyncio.run(
+            run_with_attacks(server.url, calls, CONCURRENCY, 1, model, ServerConfig(**LIMITS))
+        )
         assert attacked.errors == [] and attacked.refused == 0, attacked.errors[:5]
         assert attacks.errors == [], attacks.errors[:5]
         assert all(attacks.ended[kind] >= 1 for kind in ATTACKS), attacks

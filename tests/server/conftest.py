@@ -15,6 +15,7 @@ from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import Engine, SamplingParams
 from tokenmill.request import RequestOutput, accumulate
 from tokenmill.server.background import serve_in_background
+from tokenmill.server.config import ServerConfig
 
 MODEL = "tiny-llama"
 
@@ -30,10 +31,11 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(engine: Engine, **app_options) -> Iterator[Server]:
-    """Serve ``engine`` on a free loopback port until the block ends; the engine is shut down after."""
+def serve(engine: Engine, **options) -> Iterator[Server]:
+    """Serve ``engine`` on a free loopback port with the ServerConfig ``options`` until the block ends;
+    the engine is shut down after."""
     try:
-        with serve_in_background(engine, **app_options) as port:
+        with serve_in_background(engine, ServerConfig(**options)) as port:
             yield Server(engine, port)
     finally:
         engine.shutdown()

@@ -16,6 +16,7 @@ from tests.test_cli import tokenmill
 from tokenmill import Engine
 from tokenmill.bench.workload import make_workload
 from tokenmill.server.app import create_app
+from tokenmill.server.config import ServerConfig
 
 KEY = "k3y"
 REPORT_FIELDS = {
@@ -66,7 +67,7 @@ def test_bench_serve_needs_only_the_openai_routes(checkpoint: Path) -> None:
     """Against a server that requires an API key, the bench sends it and calls nothing but
     ``GET /v1/models`` and ``POST /v1/completions``: it runs unchanged against any OpenAI-compatible server."""
     engine = Engine(dtype="float32", model=str(checkpoint), num_kv_slots=1024)
-    recorder = PathRecorder(create_app(engine, api_key=KEY))
+    recorder = PathRecorder(create_app(engine, ServerConfig(api_key=KEY)))
     server = uvicorn.Server(uvicorn.Config(recorder, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -27,11 +27,11 @@ import pytest
 import tokenmill
 from tests.server.conftest import Server, serve
 from tokenmill import Engine
-from tokenmill.cli import build_parser, connection_limits
+from tokenmill.cli import build_parser, config_from_args
 from tokenmill.request import ParameterError
 from tokenmill.server.background import serve_in_background
-from tokenmill.server.limits import ConnectionLimits
-from tokenmill.server.log_throttle import LogThrottle
+from tokenmill.server.config import ServerConfig
+from tokenmill.server.http.log_throttle import LogThrottle
 
 KEY = "secret-key"
 AUTH = f"Authorization: Bearer {KEY}\r\n"
@@ -47,10 +47,8 @@ def tiny_engine(checkpoint: Path) -> Engine:
 
 @pytest.fixture(scope="module")
 def guarded(checkpoint: Path) -> Iterator[Server]:
-    limits = ConnectionLimits(
-        header_timeout_seconds=SHORT, body_timeout_seconds=SHORT, keep_alive_timeout_seconds=SHORT
-    )
-    with serve(tiny_engine(checkpoint), limits=limits, api_key=KEY, max_body_bytes=MAX_BODY) as live:
+    limits = {"header_timeout_seconds": SHORT, "body_timeout_seconds": SHORT, "keep_alive_timeout_seconds": SHORT}
+    with serve(tiny_engine(checkpoint), **limits, api_key=KEY, max_body_bytes=MAX_BODY) as live:
         yield live
 
 
@@ -94,11 +92,11 @@ def post_head(path: str, content_length: int | None, auth: str = AUTH) -> bytes:
 # ------------------------------------------------------------------------------------------ settings
 def test_limits_come_from_the_command_line_and_bad_ones_are_refused() -> None:
     args = build_parser().parse_args(["serve", "--header-timeout-seconds", "2.5", "--max-connections", "7"])
-    assert connection_limits(args) == ConnectionLimits(header_timeout_seconds=2.5, max_connections=7)
-    assert connection_limits(build_parser().parse_args(["serve"])) == ConnectionLimits()
+    assert config_from_args(ServerConfig, args) == ServerConfig(header_timeout_seconds=2.5, max_connections=7)
+    assert config_from_args(ServerConfig, build_parser().parse_args(["serve"])) == ServerConfig()
     for bad in ({"body_timeout_seconds": 0}, {"keep_alive_timeout_seconds": float("inf")}, {"max_connections": 1.5}):
         with pytest.raises(ParameterError) as refused:
-            ConnectionLimits(**bad)
+            ServerConfig(**bad)
         assert refused.value.param == next(iter(bad))
 
 
@@ -188,7 +186,7 @@ def test_a_chunked_body_over_the_cap_is_refused_while_it_streams(guarded: Server
 
 # ------------------------------------------------------------------------------------ connection cap
 def test_a_request_over_the_connection_cap_gets_503(checkpoint: Path) -> None:
-    with serve(tiny_engine(checkpoint), limits=ConnectionLimits(max_connections=2)) as server:
+    with serve(tiny_engine(checkpoint), max_connections=2) as server:
         with connect(server) as first, connect(server) as second:
             second.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
             assert read_response(second)[0] == 200  # two open connections: at the cap, not over it
@@ -205,7 +203,7 @@ def test_a_half_sent_body_is_cut_at_the_end_of_the_grace_period(checkpoint: Path
     engine = tiny_engine(checkpoint)
     answers: list[bytes] = []
     try:
-        with serve_in_background(engine, shutdown_grace_seconds=grace) as port:
+        with serve_in_background(engine, ServerConfig(shutdown_grace_seconds=grace)) as port:
             sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
             sock.sendall(post_head("/v1/completions", 100, auth="") + b'{"model": "tiny-llama", ')
             time.sleep(0.2)  # the request is in flight, waiting for the rest of its body

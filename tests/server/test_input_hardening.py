@@ -21,8 +21,8 @@ from transformers import AutoTokenizer
 from tests.server.conftest import MODEL, Server, serve
 from tokenmill import Engine
 from tokenmill.config import DEFAULT_MODEL_DIR
-from tokenmill.server.nesting import MAX_NESTING_DEPTH
-from tokenmill.server.tool_parser import ToolCallStream, parse_tool_calls
+from tokenmill.server.http.nesting import MAX_NESTING_DEPTH
+from tokenmill.server.shared.tool_parser import ToolCallStream, parse_tool_calls
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 2}

@@ -25,8 +25,8 @@ from tests.server.conftest import Server, serve, wait_until_idle
 from tests.server.scripted_model import save_scripted_checkpoint
 from tokenmill import LLM, Engine, SamplingParams
 from tokenmill.request import ParameterError
-from tokenmill.server.tool_constraint import forced_call
-from tokenmill.server.tool_parser import parse_tool_calls
+from tokenmill.server.shared.tool_constraint import forced_call
+from tokenmill.server.shared.tool_parser import parse_tool_calls
 
 DEFAULT = "default-model"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]

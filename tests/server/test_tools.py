@@ -17,7 +17,7 @@ import pytest
 from tests.server.conftest import Server, serve
 from tests.server.scripted_model import save_scripted_checkpoint
 from tokenmill import Engine
-from tokenmill.server.tool_parser import ToolCallStream, parse_tool_calls
+from tokenmill.server.shared.tool_parser import ToolCallStream, parse_tool_calls
 
 NAMES = {"get_weather", "get_time"}
 

@@ -7,35 +7,31 @@ same connection limits, and the same graceful drain when the block ends.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from tokenmill.engine.engine import Engine
-from tokenmill.server.lifecycle import DEFAULT_SHUTDOWN_GRACE_S, SHUTDOWN_BACKSTOP_S, build_server
-from tokenmill.server.limits import ConnectionLimits
+from tokenmill.server.config import ServerConfig
+from tokenmill.server.lifecycle import SHUTDOWN_BACKSTOP_S, build_server
 
 
 @contextlib.contextmanager
 def serve_in_background(
-    engine: Engine,
-    start_timeout: float = 60.0,
-    limits: ConnectionLimits | None = None,
-    shutdown_grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_S,
-    **app_options: Any,
+    engine: Engine, config: ServerConfig = ServerConfig(), start_timeout: float = 60.0
 ) -> Iterator[int]:
-    """Run the server on 127.0.0.1 for the duration of the block; yields the port.
+    """Run the server on 127.0.0.1 for the duration of the block, as ``config`` says but on a free port
+    (``config.host`` and ``config.port`` are not used); yields the port.
 
     When the block ends the server shuts down gracefully (requests in flight get
-    ``shutdown_grace_seconds``); the engine is left to the caller. ``app_options`` go to
-    :func:`~tokenmill.server.app.create_app`.
+    ``config.shutdown_grace_seconds``); the engine is left to the caller.
     """
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = build_server(engine, "127.0.0.1", port, limits, shutdown_grace_seconds, log_level="warning", **app_options)
+    server = build_server(engine, dataclasses.replace(config, host="127.0.0.1", port=port), log_level="warning")
     thread = threading.Thread(target=server.run, name="tokenmill-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout
@@ -47,4 +43,4 @@ def serve_in_background(
         yield port
     finally:
         server.should_exit = True
-        thread.join(shutdown_grace_seconds + SHUTDOWN_BACKSTOP_S + 30)
+        thread.join(config.shutdown_grace_seconds + SHUTDOWN_BACKSTOP_S + 30)

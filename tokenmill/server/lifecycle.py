@@ -1,16 +1,17 @@
 """Starting and stopping a server: ``run_server``, and the drain that makes shutdown graceful.
 
 ``run_server`` shuts down gracefully on SIGTERM or SIGINT: the listening socket is closed, requests
-that still arrive get 503, those in flight get ``shutdown_grace_seconds`` to finish, then the
-engine aborts the rest (streams end with ``finish_reason: "abort"``) and a request whose body is
-still arriving is answered 503, the engine stops, and ``run_server`` returns normally
+that still arrive get 503, those in flight get the config's ``shutdown_grace_seconds`` to finish,
+then the engine aborts the rest (streams end with ``finish_reason: "abort"``) and a request whose
+body is still arriving is answered 503, the engine stops, and ``run_server`` returns normally
 (``tokenmill serve`` exits 0).
 
-Every connection's time is bounded (:class:`~tokenmill.server.limits.ConnectionLimits`): headers
-(:mod:`~tokenmill.server.header_deadline`), body (:class:`~tokenmill.server.body_limit.BodyLimits`),
-keep-alive idle time and the number of connections (uvicorn's own settings); messages that a
-client or a lack of file descriptors can repeat at will are throttled in the log
-(:mod:`~tokenmill.server.log_throttle`).
+Every connection's time is bounded (the connection limits of
+:class:`~tokenmill.server.config.ServerConfig`): headers
+(:mod:`~tokenmill.server.http.header_deadline`), body
+(:class:`~tokenmill.server.http.body_limit.BodyLimits`), keep-alive idle time and the number of
+connections (uvicorn's own settings); messages that a client or a lack of file descriptors can
+repeat at will are throttled in the log (:mod:`~tokenmill.server.http.log_throttle`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
 
 import uvicorn
 from fastapi import Request
@@ -33,16 +32,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine, EngineDeadError
-from tokenmill.request import ParameterError
-from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, create_app
-from tokenmill.server.errors import APIError, error_response
-from tokenmill.server.header_deadline import HeaderDeadlineH11Protocol
-from tokenmill.server.limits import ConnectionLimits
-from tokenmill.server.log_throttle import install_log_throttle
+from tokenmill.server.app import create_app
+from tokenmill.server.config import ServerConfig
+from tokenmill.server.http.errors import APIError, error_response
+from tokenmill.server.http.header_deadline import HeaderDeadlineH11Protocol
+from tokenmill.server.http.log_throttle import install_log_throttle
 
 logger = logging.getLogger("tokenmill.server")
 
-DEFAULT_SHUTDOWN_GRACE_S = 10.0
 SHUTDOWN_BACKSTOP_S = 5.0  # after the grace period and the aborts, uvicorn cancels what is left
 ABORT_POLL_S = 0.1
 
@@ -165,81 +162,32 @@ def _exit_signals_consumed() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def build_server(
-    engine: Engine,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    limits: ConnectionLimits | None = None,
-    shutdown_grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_S,
-    log_level: str | None = None,
-    **app_options: Any,
-) -> GracefulServer:
-    """The server for ``engine``, with every connection limit and the graceful drain; ``.run()`` serves.
-
-    ``app_options`` go to :func:`~tokenmill.server.app.create_app`. ``log_level``: uvicorn's
-    (None: its default configuration).
-    """
-    if not shutdown_grace_seconds >= 0:
-        raise ParameterError("shutdown_grace_seconds", f"must be >= 0, got {shutdown_grace_seconds}")
-    limits = limits or ConnectionLimits()
-    gate = DrainGate(create_app(engine, body_timeout_seconds=limits.body_timeout_seconds, **app_options))
+def build_server(engine: Engine, config: ServerConfig = ServerConfig(), log_level: str | None = None) -> GracefulServer:
+    """The server for ``engine`` as ``config`` says, with every connection limit and the graceful drain;
+    ``.run()`` serves. ``log_level``: uvicorn's (None: its default configuration)."""
+    gate = DrainGate(create_app(engine, config))
     uvicorn_config = uvicorn.Config(
         gate,
-        host=host,
-        port=port,
-        http=functools.partial(HeaderDeadlineH11Protocol, header_timeout_s=limits.header_timeout_seconds),
+        host=config.host,
+        port=config.port,
+        http=functools.partial(HeaderDeadlineH11Protocol, header_timeout_s=config.header_timeout_seconds),
         ws="none",
-        timeout_keep_alive=limits.keep_alive_timeout_seconds,  # type: ignore[arg-type]  # a float works
-        limit_concurrency=limits.max_connections + 1,  # uvicorn counts the asking connection too
-        h11_max_incomplete_event_size=limits.max_header_bytes,
-        timeout_graceful_shutdown=int(shutdown_grace_seconds + SHUTDOWN_BACKSTOP_S),
+        timeout_keep_alive=config.keep_alive_timeout_seconds,  # type: ignore[arg-type]  # a float works
+        limit_concurrency=config.max_connections + 1,  # uvicorn counts the asking connection too
+        h11_max_incomplete_event_size=config.max_header_bytes,
+        timeout_graceful_shutdown=int(config.shutdown_grace_seconds + SHUTDOWN_BACKSTOP_S),
         log_level=log_level,
     )
     install_log_throttle()
-    return GracefulServer(uvicorn_config, gate, engine, shutdown_grace_seconds)
+    return GracefulServer(uvicorn_config, gate, engine, config.shutdown_grace_seconds)
 
 
-def run_server(
-    config: EngineConfig,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    served_model_name: str | None = None,
-    api_key: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    allowed_weight_roots: Iterable[str | Path] = (),
-    shutdown_grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_S,
-    limits: ConnectionLimits | None = None,
-    allow_special_tokens_in_content: bool = False,
-    allowed_origins: Sequence[str] = (),
-    allowed_methods: Sequence[str] = ("*",),
-    allowed_headers: Sequence[str] = ("*",),
-) -> None:
-    """Start an engine and serve it until SIGINT/SIGTERM, then shut down gracefully and return.
-
-    Graceful shutdown: see the module docstring; requests still running ``shutdown_grace_seconds``
-    after the signal are aborted. ``limits``: per-connection bounds (default: ``ConnectionLimits()``).
-    ``allowed_origins`` / ``allowed_methods`` / ``allowed_headers``: CORS (see
-    :func:`~tokenmill.server.app.create_app`; no origins: off).
-    """
-    if not shutdown_grace_seconds >= 0:
-        raise ParameterError("shutdown_grace_seconds", f"must be >= 0, got {shutdown_grace_seconds}")
-    engine = Engine(config)
+def run_server(engine_config: EngineConfig, config: ServerConfig = ServerConfig()) -> None:
+    """Start an engine for ``engine_config``, serve it as ``config`` says until SIGINT/SIGTERM, then
+    shut down gracefully (see the module docstring) and return."""
+    engine = Engine(engine_config)
     try:
-        server = build_server(
-            engine,
-            host,
-            port,
-            limits,
-            shutdown_grace_seconds,
-            served_model_name=served_model_name,
-            api_key=api_key,
-            max_body_bytes=max_body_bytes,
-            allowed_weight_roots=allowed_weight_roots,
-            allow_special_tokens_in_content=allow_special_tokens_in_content,
-            allowed_origins=allowed_origins,
-            allowed_methods=allowed_methods,
-            allowed_headers=allowed_headers,
-        )
+        server = build_server(engine, config)
         with _exit_signals_consumed():
             server.run()
     finally:

@@ -5,9 +5,9 @@ become its ``tool_calls`` (input as an object, as in HF's docs); each ``tool_res
 ``tool`` message (``tool_call_id`` = its ``tool_use_id``) in its place among the user's blocks.
 ``tools`` (``name``, ``description``, ``input_schema``) are rendered in the template's function form.
 ``tool_choice``: ``auto`` (the default) parses calls from the output, ``any`` and ``{"type": "tool"}``
-also force one call (:mod:`tokenmill.server.tool_constraint`), ``none`` offers no tools.
+also force one call (:mod:`tokenmill.server.shared.tool_constraint`), ``none`` offers no tools.
 
-Out: calls parsed from the output (:mod:`tokenmill.server.tool_parser`) become ``tool_use`` blocks
+Out: calls parsed from the output (:mod:`tokenmill.server.shared.tool_parser`) become ``tool_use`` blocks
 (``id`` ``toolu_...``) after the text block, and the stop reason is ``tool_use``. Streamed, each call
 is a ``content_block_start`` (tool_use, empty input), one ``input_json_delta`` with the whole input,
 and a ``content_block_stop``, sent once the output is complete.
@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.request import StructuredOutputsParams
-from tokenmill.server.content_text import joined_text
-from tokenmill.server.openai import tool_setup
-from tokenmill.server.protocol import AnthropicBlock, AnthropicMessage, FunctionName, MessagesPromptRequest
-from tokenmill.server.tool_constraint import forced_call
-from tokenmill.server.tool_parser import ToolCallStream, parse_tool_calls
+from tokenmill.server.anthropic.protocol import AnthropicBlock, AnthropicMessage, MessagesPromptRequest
+from tokenmill.server.shared.content_text import joined_text
+from tokenmill.server.shared.request_body import FunctionName
+from tokenmill.server.shared.tool_constraint import forced_call
+from tokenmill.server.shared.tool_parser import ToolCallStream, parse_tool_calls
+from tokenmill.server.shared.tools import tool_setup
 
 # Anthropic's tool_choice type -> OpenAI's tool_choice, as ``tool_setup`` takes it
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}

@@ -2,9 +2,9 @@
 
 Messages go through the model's chat template (in a worker thread); ``tools`` are passed to it
 unless ``tool_choice`` is "none", and the output is parsed for tool calls
-(:mod:`tokenmill.server.tool_parser`). ``tool_choice`` "required" or a named function constrains
-the output to one call (:mod:`tokenmill.server.tool_constraint`); ``response_format`` and vLLM's
-``structured_outputs`` / ``guided_*`` constrain it otherwise (:mod:`tokenmill.server.params`).
+(:mod:`tokenmill.server.shared.tool_parser`). ``tool_choice`` "required" or a named function constrains
+the output to one call (:mod:`tokenmill.server.shared.tool_constraint`); ``response_format`` and vLLM's
+``structured_outputs`` / ``guided_*`` constrain it otherwise (:mod:`tokenmill.server.openai.params`).
 Output cut short by ``max_tokens`` before a call is complete is returned as plain content.
 Without ``max_tokens`` a reply runs to the context limit (or ``max_tokens_cap``).
 """
@@ -20,25 +20,25 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.request import CompletionOutput, Logprob, RequestOutput
-from tokenmill.server.content_text import joined_text
-from tokenmill.server.errors import APIError, engine_errors
-from tokenmill.server.generation import Generation, until_disconnected
-from tokenmill.server.openai import (
+from tokenmill.server.http.errors import APIError, engine_errors
+from tokenmill.server.http.sse import SSEResponse, sse_event
+from tokenmill.server.http.state import ServerState, State
+from tokenmill.server.openai.output import (
     completion_object,
-    json_object_or_text,
     prompt_logprobs_json,
     raise_on_error,
     stream_error,
-    tool_setup,
     top_logprobs,
     usage_json,
 )
-from tokenmill.server.params import openai_params, structured_outputs, with_constraint_name
-from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
-from tokenmill.server.sse import SSEResponse, sse_event
-from tokenmill.server.state import ServerState, State
-from tokenmill.server.tool_constraint import output_constraint
-from tokenmill.server.tool_parser import ToolCall, ToolCallStream, parse_tool_calls
+from tokenmill.server.openai.params import openai_params, structured_outputs
+from tokenmill.server.openai.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from tokenmill.server.shared.content_text import joined_text
+from tokenmill.server.shared.generation import Generation, until_disconnected
+from tokenmill.server.shared.params import with_constraint_name
+from tokenmill.server.shared.tool_constraint import output_constraint
+from tokenmill.server.shared.tool_parser import ToolCall, ToolCallStream, parse_tool_calls
+from tokenmill.server.shared.tools import json_object_or_text, tool_setup
 
 router = APIRouter()
 

@@ -2,7 +2,7 @@
 
 A request passes with ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (constant-time compare);
 ``/health`` is always open. Any other request is answered 401 in the route's error shape
-(:func:`~tokenmill.server.errors.error_response`) from its headers alone: ``receive`` is never
+(:func:`~tokenmill.server.http.errors.error_response`) from its headers alone: ``receive`` is never
 called, so an unauthenticated client cannot make the server read or buffer a body, and the
 connection is closed after the answer.
 """
@@ -15,7 +15,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenmill.server.errors import APIError, error_response
+from tokenmill.server.http.errors import APIError, error_response
 
 OPEN_PATHS = frozenset({"/health"})
 

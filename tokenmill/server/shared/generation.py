@@ -22,8 +22,8 @@ from fastapi import Request
 
 from tokenmill.metrics import RequestTracker
 from tokenmill.request import RequestOutput, SamplingParams, accumulate
-from tokenmill.server.errors import APIError
-from tokenmill.server.state import ServerState
+from tokenmill.server.http.errors import APIError
+from tokenmill.server.http.state import ServerState
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.1

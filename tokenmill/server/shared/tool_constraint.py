@@ -1,6 +1,6 @@
 """Forced tool calls: an output constraint whose every match is one call to an offered tool.
 
-The constrained text is a call as :func:`~tokenmill.server.tool_parser.parse_tool_calls` reads it,
+The constrained text is a call as :func:`~tokenmill.server.shared.tool_parser.parse_tool_calls` reads it,
 in the form the chat template teaches the model: a Hermes ``<tool_call>`` block when the template
 writes one (an EBNF grammar: xgrammar's grammar of the call's JSON schema between the tags), else a
 bare JSON call ``{"name": ..., "arguments": {...}}`` (a JSON schema). Either way the JSON is
@@ -22,8 +22,8 @@ import xgrammar as xgr
 
 from tokenmill.engine.grammar import xgrammar_message
 from tokenmill.request import ParameterError, StructuredOutputsParams
-from tokenmill.server.params import OutputConstraint
-from tokenmill.server.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from tokenmill.server.shared.params import OutputConstraint
+from tokenmill.server.shared.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 _DEFS_KEYS = ("$defs", "definitions")
 

@@ -17,7 +17,7 @@ from fastapi import Depends, Request
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine
 from tokenmill.metrics import ServerMetrics
-from tokenmill.server.errors import APIError, engine_errors
+from tokenmill.server.http.errors import APIError, engine_errors
 from tokenmill.tokenizer import Tokenizer
 
 

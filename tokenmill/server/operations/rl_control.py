@@ -30,9 +30,9 @@ from tokenmill.engine.engine import Engine, EngineDeadError
 from tokenmill.engine.weight_update import MAX_WEIGHT_VERSION
 from tokenmill.model.loader import weight_files
 from tokenmill.request import ParameterError
-from tokenmill.server.errors import APIError
-from tokenmill.server.protocol import Body
-from tokenmill.server.state import State
+from tokenmill.server.http.errors import APIError
+from tokenmill.server.http.state import State
+from tokenmill.server.shared.request_body import Body
 
 
 class UpdateWeightsRequest(Body):

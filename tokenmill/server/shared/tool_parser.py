@@ -7,7 +7,7 @@
   by ``;``, or a JSON list of them; there is no content then.
 
 A call counts only if it is well-formed JSON, nested at most
-:data:`~tokenmill.server.nesting.MAX_NESTING_DEPTH` levels, with a string ``name`` among the
+:data:`~tokenmill.server.http.nesting.MAX_NESTING_DEPTH` levels, with a string ``name`` among the
 offered tool names and an object of arguments. If any candidate call is malformed, the whole text
 is plain content: a half-understood tool call is never returned.
 """
@@ -21,7 +21,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.server.nesting import MAX_NESTING_DEPTH, text_depth
+from tokenmill.server.http.nesting import MAX_NESTING_DEPTH, text_depth
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"

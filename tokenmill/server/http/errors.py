@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 from tokenmill.engine.engine import EngineDeadError, EngineOverloadedError
 from tokenmill.request import ContextLengthError, ParameterError
-from tokenmill.server.nesting import too_deep_message
+from tokenmill.server.http.nesting import too_deep_message
 
 logger = logging.getLogger("tokenmill.server")
 

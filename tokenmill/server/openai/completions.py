@@ -3,7 +3,7 @@
 ``prompt`` is a string, a list of strings, token ids or a list of token-id lists; each prompt is
 one engine request with ``n`` choices (choice index = prompt index * n + i). ``suffix`` is
 refused. ``response_format`` and vLLM's ``structured_outputs`` / ``guided_*`` constrain the output
-as in chat completions (:mod:`tokenmill.server.params`). Without ``max_tokens`` a completion
+as in chat completions (:mod:`tokenmill.server.openai.params`). Without ``max_tokens`` a completion
 stops at 16 tokens, as in OpenAI's API.
 
 ``echo``: each choice's text (its first chunk, when streamed) starts with the prompt (a string
@@ -25,9 +25,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.request import CompletionOutput, Logprob, RequestOutput
-from tokenmill.server.errors import APIError, engine_errors
-from tokenmill.server.generation import Generation, until_disconnected
-from tokenmill.server.openai import (
+from tokenmill.server.http.errors import APIError, engine_errors
+from tokenmill.server.http.sse import SSEResponse, sse_event
+from tokenmill.server.http.state import ServerState, State
+from tokenmill.server.openai.output import (
     completion_object,
     prompt_logprobs_json,
     raise_on_error,
@@ -35,10 +36,10 @@ from tokenmill.server.openai import (
     top_logprobs,
     usage_json,
 )
-from tokenmill.server.params import openai_params, structured_outputs, with_constraint_name
-from tokenmill.server.protocol import CompletionRequest
-from tokenmill.server.sse import SSEResponse, sse_event
-from tokenmill.server.state import ServerState, State
+from tokenmill.server.openai.params import openai_params, structured_outputs
+from tokenmill.server.openai.protocol import CompletionRequest
+from tokenmill.server.shared.generation import Generation, until_disconnected
+from tokenmill.server.shared.params import with_constraint_name
 
 router = APIRouter()
 

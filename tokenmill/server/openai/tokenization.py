@@ -18,10 +18,11 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import StrictBool, StrictInt, StrictStr
 
-from tokenmill.server.errors import APIError
-from tokenmill.server.openai_chat import template_message
-from tokenmill.server.protocol import ChatMessage, RequestBody, Tool
-from tokenmill.server.state import State, check_unicode
+from tokenmill.server.http.errors import APIError
+from tokenmill.server.http.state import State, check_unicode
+from tokenmill.server.openai.chat import template_message
+from tokenmill.server.openai.protocol import ChatMessage, Tool
+from tokenmill.server.shared.request_body import RequestBody
 
 router = APIRouter()
 

@@ -1,13 +1,7 @@
-"""Request bodies of the OpenAI and Anthropic routes (pydantic).
-
-Only types and nesting are checked here; value ranges are the engine's to check
-(``SamplingParams.validate``), so both APIs and the Python API reject the same values with the same
-messages. Types are strict, as in OpenAI's API: no bool for a number, no string for a number or a
-bool, no float for an int (JSON ints are accepted for floats). Unknown fields are ignored: official
-clients send fields this server does not use. ``None`` always means "the default", since some
-clients send explicit nulls. A body, and tool-call arguments given as JSON text, nest at most
-:data:`~tokenmill.server.nesting.MAX_NESTING_DEPTH` levels; that is checked before anything else
-looks at them.
+"""Request bodies of the OpenAI routes (chat completions, completions, responses; pydantic), with
+vLLM's extras. The conventions (strict types, ignored unknown fields, ``None`` as the default, the
+depth cap) are :mod:`~tokenmill.server.shared.request_body`'s; tool-call arguments given as JSON
+text nest at most :data:`~tokenmill.server.http.nesting.MAX_NESTING_DEPTH` levels too.
 """
 
 from __future__ import annotations
@@ -15,7 +9,6 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Discriminator,
     Field,
@@ -29,27 +22,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from tokenmill.server.nesting import MAX_NESTING_DEPTH, text_depth, too_deep_message, value_depth
-
-MAX_DEPTH_ERROR = "nesting_too_deep"
-
-
-class Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+from tokenmill.server.http.nesting import MAX_NESTING_DEPTH, text_depth, too_deep_message
+from tokenmill.server.shared.request_body import MAX_DEPTH_ERROR, Body, FunctionName, RequestBody
 
 
-class RequestBody(Body):
-    """A whole request body: its nesting depth is checked on the parsed JSON, before any field."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shallow_enough(cls, data: Any) -> Any:
-        if value_depth(data) > MAX_NESTING_DEPTH:
-            raise PydanticCustomError(MAX_DEPTH_ERROR, too_deep_message("the JSON"))
-        return data
-
-
-# ---------------------------------------------------------------------------------------- OpenAI
 class StreamOptions(Body):
     include_usage: StrictBool = False
 
@@ -131,10 +107,6 @@ class FunctionDef(Body):
 class Tool(Body):
     type: Literal["function"] = "function"
     function: FunctionDef
-
-
-class FunctionName(Body):
-    name: StrictStr
 
 
 class NamedToolChoice(Body):
@@ -280,62 +252,3 @@ class ResponsesRequest(RequestBody):
     text: TextConfig | None = None
     previous_response_id: StrictStr | None = None
     store: StrictBool | None = None  # accepted and ignored: responses are never stored
-
-
-# ------------------------------------------------------------------------------------- Anthropic
-class AnthropicBlock(Body):
-    """A content block: text, tool_use (``id``, ``name``, ``input``) or tool_result (``tool_use_id``, ``content``)."""
-
-    model_config = ConfigDict(extra="allow")
-    type: StrictStr
-    text: StrictStr | None = None
-    id: StrictStr | None = None
-    name: StrictStr | None = None
-    input: dict[str, Any] | None = None
-    tool_use_id: StrictStr | None = None
-    content: StrictStr | list[AnthropicBlock] | None = None
-
-
-class AnthropicMessage(Body):
-    role: Literal["user", "assistant"]
-    content: StrictStr | list[AnthropicBlock]
-
-
-class AnthropicTool(Body):
-    """A client tool; ``input_schema`` is the JSON schema of its input."""
-
-    type: Literal["custom"] | None = None
-    name: StrictStr
-    description: StrictStr | None = None
-    input_schema: dict[str, Any]
-
-
-class AnthropicToolChoice(Body):
-    type: Literal["auto", "any", "tool", "none"]
-    name: StrictStr | None = None
-    disable_parallel_tool_use: StrictBool | None = None
-
-    @model_validator(mode="after")
-    def _name_given(self) -> AnthropicToolChoice:
-        if self.type == "tool" and self.name is None:
-            raise PydanticCustomError("missing", "type 'tool' needs the tool's name")
-        return self
-
-
-class MessagesPromptRequest(RequestBody):
-    """What makes a Messages prompt; the whole body of ``/v1/messages/count_tokens``."""
-
-    model: StrictStr
-    messages: list[AnthropicMessage] = Field(min_length=1)
-    system: StrictStr | list[AnthropicBlock] | None = None
-    tools: list[AnthropicTool] | None = None
-    tool_choice: AnthropicToolChoice | None = None
-
-
-class MessagesRequest(MessagesPromptRequest):
-    max_tokens: StrictInt
-    temperature: StrictFloat | None = None
-    top_p: StrictFloat | None = None
-    top_k: StrictInt | None = None
-    stop_sequences: list[StrictStr] | None = None
-    stream: StrictBool | None = False

@@ -2,7 +2,7 @@
 
 The system prompt, messages and ``tools`` go through the model's chat template; tool calls in the
 output are returned as ``tool_use`` blocks, and ``tool_choice`` ``any`` or ``tool`` forces one
-(:mod:`tokenmill.server.anthropic_content`). ``stop_reason``: end_turn (EOS), max_tokens,
+(:mod:`tokenmill.server.anthropic.content`). ``stop_reason``: end_turn (EOS), max_tokens,
 stop_sequence (with ``stop_sequence`` set), tool_use; a request the server aborts (shutdown, an
 admin abort) ends in an error instead (503 ``overloaded_error``, or an ``error`` event mid-stream),
 never a stop reason. Streaming sends Anthropic's event sequence: message_start, ping, the content
@@ -26,13 +26,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.request import CompletionOutput, FinishReason, RequestOutput
-from tokenmill.server.anthropic_content import ContentBlockStream, ToolUse, content_blocks, template_messages, tool_use
-from tokenmill.server.errors import APIError, engine_errors
-from tokenmill.server.generation import Generation, until_disconnected
-from tokenmill.server.params import sampling_params
-from tokenmill.server.protocol import MessagesPromptRequest, MessagesRequest
-from tokenmill.server.sse import SSEResponse, sse_event
-from tokenmill.server.state import State
+from tokenmill.server.anthropic.content import ContentBlockStream, ToolUse, content_blocks, template_messages, tool_use
+from tokenmill.server.anthropic.protocol import MessagesPromptRequest, MessagesRequest
+from tokenmill.server.http.errors import APIError, engine_errors
+from tokenmill.server.http.sse import SSEResponse, sse_event
+from tokenmill.server.http.state import State
+from tokenmill.server.shared.generation import Generation, until_disconnected
+from tokenmill.server.shared.params import sampling_params
 
 router = APIRouter()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
-from tokenmill.server.errors import APIError
+from tokenmill.server.http.errors import APIError
 
 
 class Part(Protocol):

@@ -4,7 +4,7 @@
 ``function_call`` and ``function_call_output`` items) go through the model's chat template as chat
 messages: a developer message is a system message, a function call joins the assistant message
 before it (or starts one), a function call's output is a ``tool`` message. Function ``tools`` are
-offered and their calls parsed as in chat (:func:`~tokenmill.server.openai.tool_setup`);
+offered and their calls parsed as in chat (:func:`~tokenmill.server.shared.tools.tool_setup`);
 ``tool_choice`` "required" or a named function constrains the output to one call, and
 ``text.format`` "json_schema" or "json_object" constrains it to JSON, as chat's ``tool_choice`` and
 ``response_format`` do (never both). Parsed calls are ``function_call`` output items after the
@@ -33,16 +33,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.request import FinishReason, RequestOutput, StructuredOutputsParams, accumulate
-from tokenmill.server.content_text import joined_text
-from tokenmill.server.errors import APIError, engine_errors
-from tokenmill.server.generation import Generation, until_disconnected
-from tokenmill.server.openai import json_object_or_text, raise_on_error, tool_setup
-from tokenmill.server.params import OutputConstraint, sampling_params, with_constraint_name
-from tokenmill.server.protocol import InputMessage, ResponsesRequest, TextFormat
-from tokenmill.server.sse import SSEResponse, sse_event
-from tokenmill.server.state import State
-from tokenmill.server.tool_constraint import output_constraint
-from tokenmill.server.tool_parser import ToolCall, ToolCallStream, parse_tool_calls
+from tokenmill.server.http.errors import APIError, engine_errors
+from tokenmill.server.http.sse import SSEResponse, sse_event
+from tokenmill.server.http.state import State
+from tokenmill.server.openai.output import raise_on_error
+from tokenmill.server.openai.protocol import InputMessage, ResponsesRequest, TextFormat
+from tokenmill.server.shared.content_text import joined_text
+from tokenmill.server.shared.generation import Generation, until_disconnected
+from tokenmill.server.shared.params import OutputConstraint, sampling_params, with_constraint_name
+from tokenmill.server.shared.tool_constraint import output_constraint
+from tokenmill.server.shared.tool_parser import ToolCall, ToolCallStream, parse_tool_calls
+from tokenmill.server.shared.tools import json_object_or_text, tool_setup
 
 router = APIRouter()
 

@@ -1,7 +1,4 @@
-"""Request fields -> SamplingParams.
-
-Only fields the client set are passed; the rest keep SamplingParams' (vLLM's) defaults. Values
-and the operator's caps are checked by the engine at intake (``SamplingParams.validate``).
+"""OpenAI request fields -> SamplingParams (:func:`openai_params`) and the request's output constraint.
 
 An OpenAI request constrains its output through at most one of ``response_format`` (other than
 "text"), vLLM's ``structured_outputs``, or one of its older ``guided_json`` / ``guided_regex`` /
@@ -11,11 +8,9 @@ engine's refusal of the constraint names the request's own parameter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from tokenmill.request import ParameterError, SamplingParams, StructuredOutputsParams
-from tokenmill.server.protocol import OpenAISampling
+from tokenmill.server.openai.protocol import OpenAISampling
+from tokenmill.server.shared.params import OutputConstraint, sampling_params
 
 # vLLM's older names -> the StructuredOutputsParams field each one sets
 _GUIDED_FIELDS = {
@@ -24,20 +19,6 @@ _GUIDED_FIELDS = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
-
-
-@dataclass(frozen=True)
-class OutputConstraint:
-    """A request's constraint on its output, and the request's own name for the parameter that set it."""
-
-    param: str
-    spec: StructuredOutputsParams
-
-
-def with_constraint_name(aliases: dict[str, str], constraint: OutputConstraint | None) -> dict[str, str]:
-    """``aliases`` (engine parameter -> the route's name) plus the request's own name for its
-    output constraint, so an engine refusal of the constraint names the parameter the client set."""
-    return {**aliases, "structured_outputs": constraint.param} if constraint else aliases
 
 
 _OPENAI_FIELDS = (
@@ -58,12 +39,6 @@ _OPENAI_FIELDS = (
     "skip_special_tokens",
     "prompt_logprobs",
 )
-
-
-def sampling_params(fields: dict[str, Any], max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams from the non-None ``fields``; ``max_tokens=None`` means "up to the context limit"."""
-    given = {k: v for k, v in fields.items() if v is not None}
-    return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs)
 
 
 def openai_params(

@@ -1,0 +1,23 @@
+"""OpenAI's ``GET /v1/models``: the one model this server serves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from tokenmill.server.http.state import State
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(state: State) -> dict[str, Any]:
+    model = {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "tokenmill",
+        "max_model_len": state.engine.max_context_len,
+    }
+    return {"object": "list", "data": [model]}
