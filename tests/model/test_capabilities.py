@@ -1,5 +1,5 @@
 """The capability table: one check of a backend x family x device x dtype x KV dtype x tp x model
-features combination, "auto" chosen from the same table, and the README's tables equal to the code's."""
+features combination, "auto" chosen from the same table, and the capability tables of docs/ARCHITECTURE.md equal to the code's."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tokenmill.attention.factory import BACKENDS
 from tokenmill.model.capabilities import Combination, FamilyCapabilities, choose_backend
 from tokenmill.model.registry import MODELS
 
-README = Path(__file__).parents[2] / "README.md"
+ARCHITECTURE_MAP = Path(__file__).parents[2] / "docs" / "ARCHITECTURE.md"
 LLAMA = MODELS["LlamaForCausalLM"].capabilities
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -85,8 +85,8 @@ def _backend_row(name: str, caps: BackendCapabilities) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def test_readme_capability_tables_match_the_code() -> None:
-    text = README.read_text()
+def test_the_maps_capability_tables_match_the_code() -> None:
+    text = ARCHITECTURE_MAP.read_text()
     backend_rows = [_backend_row(name, entry.capabilities) for name, entry in BACKENDS.items()]
     family_rows = [
         f"| `{arch}` | {_yes(c.tensor_parallel)} | {_yes(c.cpu_decode_forward)} | {_yes(c.partial_rotary)} |"
