@@ -1,5 +1,6 @@
 """The capability table: one check of a backend x family x device x dtype x KV dtype x tp x model
-features combination, "auto" chosen from the same table, and the capability tables of docs/ARCHITECTURE.md equal to the code's."""
+features combination, "auto" chosen from the same table, and docs/ARCHITECTURE.md's tables equal to
+the code's."""
 
 from __future__ import annotations
 
