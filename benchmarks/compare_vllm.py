@@ -13,17 +13,26 @@ share of requests whose greedy tokens agree between the two fp32 runs (near-ties
 model may legitimately diverge late; the first tokens are compared too).
 
     python benchmarks/compare_vllm.py --vllm-python V/bin/python --json
+
+With ``--neighbours N`` it measures instead what each engine keeps when N busy processes
+(``python -c "while True: pass"``) share the machine: the workload at the default dtype quiet and
+beside the neighbours, and batch-1 decode (a 16-token prompt, 64 output tokens) on a random model of
+SmolLM2-135M's shape quiet and beside them, each engine in turn under the same conditions.
+
+    python benchmarks/compare_vllm.py --vllm-python V/bin/python --neighbours 1 --json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
@@ -94,6 +103,56 @@ def child_run(engine: str, model: str, work_file: str, dtype: str) -> dict:
         return json.loads(Path(out.name).read_text())
 
 
+@contextlib.contextmanager
+def neighbours(n: int) -> Iterator[None]:
+    """``n`` processes spinning on the CPU for as long as the block runs."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(1.0)  # running before the engine starts
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def write_work(prompts: list[list[int]], output_lens: list[int]) -> str:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"prompts": prompts, "output_lens": output_lens}, f)
+        return f.name
+
+
+def neighbour_runs(model: str, work_file: str) -> dict:
+    """Each engine's workload and batch-1 decode, quiet and beside ``--neighbours`` busy processes."""
+    from tokenmill.bench.workload import make_random_model
+
+    small = str(make_random_model(preset="smollm2-135m-shape"))
+    batch1 = write_work([list(range(100, 116))] * 2, [64] * 2)  # the runners warm up on the first two
+    engines, runs = ("vllm", "tokenmill"), {}
+    for busy in (0, ARGS.neighbours):
+        with neighbours(busy):
+            for engine in engines:
+                runs[f"{engine}_{busy}"] = child_run(engine, model, work_file, "auto")["output_tok_s"]
+                ms = 1000 / child_run(engine, small, batch1, "auto")["output_tok_s"]
+                runs[f"{engine}_batch1_{busy}"] = ms
+    os.unlink(batch1)
+    n = ARGS.neighbours
+    return {
+        "neighbours": n,
+        "output_tok_s": {
+            f"{e} {c}": round(runs[f"{e}_{b}"], 1) for e in engines for c, b in (("quiet", 0), ("busy", n))
+        },
+        "kept_under_neighbours": {e: round(runs[f"{e}_{n}"] / runs[f"{e}_0"], 3) for e in engines},
+        "tokenmill_vs_vllm_under_neighbours": round(runs[f"tokenmill_{n}"] / runs[f"vllm_{n}"], 3),
+        "batch1_ms_per_token": {
+            f"{e} {c}": round(runs[f"{e}_batch1_{b}"], 2) for e in engines for c, b in (("quiet", 0), ("busy", n))
+        },
+        "batch1_slowdown_under_neighbours": {
+            e: round(runs[f"{e}_batch1_{n}"] / runs[f"{e}_batch1_0"], 2) for e in engines
+        },
+    }
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     """Share of requests with identical greedy tokens: all of them, and the first FIRST_TOKENS."""
     n = len(a)
@@ -109,9 +168,12 @@ def main() -> int:
     model = str(ARGS.model or make_random_model())
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     work = make_workload(ARGS.num_prompts, tuple(ARGS.prompt_len), tuple(ARGS.output_len), vocab, ARGS.seed)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"prompts": work.prompts, "output_lens": work.output_lens}, f)
-        work_file = f.name
+    work_file = write_work(work.prompts, work.output_lens)
+    if ARGS.neighbours:
+        summary = neighbour_runs(model, work_file)
+        os.unlink(work_file)
+        print(json.dumps(summary) if ARGS.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
+        return 0
     runs = {}
     for engine in ("vllm", "tokenmill"):
         for dtype in ("auto", "float32"):
@@ -145,6 +207,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--neighbours", type=int, default=0, help="busy processes beside each engine (see the module docstring)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--run", choices=("tokenmill", "vllm"), help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)

@@ -68,6 +68,13 @@ class EngineConfig:
         "Run without a tokenizer: prompts must be token ids, outputs carry token ids and no text.",
         section="model",
     )
+    cpu_threads: int = option(
+        0,
+        "Threads of the engine's parallel ops on CPU. 0: adapt them to the CPUs this process may use "
+        "(affinity, cgroup quota) less the load beside the engine (other processes, the server's own "
+        "threads), measured every half second; a number fixes them.",
+        section="model",
+    )
 
     kv_cache_dtype: str = option(
         "auto",
@@ -256,6 +263,8 @@ class EngineConfig:
             )
         if self.structured_output_cache_bytes < 0:
             raise ValueError(f"structured_output_cache_bytes must be >= 0, got {self.structured_output_cache_bytes}")
+        if self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads must be >= 0 (0: adaptive), got {self.cpu_threads}")
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if self.num_kv_slots is not None and self.num_kv_slots < self.page_size:

@@ -18,7 +18,10 @@ from tokenmill.server.config import ServerConfig
 
 BATCH = 100  # two batches: 200 requests
 CONCURRENCY = 16
-RSS_GROWTH_LIMIT_MB = 50
+RSS_GROWTH_LIMIT_MB = 80
+"""Growth over the second batch of 100 requests. The allocator's high-water mark moves by +35..+51 MiB
+here with no leak (2-core AMD EPYC, before and after the thread governor; the exact object counts
+below are the leak check); a leak of 1 MiB per request would exceed it."""
 LIMITS = {"header_timeout_seconds": 0.5, "body_timeout_seconds": 0.5}  # attack connections end fast
 
 

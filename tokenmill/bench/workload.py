@@ -1,5 +1,6 @@
-"""The benchmark workloads: random token prompts, and random models of two shapes (presets): a
-~100M-parameter Llama (the default) and a Mixtral of ~100M active parameters per token."""
+"""The benchmark workloads: random token prompts, and random models of three shapes (presets): a
+~100M-parameter Llama (the default), a Mixtral of ~100M active parameters per token, and a Llama of
+SmolLM2-135M's shape (30 thin layers: many small products per token, the batch-1 decode case)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,20 @@ MOE_MODEL = dict(
     num_experts_per_tok=2,
     sliding_window=None,
 )
-PRESETS = {"llama": ("LlamaForCausalLM", DEFAULT_MODEL), "mixtral": ("MixtralForCausalLM", MOE_MODEL)}
+SMOLLM2_135M_SHAPE = dict(
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+    vocab_size=49152,
+    max_position_embeddings=2048,
+)
+PRESETS = {
+    "llama": ("LlamaForCausalLM", DEFAULT_MODEL),
+    "mixtral": ("MixtralForCausalLM", MOE_MODEL),
+    "smollm2-135m-shape": ("LlamaForCausalLM", SMOLLM2_135M_SHAPE),
+}
 """Preset name -> (transformers class, config values) of the random benchmark models."""
 WORKLOAD_HELP = {
     "prompt": "each prompt's length in tokens, uniform in [MIN, MAX] (default: %(default)s)",

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import traceback
 from dataclasses import asdict
 from typing import Any, TypeVar
+
+import torch
 
 from tokenmill.cache.manager import CacheManager
 from tokenmill.cache.storage import ReqToTokenPool
@@ -34,6 +37,7 @@ from tokenmill.engine.request_state import RequestState
 from tokenmill.engine.request_table import RequestTable
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.thread_governor import engine_thread_governor
 from tokenmill.engine.weight_update import WeightsSource, apply_update, next_version, stage_update
 from tokenmill.model.parallel import SINGLE
 from tokenmill.model.registry import load_model_config
@@ -70,6 +74,7 @@ class Engine(EngineLoop):
         team, such as the caller's after loading a model, would slow every step's many short
         parallel regions; see the README.)"""
         cfg, mc = self.config, self.model_config
+        self.threads = engine_thread_governor(cfg, self.device, threading.current_thread())
         self.workers = start_worker_group(cfg, self.device)  # None at tensor_parallel_size 1
         tp = self.workers.tp if self.workers else SINGLE
         self.max_context_len = max_context_len(cfg, mc)
@@ -197,6 +202,8 @@ class Engine(EngineLoop):
                 "waiting": len(self.scheduler.waiting),
                 **self.cache.snapshot(),
                 "views": asdict(self.worker.views.stats),
+                "cpu_threads": torch.get_num_threads() if self.device.type == "cpu" else 0,
+                "cpu_thread_changes": self.threads.changes if self.threads is not None else 0,
                 "weight_version": self.weight_version,
                 "step_time_s": self.step_time,
                 "forward_time_s": self.forward_time,
@@ -241,6 +248,8 @@ class Engine(EngineLoop):
             self.workers.shutdown()
 
     def _step(self) -> None:
+        if self.threads is not None:
+            self.threads.tick()
         plan = self.scheduler.schedule()
         if plan is None:
             self._commands.drain(block=True)  # nothing runnable yet (e.g. n>1 siblings): wait, don't spin

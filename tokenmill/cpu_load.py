@@ -1,0 +1,68 @@
+"""How busy the machine's CPUs are with work other than the engine's own threads (Linux ``/proc``).
+
+:class:`ForeignLoad` samples, between two calls, the CPU time the whole machine spent busy
+(``/proc/stat``) minus the CPU time of the engine's threads: this process's CPU time (every thread's,
+the engine's OpenMP workers included) less that of its Python threads other than the engine's loop
+thread (a server's event loop, tokenizer pool, watchdogs: they compete with the engine's workers as
+any other process does). Native threads that Python does not know (a library's own pool) count as
+the engine's. Where ``/proc`` is not readable, nothing is measured (``sample`` returns None).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+PROC_STAT = Path("/proc/stat")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+IDLE_FIELDS = (3, 4)
+"""idle and iowait among ``/proc/stat``'s cpu fields (user nice system idle iowait irq softirq steal ...)."""
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU seconds every CPU of the machine has spent busy since boot (None: not readable)."""
+    try:
+        with PROC_STAT.open() as stat:
+            fields = stat.readline().split()[1:9]  # the "cpu" line: all CPUs added up; guest time is in user
+    except OSError:
+        return None
+    busy = sum(int(v) for i, v in enumerate(fields) if i not in IDLE_FIELDS)
+    return busy / CLOCK_TICKS
+
+
+def thread_cpu_seconds(native_id: int) -> float:
+    """CPU seconds one thread of this process has used (0 for a thread that has ended)."""
+    try:
+        text = Path(f"/proc/self/task/{native_id}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = text.rpartition(")")[2].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+
+
+class ForeignLoad:
+    """CPUs' worth of work beside the engine, averaged between consecutive :meth:`sample` calls."""
+
+    def __init__(self, engine_thread: threading.Thread) -> None:
+        self.engine_thread = engine_thread
+        self._last: tuple[float, float] | None = None  # (wall time, foreign CPU seconds) at the last sample
+
+    def sample(self) -> float | None:
+        """Foreign CPUs busy on average since the previous call (None on the first call, or where
+        the machine's counters cannot be read)."""
+        busy = machine_busy_seconds()
+        if busy is None:
+            return None
+        others = sum(
+            thread_cpu_seconds(t.native_id)
+            for t in threading.enumerate()
+            if t is not self.engine_thread and t.native_id is not None
+        )
+        foreign = busy - (time.process_time() - others)
+        now, last = time.monotonic(), self._last
+        self._last = (now, foreign)
+        if last is None or now <= last[0]:
+            return None
+        return max(0.0, (foreign - last[1]) / (now - last[0]))
