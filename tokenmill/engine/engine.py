@@ -18,7 +18,7 @@ import logging
 import threading
 import traceback
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -46,7 +46,6 @@ from tokenmill.tokenizer import Tokenizer
 from tokenmill.worker.model_worker import build_model_worker, max_context_len
 
 logger = logging.getLogger("tokenmill.engine")
-T = TypeVar("T")
 
 
 class Engine(EngineLoop):
