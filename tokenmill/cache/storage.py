@@ -16,6 +16,9 @@ import torch
 
 RESERVED_SLOT = 0
 """Never handed to a request: padded or masked entries may read it or write their k/v there."""
+_EMPTY = torch.empty(0, dtype=torch.int64)
+NO_WRITES = (_EMPTY, _EMPTY, _EMPTY)
+"""A journal with no entries (shared: never written to)."""
 
 
 class KVStorage:
@@ -125,11 +128,11 @@ class ReqToTokenPool:
     def take_journal(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(rows, positions, slots)``: the entries written since the last call (each position's last
         write; empty without a journal), and a fresh journal."""
-        entries, none = self._journal or [], torch.empty(0, dtype=torch.int64)
+        entries = self._journal or []
         if self._journal is not None:
             self._journal = []
         if not entries:
-            return none, none, none
+            return NO_WRITES
         rows, positions, slots = (torch.cat(parts) for parts in zip(*entries))
         keys, which = torch.unique(rows * self.max_context_len + positions, return_inverse=True)
         order = torch.arange(which.numel())

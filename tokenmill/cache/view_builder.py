@@ -8,7 +8,8 @@ from tokenmill.cache.storage import KVStorage
 from tokenmill.cache.views import DecodeKVCache, PrefillKVCache
 
 
-def _indptr(lengths: torch.Tensor) -> torch.Tensor:
+def indptr(lengths: torch.Tensor) -> torch.Tensor:
+    """Offsets ``[0, l0, l0+l1, ...]`` of consecutive segments of ``lengths`` (int64, ``len + 1``)."""
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, 0, out=out[1:])
     return out
@@ -34,7 +35,7 @@ def make_prefill_view(
         seq_lens=prefix + extend,
         prefix_lens=prefix,
         extend_lens=extend,
-        qo_indptr=_indptr(extend),
+        qo_indptr=indptr(extend),
         out_cache_loc=out_cache_loc.to(device, torch.int64),
         max_seq_len=max(p + e for p, e in zip(prefix_lens, extend_lens)),
         extend_lens_cpu=list(extend_lens),

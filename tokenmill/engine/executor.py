@@ -55,16 +55,16 @@ class StepExecutor:
         extend_lens = [1] * len(plan.decode) + [n for _, n in plan.prefill]
         ids: list[int] = []
         pos: list[int] = []
-        logits_rows: list[int] = []
+        logits_rows: list[int] | None = None if plan.is_pure_decode else []  # None: every row samples
         first_row: dict[int, int] = {}  # id(sequence) -> its first row in the flat batch
         for seq, n in zip(seqs, extend_lens):
             start = seq.n_kv - n
             first_row[id(seq)] = len(ids) - start
             ids.extend(seq.tokens(start, seq.n_kv))
             pos.extend(range(start, seq.n_kv))
-            if seq.n_kv == seq.n_tokens:
+            if logits_rows is not None and seq.n_kv == seq.n_tokens:
                 logits_rows.extend([len(ids) - 1] * (1 + len(plan.children(seq))))  # forked children share it
-        for seq, positions in plan.prompt_logprobs:
+        for seq, positions in plan.prompt_logprobs:  # prefill steps only
             logits_rows.extend(first_row[id(seq)] + p for p in positions)
         parts = ([plan.decode_slots] if plan.decode else []) + plan.prefill_slots
         fork_src = [f.src_slots for f in plan.forks]
@@ -80,7 +80,7 @@ class StepExecutor:
             rows=[s.row for s in seqs],
             seq_lens=seq_lens,
             prefix_lens=[n - e for n, e in zip(seq_lens, extend_lens)],
-            logits_indices=None if plan.is_pure_decode else torch.tensor(logits_rows, dtype=torch.int64, device=device),
+            logits_indices=None if logits_rows is None else torch.tensor(logits_rows, dtype=torch.int64, device=device),
             fork_src=(torch.cat(fork_src) if fork_src else no_slots).to(device, torch.int64),
             fork_dst=(torch.cat(fork_dst) if fork_dst else no_slots).to(device, torch.int64),
             table_writes=TableWrites(*(w.to(device) for w in writes)),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.cache.view_builder import indptr
 from tokenmill.cache.views import DecodeKVCache, PrefillKVCache
 
 
@@ -45,8 +46,7 @@ def prefill_tiles(view: PrefillKVCache, q_tile: int) -> TritonPrefillPlan:
     """Tile map of ``view``'s query rows (sized from its host-side extend lengths: no sync)."""
     device = view.extend_lens.device
     tiles_per_req = (view.extend_lens + q_tile - 1) // q_tile
-    tile_offsets = torch.zeros(tiles_per_req.numel() + 1, dtype=torch.int64, device=device)
-    torch.cumsum(tiles_per_req, 0, out=tile_offsets[1:])
+    tile_offsets = indptr(tiles_per_req)
     n_tiles = sum((e + q_tile - 1) // q_tile for e in view.extend_lens_cpu)
     requests = torch.arange(len(view.extend_lens_cpu), device=device)
     tile_req = torch.repeat_interleave(requests, tiles_per_req, output_size=n_tiles)
