@@ -43,15 +43,37 @@ def thread_cpu_seconds(native_id: int) -> float:
 
 
 class ForeignLoad:
-    """CPUs' worth of work beside the engine, averaged between consecutive :meth:`sample` calls."""
+    """CPUs' worth of work beside the engine, averaged over the time between consecutive
+    :meth:`sample` calls that was not spent paused (:meth:`pause` .. :meth:`resume`)."""
 
     def __init__(self, engine_thread: threading.Thread) -> None:
         self.engine_thread = engine_thread
         self._last: tuple[float, float] | None = None  # (wall time, foreign CPU seconds) at the last sample
+        self._paused_at: tuple[float, float] | None = None
 
     def sample(self) -> float | None:
-        """Foreign CPUs busy on average since the previous call (None on the first call, or where
-        the machine's counters cannot be read)."""
+        """Foreign CPUs busy on average since the previous call, pauses left out (None on the first
+        call, or where the machine's counters cannot be read)."""
+        reading, last = self._reading(), self._last
+        self._last = reading
+        if reading is None or last is None or reading[0] <= last[0]:
+            return None
+        return max(0.0, (reading[1] - last[1]) / (reading[0] - last[0]))
+
+    def pause(self) -> None:
+        """Leave out what follows, until :meth:`resume` (a second pause keeps the first's start)."""
+        if self._paused_at is None:
+            self._paused_at = self._reading()
+
+    def resume(self) -> None:
+        """Count again from now: the paused time and the foreign CPU time in it are dropped."""
+        start, self._paused_at = self._paused_at, None
+        end = self._reading()
+        if start is not None and end is not None and self._last is not None:
+            self._last = (self._last[0] + end[0] - start[0], self._last[1] + end[1] - start[1])
+
+    def _reading(self) -> tuple[float, float] | None:
+        """(monotonic wall time, foreign CPU seconds so far), or None where /proc is not readable."""
         busy = machine_busy_seconds()
         if busy is None:
             return None
@@ -60,9 +82,4 @@ class ForeignLoad:
             for t in threading.enumerate()
             if t is not self.engine_thread and t.native_id is not None
         )
-        foreign = busy - (time.process_time() - others)
-        now, last = time.monotonic(), self._last
-        self._last = (now, foreign)
-        if last is None or now <= last[0]:
-            return None
-        return max(0.0, (foreign - last[1]) / (now - last[0]))
+        return time.monotonic(), busy - (time.process_time() - others)

@@ -103,6 +103,24 @@ def test_high_temperature_without_filters_is_random() -> None:
     assert sampler().sample(logits, seqs, EOS).token_ids != logits.argmax(-1).tolist()
 
 
+def test_random_draws_follow_the_softmax_distribution() -> None:
+    """20,000 draws at temperature 2 from one row (some tokens banned by bias): each token's
+    frequency is within 4 standard deviations of its probability, banned tokens never appear."""
+    torch.manual_seed(0)
+    logits = torch.randn(V) * 2
+    bias = {3: -math.inf, 17: -math.inf, V - 1: -math.inf}
+    expected = torch.softmax((logits + torch.tensor([bias.get(t, 0.0) for t in range(V)])) / 2.0, dim=-1)
+    rows, counts = 1000, torch.zeros(V)
+    smp = sampler(max_rows=rows)
+    for _ in range(20):
+        seqs = [seq(row=i, temperature=2.0, logit_bias=bias) for i in range(rows)]
+        counts += torch.bincount(torch.tensor(smp.sample(logits.expand(rows, V), seqs, EOS).token_ids), minlength=V)
+    n = counts.sum()
+    assert all(counts[t] == 0 for t in bias)
+    sigma = (expected * (1 - expected) / n).sqrt()
+    assert ((counts / n - expected).abs() <= 4 * sigma + 1e-9).all(), (counts / n - expected).abs().max()
+
+
 def _support(logits_row: torch.Tensor, n: int, **params: object) -> set[int]:
     seqs = [seq(row=i, **params) for i in range(n)]
     return set(sampler(max_rows=n).sample(logits_row.expand(n, V), seqs, EOS).token_ids)

@@ -43,9 +43,27 @@ def test_threads_for_the_load(usable: int, foreign: float, threads: int) -> None
     assert threads_for(usable, foreign) == threads
 
 
+class ScriptedLoad:
+    """A load meter that returns scripted samples and records pauses and resumes."""
+
+    def __init__(self, loads: list[float | None]) -> None:
+        self.loads = loads
+        self.events: list[str] = []
+
+    def sample(self) -> float | None:
+        return self.loads.pop(0)
+
+    def pause(self) -> None:
+        self.events.append("pause")
+
+    def resume(self) -> None:
+        self.events.append("resume")
+
+
 def test_governor_drops_at_once_and_adds_back_after_two_samples() -> None:
-    clock, loads, applied = [0.0], [None, 0.7, 0.7, 0.0, 0.9, 0.0, 0.0], []
-    governor = ThreadGovernor(2, lambda: loads.pop(0), 0.5, lambda: clock[0], applied.append)
+    clock, load, applied = [0.0], ScriptedLoad([None, 0.7, 0.7, 0.0, 0.9, 0.0, 0.0]), []
+    loads = load.loads
+    governor = ThreadGovernor(2, load, 0.5, lambda: clock[0], applied.append)
     assert applied == [2] and governor.threads == 2
     expected = [2, 1, 1, 1, 1, 1, 2]  # None measures nothing; 0.0 once is not enough to add a thread back
     for threads in expected:
@@ -54,6 +72,22 @@ def test_governor_drops_at_once_and_adds_back_after_two_samples() -> None:
         assert governor.threads == threads
         clock[0] += 0.5
     assert applied == [2, 1, 2] and governor.changes == 2 and not loads
+
+
+def test_a_rest_pauses_the_sampling_window_and_its_clock() -> None:
+    clock, load, applied = [0.0], ScriptedLoad([None, 0.9]), []
+    governor = ThreadGovernor(2, load, 0.5, lambda: clock[0], applied.append)
+    governor.tick()  # the window opens at 0.0; the next sample is due at 0.5
+    clock[0] = 0.2
+    governor.rest()
+    clock[0] = 9.0
+    governor.rest()  # still resting: the rest began at 0.2
+    clock[0] = 10.0
+    governor.tick()  # 9.8 s of rest: the next sample is due at 10.3, after 0.3 s more of work
+    assert load.events == ["pause", "resume"] and governor.threads == 2 and load.loads == [0.9]
+    clock[0] = 10.3
+    governor.tick()
+    assert governor.threads == 1 and applied == [2, 1] and not load.loads
 
 
 def test_fixed_threads_and_no_governor_off_cpu_or_at_tp() -> None:
@@ -111,6 +145,13 @@ def test_foreign_load_counts_neighbours_and_own_other_threads_not_the_engines() 
         while not stop.is_set():
             pass
 
+    load.sample()
+    load.pause()
+    with busy_processes(1):  # beside a paused meter: not counted, nor is the time
+        time.sleep(0.6)
+    load.resume()
+    time.sleep(0.3)
+    assert load.sample() < 0.5
     spinner = threading.Thread(target=spin)
     spinner.start()
     try:

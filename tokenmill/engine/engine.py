@@ -246,6 +246,10 @@ class Engine(EngineLoop):
         if self.workers is not None:
             self.workers.shutdown()
 
+    def _before_idle(self) -> None:
+        if self.threads is not None:
+            self.threads.rest()
+
     def _step(self) -> None:
         if self.threads is not None:
             self.threads.tick()

@@ -65,6 +65,10 @@ class EngineLoop(ABC):
     def _outside_failure(self) -> BaseException | None:
         """The error of something outside this thread the loop depends on (other ranks), if it failed."""
 
+    @abstractmethod
+    def _before_idle(self) -> None:
+        """The loop is about to wait for a command: there is no runnable work."""
+
     # ------------------------------------------------------------------ any thread
     def is_healthy(self) -> bool:
         return self._dead is None and self._thread.is_alive() and self._outside_failure() is None
@@ -124,6 +128,8 @@ class EngineLoop(ABC):
                 if failure is not None:
                     raise failure
                 working = self._has_work() and not self._paused
+                if not working:
+                    self._before_idle()
                 self._commands.drain(block=not working)
                 if self._has_work() and not self._paused:
                     self._step()

@@ -8,8 +8,9 @@ Per step, for each sequence (one row of ``logits``), in this order:
    counts that the sampler maintains incrementally across steps.
 3. ``temperature == 0``: exact argmax. Otherwise: divide by the temperature, drop tokens under
    ``min_p * max prob``, keep the ``top_k`` largest, keep the ``top_p`` nucleus (computed on the
-   distribution left after min-p and top-k), then draw with the exponential race
-   ``argmax(probs / Exp(1))`` using the sequence's own generator if it has one.
+   distribution left after min-p and top-k), then draw by inverse CDF (one uniform number per
+   sequence against the running sum of its probabilities), from the sequence's own generator if
+   it has one.
 
 Logprobs come from ``log_softmax`` of the raw model logits, before any of the above.
 
@@ -257,17 +258,29 @@ class Sampler:
                 torch.tensor([s.params.top_p for s in seqs], device=device),
                 torch.tensor([s.params.min_p for s in seqs], device=device),
             )
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
+        return _inverse_cdf_draw(logits.softmax(dim=-1), self._uniforms(seqs))
+
+    def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One fp64 draw in [0, 1) per sequence: from its own generator if it has one, else (in row
+        order) from the sampler's."""
+        draws = torch.empty(len(seqs), dtype=torch.float64, device=self.device)
         shared = [j for j, s in enumerate(seqs) if s.generator is None]
         if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1], device=device).exponential_(
-                generator=self._generator
-            )
+            draws[shared] = torch.rand(len(shared), dtype=torch.float64, device=self.device, generator=self._generator)
         for j, seq in enumerate(seqs):
             if seq.generator is not None:
-                noise[j].exponential_(generator=seq.generator)
-        return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+                draws[j] = torch.rand(1, dtype=torch.float64, device=self.device, generator=seq.generator)[0]
+        return draws
+
+
+def _inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row ``r``'s token: the first index whose fp64 running sum of ``probs[r]`` exceeds
+    ``uniforms[r]`` times the row's total. A zero-probability token is never chosen (its running
+    sum equals its predecessor's). One random number per row, where the exponential race needs a
+    row's worth (on CPU, drawing those costs more than the rest of the step's sampling)."""
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)
+    targets = (uniforms.to(cdf.device) * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, targets, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
 
 
 def _banned_ids(seq: Sequence, eos_token_ids: set[int]) -> set[int]:

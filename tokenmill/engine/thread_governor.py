@@ -11,7 +11,10 @@ The governor runs on the engine's loop thread, between steps. At most every ``in
 samples the foreign load (:class:`~tokenmill.cpu_load.ForeignLoad`, in CPUs) and sets the threads to
 the usable CPUs less the foreign load, rounded so that a quarter CPU or more of foreign work gives
 up one thread; at least one. It drops threads at once and adds them back only when two samples in
-a row call for it.
+a row call for it. Only load measured while the engine works counts: while the loop waits for work
+(from :meth:`ThreadGovernor.rest` to the next tick) the sampling window is paused, its clock included
+(what runs beside an idle engine, such as a client preparing its requests, says little about what
+will run beside its steps).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -36,13 +40,23 @@ def threads_for(usable: int, foreign: float) -> int:
     return max(1, min(usable, usable - math.ceil(foreign - THRESHOLD_CPUS)))
 
 
+class LoadMeter(Protocol):
+    """Foreign load in CPUs over a window that can be paused (see :class:`~tokenmill.cpu_load.ForeignLoad`)."""
+
+    def sample(self) -> float | None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
 class ThreadGovernor:
     """Keeps ``torch``'s intra-op threads at :func:`threads_for` the measured load. Loop thread only."""
 
     def __init__(
         self,
         usable: int,
-        sample_load: Callable[[], float | None],
+        load: LoadMeter,
         interval_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         set_threads: Callable[[int], None] = torch.set_num_threads,
@@ -50,21 +64,32 @@ class ThreadGovernor:
         self.usable = usable
         self.threads = usable
         self.changes = 0  # how often the thread count moved (for stats)
-        self._sample_load = sample_load
+        self._load = load
         self._interval_s = interval_s
         self._clock = clock
         self._set_threads = set_threads
         self._next_sample = clock()
         self._raise_pending = False  # the last sample called for more threads
+        self._rest_started: float | None = None  # when the loop began waiting for work, if it is
         set_threads(usable)
+
+    def rest(self) -> None:
+        """The loop is about to wait for work: pause the sampling window until the next :meth:`tick`."""
+        if self._rest_started is None:
+            self._rest_started = self._clock()
+            self._load.pause()
 
     def tick(self) -> None:
         """Between steps: re-measure when the interval has passed, and move the thread count."""
         now = self._clock()
+        if self._rest_started is not None:
+            self._load.resume()
+            self._next_sample += now - self._rest_started
+            self._rest_started = None
         if now < self._next_sample:
             return
         self._next_sample = now + self._interval_s
-        foreign = self._sample_load()
+        foreign = self._load.sample()
         if foreign is None:
             return
         target = threads_for(self.usable, foreign)
@@ -89,4 +114,4 @@ def engine_thread_governor(
     if config.cpu_threads:
         torch.set_num_threads(config.cpu_threads)
         return None
-    return ThreadGovernor(usable_cpus(), ForeignLoad(engine_thread).sample)
+    return ThreadGovernor(usable_cpus(), ForeignLoad(engine_thread))
