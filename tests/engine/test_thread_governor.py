@@ -74,6 +74,22 @@ def test_governor_drops_at_once_and_adds_back_after_two_samples() -> None:
     assert applied == [2, 1, 2] and governor.changes == 2 and not loads
 
 
+def test_one_long_step_of_low_load_is_enough_to_add_threads_back() -> None:
+    clock, load, applied = [0.0], ScriptedLoad([None, 0.9, 0.0, 0.0, 0.0]), []
+    governor = ThreadGovernor(2, load, 0.5, lambda: clock[0], applied.append)
+    for at, threads in [(0.5, 1), (1.0, 1), (1.5, 2)]:  # low load over 0.5 s, then 0.5 s more: two samples
+        clock[0] = at
+        governor.tick()
+        assert governor.threads == threads
+    load.loads[:0] = [0.9]
+    clock[0] = 2.0
+    governor.tick()
+    assert governor.threads == 1
+    clock[0] = 3.2  # one step of 1.2 s at low load: evidence enough
+    governor.tick()
+    assert governor.threads == 2 and applied == [2, 1, 2, 1, 2]
+
+
 def test_a_rest_pauses_the_sampling_window_and_its_clock() -> None:
     clock, load, applied = [0.0], ScriptedLoad([None, 0.9]), []
     governor = ThreadGovernor(2, load, 0.5, lambda: clock[0], applied.append)

@@ -10,9 +10,10 @@ root: the remaining threads each have a CPU.
 The governor runs on the engine's loop thread, between steps. At most every ``interval_s`` it
 samples the foreign load (:class:`~tokenmill.cpu_load.ForeignLoad`, in CPUs) and sets the threads to
 the usable CPUs less the foreign load, rounded so that a quarter CPU or more of foreign work gives
-up one thread; at least one. It drops threads at once and adds them back only when two samples in
-a row call for it. Only load measured while the engine works counts: while the loop waits for work
-(from :meth:`ThreadGovernor.rest` to the next tick) the sampling window is paused, its clock included
+up one thread; at least one. It drops threads at once and adds them back only once samples in a row
+have called for it over at least two intervals of work (two samples, or one long step's). Only
+load measured while the engine works counts: while the loop waits for work (from
+:meth:`ThreadGovernor.rest` to the next tick) the sampling window is paused, its clock included
 (what runs beside an idle engine, such as a client preparing its requests, says little about what
 will run beside its steps).
 """
@@ -68,9 +69,10 @@ class ThreadGovernor:
         self._interval_s = interval_s
         self._clock = clock
         self._set_threads = set_threads
-        self._next_sample = clock()
-        self._raise_pending = False  # the last sample called for more threads
+        self._window_start = clock()  # the current sampling window opened here (moved on by rests)
+        self._raise_evidence_s = 0.0  # work time of the samples in a row that called for more threads
         self._rest_started: float | None = None  # when the loop began waiting for work, if it is
+        load.sample()  # opens the first window
         set_threads(usable)
 
     def rest(self) -> None:
@@ -84,19 +86,21 @@ class ThreadGovernor:
         now = self._clock()
         if self._rest_started is not None:
             self._load.resume()
-            self._next_sample += now - self._rest_started
+            self._window_start += now - self._rest_started
             self._rest_started = None
-        if now < self._next_sample:
+        window_s = now - self._window_start
+        if window_s < self._interval_s:
             return
-        self._next_sample = now + self._interval_s
+        self._window_start = now
         foreign = self._load.sample()
         if foreign is None:
             return
         target = threads_for(self.usable, foreign)
-        if target > self.threads and not self._raise_pending:
-            self._raise_pending = True  # wait for a second sample before adding threads back
-            return
-        self._raise_pending = False
+        if target > self.threads:
+            self._raise_evidence_s += window_s
+            if self._raise_evidence_s < 2 * self._interval_s:
+                return
+        self._raise_evidence_s = 0.0
         if target != self.threads:
             self.threads = target
             self.changes += 1
