@@ -68,6 +68,20 @@ class EngineConfig:
         "Run without a tokenizer: prompts must be token ids, outputs carry token ids and no text.",
         section="model",
     )
+    quantization: str | None = option(
+        None,
+        'Keep the linear projections of the decoder layers quantized in memory: "int8" (symmetric), '
+        '"int4" (asymmetric, scale and min per group); None keeps the checkpoint\'s precision. '
+        "Embeddings, the LM head, MoE routers and experts stay unquantized. A quantized model refuses "
+        "weight updates.",
+        section="model",
+    )
+    quantization_group_size: int | None = option(
+        None,
+        "Values of a row sharing one quantization scale: 32, 64 or 128; None: int8 one per output "
+        "channel, int4 the largest of 128, 64, 32 that divides each layer's input width.",
+        section="model",
+    )
     cpu_threads: int = option(
         0,
         "Threads of the engine's parallel ops on CPU. 0: adapt them to the CPUs this process may use "
@@ -223,6 +237,10 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f'quantization must be None, "int8" or "int4", got {self.quantization!r}')
+        if self.quantization_group_size not in (None, 32, 64, 128):
+            raise ValueError(f"quantization_group_size must be None, 32, 64 or 128, got {self.quantization_group_size}")
         if self.page_size < 1 or self.page_size > 256 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two in [1, 256], got {self.page_size}")
         for name in ("dtype", "kv_cache_dtype"):

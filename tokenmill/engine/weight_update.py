@@ -70,7 +70,13 @@ def next_version(current: int, requested: int | None) -> int:
 def stage_update(model: CausalLM, weights: WeightsSource, keep_whole: bool = False) -> list[StagedTensor]:
     """Read, validate and stage every tensor of ``weights``; raise :class:`WeightError` naming the
     first bad tensor (nothing of the model is touched either way). ``keep_whole``: also keep a CPU
-    copy of each whole tensor (:attr:`StagedTensor.whole`; with tensor parallelism, for the workers)."""
+    copy of each whole tensor (:attr:`StagedTensor.whole`; with tensor parallelism, for the workers).
+    A quantized model refuses every update (its projections hold no full-precision weights to update)."""
+    if model.quantization is not None:
+        raise WeightError(
+            f"this model's projections are quantized ({model.quantization.name}) and cannot be updated; "
+            "start the engine without quantization to update weights"
+        )
     targets = checkpoint_targets(model)
     staged: dict[str, StagedTensor] = {}
     for name, tensor, source in _read(weights):

@@ -24,6 +24,8 @@ from torch import nn
 
 from tokenmill.hardware import avx512, avx512_bf16, native_bf16
 from tokenmill.kernels.cpu import load_cpu_kernels
+from tokenmill.kernels.quant_format import QuantizedTensors, QuantScheme, quantize
+from tokenmill.kernels.quant_linear import quantized_linear
 
 SKINNY_MAX_ROWS = 8
 SKINNY_MAX_ROWS_BF16 = 1
@@ -115,14 +117,44 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) whose forward uses :func:`linear`, through a
-    :class:`BlockedCopy` of its weight for the dtypes in ``BLOCKED_MIN_ROWS``."""
+    :class:`BlockedCopy` of its weight for the dtypes in ``BLOCKED_MIN_ROWS``.
+
+    :meth:`quantize_` replaces the ``weight`` parameter by buffers holding it quantized
+    (``qweight``, ``qscale``, ``qmin``; see ``quant_format``): from then on there is no ``weight``
+    attribute, :attr:`quantization` names the scheme, and products go through :func:`quantized_linear`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self._blocked = BlockedCopy()
+        self.quantization: QuantScheme | None = None
+        self._group = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return blocked_linear(x, self.weight, self.bias, self._blocked)
+        return self.product(x, self.bias)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias`` with this layer's weight, quantized or not."""
+        if self.quantization is not None:
+            return quantized_linear(x, self.quantized_weight(), bias)
+        return blocked_linear(x, self.weight, bias, self._blocked)
+
+    def quantize_(self, scheme: QuantScheme) -> None:
+        """Keep the weight quantized with ``scheme`` from now on (raises ValueError, changing nothing,
+        if its shape does not fit the scheme's groups)."""
+        if self.quantization is not None:
+            raise ValueError(f"the layer is already quantized ({self.quantization.name})")
+        tensors = quantize(self.weight, scheme)
+        del self.weight
+        self._blocked = BlockedCopy()
+        self.register_buffer("qweight", tensors.qweight)
+        self.register_buffer("qscale", tensors.scale)
+        self.register_buffer("qmin", tensors.min)
+        self.quantization, self._group = scheme, tensors.group
+
+    def quantized_weight(self) -> QuantizedTensors:
+        """The quantized weight's tensors (only after :meth:`quantize_`)."""
+        assert self.quantization is not None, "the layer is not quantized"
+        return QuantizedTensors(self.qweight, self.qscale, self.qmin, self.quantization.bits, self._group)
 
     def blocked_weight(self, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
         """The blocked copy that :meth:`forward` multiplies a CPU input of ``dtype`` and ``rows`` rows

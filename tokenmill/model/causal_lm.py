@@ -40,6 +40,7 @@ from tokenmill.attention.factory import BackendShape, build_backend
 from tokenmill.cache.views import DecodeKVCache, KVView
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.linear import Linear, linear
+from tokenmill.kernels.quant_format import QuantScheme
 from tokenmill.model import parallel
 from tokenmill.model.blocks import RMSNorm, RotaryEmbedding
 from tokenmill.model.capabilities import Combination, FamilyCapabilities, check_tensor_parallel, choose_backend
@@ -115,6 +116,7 @@ class CausalLM(nn.Module, ABC):
         else:
             self.lm_head = parallel.VocabParallelLMHead(config.hidden_size, config.vocab_size, tp)
         self.backend = None
+        self.quantization: QuantScheme | None = None  # set by model/quantization.py
 
     @abstractmethod
     def decoder_layer(self, config: ModelConfig, layer_id: int) -> nn.Module:

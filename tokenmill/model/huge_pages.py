@@ -25,18 +25,30 @@ def materialize_on_huge_pages(model: nn.Module) -> nn.Module:
     """``model.to_empty(device="cpu")`` with every parameter (uninitialized) in one huge-page
     mapping where the OS supports it. Buffers are allocated as ``to_empty`` does."""
     model.to_empty(device="cpu")
+    _into_one_mapping(list(model.parameters()), copy=False)  # shared (tied) parameters appear once
+    return model
+
+
+def move_to_huge_pages(tensors: list[torch.Tensor]) -> None:
+    """Move CPU ``tensors`` (parameters or buffers, their values kept) into one new huge-page
+    mapping where the OS supports it; the memory they held before is freed once nothing else views it."""
+    _into_one_mapping(tensors, copy=True)
+
+
+def _into_one_mapping(tensors: list[torch.Tensor], copy: bool) -> None:
     advise = getattr(mmap, "MADV_HUGEPAGE", None)
-    params = list(model.parameters())  # shared (tied) parameters appear once
     offsets, total = [], 0
-    for param in params:
+    for tensor in tensors:
         offsets.append(total)
-        total += -(-param.numel() * param.element_size() // ALIGN_BYTES) * ALIGN_BYTES
+        total += -(-tensor.numel() * tensor.element_size() // ALIGN_BYTES) * ALIGN_BYTES
     if advise is None or total == 0:
-        return model
+        return
     mapping = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE)  # anonymous; pages committed on first write
     mapping.madvise(advise)
     arena = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
-    for param, offset in zip(params, offsets):
-        nbytes = param.numel() * param.element_size()
-        param.data = arena[offset : offset + nbytes].view(param.dtype).view(param.shape)
-    return model
+    for tensor, offset in zip(tensors, offsets):
+        nbytes = tensor.numel() * tensor.element_size()
+        home = arena[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        if copy:
+            home.copy_(tensor.detach())
+        tensor.data = home

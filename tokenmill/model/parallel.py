@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tokenmill.kernels.linear import Linear, blocked_linear
+from tokenmill.kernels.linear import Linear
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ class RowParallelLinear(Linear, CheckpointParts):
         self.checkpoint_parts = {"weight": CheckpointPart((out_features, in_features), (slice(None), cols))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(blocked_linear(x, self.weight, None, self._blocked))
+        out = self.tp.all_reduce(self.product(x, None))
         return out if self.bias is None else out + self.bias
 
 

@@ -31,6 +31,7 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.decode_forward import CpuDecodeForward
 from tokenmill.model.loader import load_model
 from tokenmill.model.parallel import TensorParallel
+from tokenmill.model.quantization import quantization_scheme, quantize_model
 from tokenmill.model.registry import load_model_config
 from tokenmill.worker.cuda_graphs import CudaGraphDecodeRunner, make_cuda_graph_runner
 from tokenmill.worker.forward_step import ForwardStep
@@ -104,6 +105,9 @@ def build_model_worker(
     model_config = load_model_config(path)
     dtype = config.resolved_dtype(model_config.checkpoint_dtype)
     model = load_model(path, dtype, device, tp)
+    scheme = quantization_scheme(config)
+    if scheme is not None:
+        quantize_model(model, scheme)
     model.backend = model.make_backend(config, dtype)
     dtype_name = str(dtype).removeprefix("torch.") + (" (auto)" if config.dtype == "auto" else "")
     logger.info("%s on %s in %s, attention %s", model_config.architecture, device, dtype_name, model.backend.name)

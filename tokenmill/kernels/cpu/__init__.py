@@ -5,6 +5,7 @@
 causal_softmax_ (CpuBackend prefill).
 ``skinny_linear.cpp``: ``x @ W^T`` for few rows of x (``kernels/linear.py``, decode batches).
 ``panel_linear.cpp``: ``x @ W^T`` for decode-batch-sized x (``kernels/linear.py``).
+``quant_linear.cpp``: products with int8/int4 weights kept quantized (``kernels/quant_linear.py``).
 ``decode_forward.cpp``: the whole forward of a decode step in one call (``model/decode_forward.py``).
 ``simd.h``: the vector helpers they share; ``kernels.h``: the kernels' C++ entry points;
 ``linear_io.h``: the linear kernels' checks and bias.
@@ -44,6 +45,7 @@ SOURCES = [
         "decode_forward.cpp",
         "elementwise.cpp",
         "panel_linear.cpp",
+        "quant_linear.cpp",
         "skinny_linear.cpp",
     )
 ]

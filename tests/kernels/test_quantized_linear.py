@@ -1,0 +1,114 @@
+"""Weights kept quantized: the format (packing, round-to-nearest bounds), the C++ products against
+``F.linear`` on the dequantized weight, and a quantized Linear's memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.kernels.cpu import load_cpu_kernels
+from tokenmill.kernels.linear import Linear
+from tokenmill.kernels.quant_format import QuantScheme, dequantize, pack_int4, quantize, unpack_int4
+from tokenmill.kernels.quant_linear import STREAM_MAX_ROWS, quantized_linear
+
+SCHEMES = [
+    QuantScheme(8),
+    QuantScheme(8, 32),
+    QuantScheme(4, 64, symmetric=False),
+    QuantScheme(4, 32, symmetric=True),
+    QuantScheme(4, None, symmetric=False),  # int4 default: the largest group dividing K
+]
+
+
+def test_int4_packing_puts_value_j_low_and_16_plus_j_high_in_byte_j_of_each_run() -> None:
+    q = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (3, 32)
+    for run in range(2):
+        for j in range(16):
+            byte = packed[:, 16 * run + j]
+            assert torch.equal(byte & 15, q[:, 32 * run + j]) and torch.equal(byte >> 4, q[:, 32 * run + 16 + j])
+    assert torch.equal(unpack_int4(packed), q)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_round_to_nearest_error_is_at_most_half_a_step(scheme: QuantScheme) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(48, 192) * torch.rand(48, 1) * 3
+    w[5] = 0.0  # an all-zero row quantizes exactly
+    tensors = quantize(w, scheme)
+    group = tensors.group
+    assert group == (scheme.group_size or (192 if scheme.bits == 8 else 64))
+    error = (dequantize(tensors) - w).abs().reshape(48, -1, group)
+    assert (error <= tensors.scale[..., None] / 2 + 1e-6).all()
+    assert torch.equal(dequantize(tensors)[5], torch.zeros(192))
+    expected_bytes = 48 * 192 * scheme.bits // 8
+    assert tensors.qweight.numel() * tensors.qweight.element_size() == expected_bytes
+
+
+needs_kernels = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ CPU kernels (a compiler)")
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+@pytest.mark.parametrize("rows", [1, 3, STREAM_MAX_ROWS, STREAM_MAX_ROWS + 1, 40])
+def test_kernel_equals_linear_on_the_dequantized_weight(scheme: QuantScheme, rows: int) -> None:
+    torch.manual_seed(rows)
+    w, x, bias = torch.randn(68, 256), torch.randn(rows, 256), torch.randn(68)
+    tensors = quantize(w, scheme)
+    expected = F.linear(x, dequantize(tensors), bias)
+    torch.testing.assert_close(quantized_linear(x, tensors, bias), expected, rtol=1e-5, atol=1e-4)
+    got_bf16 = quantized_linear(x.bfloat16(), tensors, bias.bfloat16())
+    assert got_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        got_bf16.float(), F.linear(x.bfloat16().float(), dequantize(tensors), bias), rtol=2e-2, atol=0.1
+    )
+    kernels = load_cpu_kernels()
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):  # fused multiply-add: fp32 rounding
+        whole = kernels.dequantize_weight(
+            tensors.qweight, tensors.scale, tensors.min, tensors.bits, tensors.group, dtype
+        )
+        torch.testing.assert_close(whole, dequantize(tensors, dtype), rtol=tolerance, atol=tolerance)
+
+
+@needs_kernels
+def test_kernel_refuses_inconsistent_operands() -> None:
+    tensors = quantize(torch.randn(8, 64), QuantScheme(4, 32, symmetric=False))
+    kernels = load_cpu_kernels()
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="scale"):
+        kernels.quantized_linear(x, tensors.qweight, tensors.scale[:, :1].contiguous(), tensors.min, 4, 32, None, 16)
+    with pytest.raises(RuntimeError, match="need mins"):
+        kernels.quantized_linear(x, tensors.qweight, tensors.scale, None, 4, 32, None, 16)
+    with pytest.raises(RuntimeError, match="x must be"):
+        kernels.quantized_linear(torch.randn(1, 32), tensors.qweight, tensors.scale, tensors.min, 4, 32, None, 16)
+
+
+def test_schemes_and_shapes_that_do_not_fit_are_refused() -> None:
+    with pytest.raises(ValueError, match="8 or 4 bits"):
+        QuantScheme(3)
+    with pytest.raises(ValueError, match="group size"):
+        QuantScheme(4, 48)
+    with pytest.raises(ValueError, match="symmetric"):
+        QuantScheme(8, symmetric=False)
+    layer = Linear(96, 8, bias=False)
+    with pytest.raises(ValueError, match="groups of 64"):
+        layer.quantize_(QuantScheme(4, 64))
+    assert layer.quantization is None and layer.weight.shape == (8, 96)  # unchanged
+
+
+def test_a_quantized_linear_holds_only_the_quantized_bytes_and_computes_with_them() -> None:
+    torch.manual_seed(0)
+    layer = Linear(256, 64, bias=True)
+    full = layer.weight.detach().clone()
+    layer.quantize_(QuantScheme(4, 64, symmetric=False))
+    assert not hasattr(layer, "weight") and layer.quantization == QuantScheme(4, 64, symmetric=False)
+    stored = sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
+    # 4 bits a weight, fp32 scale and min per 64 values, the fp32 bias
+    assert stored == 64 * 256 // 2 + 2 * 4 * 64 * 256 // 64 + 4 * 64
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(layer(x), F.linear(x, dequantize(layer.quantized_weight()), layer.bias))
+    assert (dequantize(layer.quantized_weight()) - full).abs().max() < 0.25
+    with pytest.raises(ValueError, match="already quantized"):
+        layer.quantize_(QuantScheme(8))

@@ -1,0 +1,101 @@
+"""Quantized models against transformers: the same model with every quantized weight replaced by its
+dequantized value, run in fp32, is the oracle (the quantization error itself is measured in the
+README, not hidden here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.model.test_parity import PROMPT_LENS, greedy_through_cache, hf_reference
+from tests.tiny_models import hf_greedy, save_tiny_checkpoint, save_tiny_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.quant_format import QuantScheme, dequantize, quantize
+from tokenmill.model.loader import load_model
+from tokenmill.model.quantization import quantize_model
+from tokenmill.model.weights import WeightError
+
+CASES = {
+    "llama": ("llama", {}),
+    "qwen2_bias_tied": ("qwen2", dict(tie_word_embeddings=True)),
+    "phi3": ("phi3", {}),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "gemma2": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=5.0)),
+}
+SCHEMES = {"int8": QuantScheme(8), "int4": QuantScheme(4, None, symmetric=False), "int4-sym-g32": QuantScheme(4, 32)}
+
+
+def dequantize_hf_projections(hf_model: nn.Module, scheme: QuantScheme) -> int:
+    """Replace each decoder-layer nn.Linear weight (not an MoE router ``gate``) of ``hf_model`` by its
+    quantized-then-dequantized value: rows quantize independently, so separate q/k/v (gate/up)
+    weights give what tokenmill's packed ones give. Returns how many."""
+    count = 0
+    for name, module in hf_model.model.layers.named_modules():
+        if isinstance(module, nn.Linear) and name.rpartition(".")[2] != "gate":
+            with torch.no_grad():
+                module.weight.copy_(dequantize(quantize(module.weight, scheme)))
+            count += 1
+    return count
+
+
+@pytest.mark.parametrize("scheme_name", sorted(SCHEMES))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_quantized_model_matches_transformers_on_the_dequantized_weights(case, scheme_name, tmp_path: Path) -> None:
+    kind, overrides = CASES[case]
+    scheme = SCHEMES[scheme_name]
+    hf_model = save_tiny_model(tmp_path, kind, **overrides)
+    model = load_model(tmp_path, torch.float32, "cpu")
+    n_quantized = quantize_model(model, scheme)
+    assert n_quantized > 0 and model.quantization == scheme
+    dequantize_hf_projections(hf_model, scheme)
+    prompts = [list(range(3, 3 + n)) for n in PROMPT_LENS]
+    logits, tokens = greedy_through_cache(model, prompts)
+    for prompt, ours, greedy in zip(prompts, logits, tokens):
+        hf_logits, hf_tokens = hf_reference(hf_model, prompt)
+        torch.testing.assert_close(ours, hf_logits, rtol=1e-4, atol=1e-4)
+        assert greedy == hf_tokens
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_engine_generates_what_transformers_does_with_the_dequantized_weights(quantization, tmp_path: Path) -> None:
+    """The real path: ``LLM(quantization=...)`` (C++ kernels, cpu backend, chunked prefill)."""
+    hf_model = save_tiny_checkpoint(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", quantization=quantization, max_num_batched_tokens=16)
+    dequantize_hf_projections(hf_model, QuantScheme(8) if quantization == "int8" else QuantScheme(4, symmetric=False))
+    prompts = [[5, 6, 7], list(range(3, 30))]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 12) for p in prompts]
+    model = llm.engine.worker.model
+    quantized = [m for m in model.modules() if getattr(m, "quantization", None) is not None and m is not model]
+    assert quantized and all(not hasattr(m, "weight") for m in quantized)
+    with pytest.raises(WeightError, match="quantized"):
+        llm.update_weights([("model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 64))])
+
+
+def test_tensor_parallel_quantized_equals_transformers(tmp_path: Path) -> None:
+    """Each rank quantizes its own shard: row-parallel shards split K, so a rank's K (64 of the MLP's
+    128) must hold whole groups."""
+    hf_model = save_tiny_checkpoint(tmp_path, intermediate_size=128)
+    llm = LLM(
+        model=str(tmp_path), dtype="float32", quantization="int4", quantization_group_size=32, tensor_parallel_size=2
+    )
+    try:
+        dequantize_hf_projections(hf_model, QuantScheme(4, 32, symmetric=False))
+        prompts = [[5, 6, 7], list(range(3, 20))]
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 8) for p in prompts]
+    finally:
+        llm.shutdown()
+
+
+def test_a_group_size_that_does_not_divide_a_layer_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    save_tiny_model(tmp_path, "llama")  # intermediate_size 96: groups of 64 do not divide the down projection
+    model = load_model(tmp_path, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj .*groups of 64"):
+        quantize_model(model, QuantScheme(4, 64))
+    assert model.quantization is None and all(hasattr(layer.mlp.down_proj, "weight") for layer in model.model.layers)
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(model=str(tmp_path), quantization="int3")

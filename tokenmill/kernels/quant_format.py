@@ -1,0 +1,129 @@
+"""The in-memory format of weights kept quantized: int8 and int4, weight-only, grouped along K.
+
+A weight ``W [N, K]`` becomes, per group of ``group_size`` consecutive values of a row (a multiple
+of 32 that divides K; ``group_size = K`` is one scale per output channel):
+
+- int8, symmetric: ``qweight`` int8 ``[N, K]``, ``W ~= q * scale`` with ``q`` in -127..127;
+- int4: ``qweight`` uint8 ``[N, K / 2]``, ``W ~= q * scale + min`` with ``q`` in 0..15 (asymmetric:
+  ``min`` is the group's smallest value; symmetric: ``min = -8 * scale`` with ``scale = absmax / 7``,
+  so q - 8 is in -7..7 and zero is exact). Each run of 32 values along K is 16 bytes: value ``j``
+  in byte ``j``'s low nibble, value ``16 + j`` in its high one (the kernels unpack a run into two
+  16-wide vectors).
+
+``scale`` and ``min`` are fp32 ``[N, K / group_size]``. Checkpoint formats (AWQ, GPTQ, GGUF) are
+repacked into this one at load. Quantizing here is round-to-nearest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+RUN = 32
+"""Values per packed int4 run; every group size is a multiple of it."""
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How a weight is quantized: ``bits`` 8 or 4, ``group_size`` (None: int8 has one group per output
+    channel, i.e. the whole row; int4 the largest of 128, 64, 32 that divides the layer's K),
+    ``symmetric`` (int8 always is)."""
+
+    bits: int
+    group_size: int | None = None
+    symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        if self.bits not in (8, 4):
+            raise ValueError(f"quantized weights have 8 or 4 bits, not {self.bits}")
+        if self.group_size is not None and self.group_size not in GROUP_SIZES:
+            raise ValueError(f"group size must be one of {GROUP_SIZES} or None (per channel), not {self.group_size}")
+        if self.bits == 8 and not self.symmetric:
+            raise ValueError("int8 weights are symmetric")
+
+    def group_for(self, in_features: int) -> int:
+        """The group length along K for a weight of ``in_features`` columns (raises if it does not divide)."""
+        if self.group_size is None and self.bits == 4:
+            group = next((g for g in reversed(GROUP_SIZES) if in_features % g == 0), RUN)
+        else:
+            group = self.group_size or in_features
+        if in_features % group or group % RUN:
+            raise ValueError(
+                f"a weight with {in_features} input features cannot be quantized in groups of {group} "
+                f"(the group must divide K and be a multiple of {RUN})"
+            )
+        return group
+
+    @property
+    def name(self) -> str:
+        groups = f"g{self.group_size}" if self.group_size else "per-channel" if self.bits == 8 else "g-auto"
+        return f"int{self.bits}-{groups}" + ("" if self.bits == 8 else "-sym" if self.symmetric else "-asym")
+
+
+@dataclass
+class QuantizedTensors:
+    """One quantized weight (see the module docstring): ``min`` is None for int8."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor | None
+    bits: int
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, packed = self.qweight.shape
+        return n, packed if self.bits == 8 else 2 * packed
+
+
+def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedTensors:
+    """``weight [N, K]`` (any float dtype) quantized round-to-nearest, computed in fp32."""
+    n, k = weight.shape
+    group = scheme.group_for(k)
+    w = weight.detach().float().reshape(n, k // group, group)
+    if scheme.bits == 8:
+        scale = w.abs().amax(dim=-1) / 127.0
+        q = torch.round(w / _nonzero(scale)[..., None]).clamp_(-127, 127).to(torch.int8)
+        return QuantizedTensors(q.reshape(n, k).contiguous(), scale.contiguous(), None, 8, group)
+    if scheme.symmetric:
+        scale = w.abs().amax(dim=-1) / 7.0
+        low = -8.0 * scale
+    else:
+        low, high = w.amin(dim=-1), w.amax(dim=-1)
+        scale = (high - low) / 15.0
+    q = torch.round((w - low[..., None]) / _nonzero(scale)[..., None]).clamp_(0, 15).to(torch.uint8)
+    return QuantizedTensors(pack_int4(q.reshape(n, k)), scale.contiguous(), low.contiguous(), 4, group)
+
+
+def dequantize(tensors: QuantizedTensors, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight ``[N, K]`` the quantized tensors stand for, in ``dtype`` (computed in fp32)."""
+    n, k = tensors.shape
+    groups = k // tensors.group
+    if tensors.bits == 8:
+        w = tensors.qweight.float().reshape(n, groups, tensors.group) * tensors.scale[..., None]
+    else:
+        assert tensors.min is not None
+        q = unpack_int4(tensors.qweight).float().reshape(n, groups, tensors.group)
+        w = q * tensors.scale[..., None] + tensors.min[..., None]
+    return w.reshape(n, k).to(dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 ``[N, K]`` (K a multiple of 32) packed two to a byte, run by run."""
+    n, k = q.shape
+    runs = q.reshape(n, k // RUN, 2, RUN // 2)
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_int4`: uint8 ``[N, K]`` with values 0..15."""
+    n, half = packed.shape
+    runs = packed.reshape(n, half // (RUN // 2), 1, RUN // 2)
+    return torch.cat([runs & 15, runs >> 4], dim=2).reshape(n, 2 * half)
+
+
+def _nonzero(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` with zeros (all-zero groups) replaced by 1, for dividing."""
+    return torch.where(scale == 0, torch.ones_like(scale), scale)

@@ -1,0 +1,71 @@
+"""Quantizing a loaded model's projections in place (``EngineConfig.quantization``).
+
+Every :class:`~tokenmill.kernels.linear.Linear` inside the decoder layers (attention and MLP
+projections, packed or tensor-parallel shards alike: rows are quantized independently and groups
+run along this rank's K) keeps its weight quantized from then on; what stays in the checkpoint's
+precision: embeddings, the LM head, norms, MoE routers (modules named ``gate``) and stacked MoE
+experts. On CPU the remaining tensors and the quantized ones are then moved into one fresh
+huge-page mapping, which frees the full-precision projections.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.kernels.linear import Linear
+from tokenmill.kernels.quant_format import QuantScheme
+from tokenmill.kernels.quant_linear import STREAM_MAX_ROWS
+from tokenmill.model.causal_lm import CausalLM
+from tokenmill.model.huge_pages import move_to_huge_pages
+
+logger = logging.getLogger("tokenmill.model")
+
+ROUTER_NAME = "gate"
+"""The attribute name of an MoE router, which stays unquantized (its scores pick experts)."""
+
+
+def quantization_scheme(config: EngineConfig) -> QuantScheme | None:
+    """The scheme ``config`` asks for (None: no quantization)."""
+    if config.quantization is None:
+        return None
+    bits = 8 if config.quantization == "int8" else 4
+    return QuantScheme(bits, config.quantization_group_size, symmetric=bits == 8)
+
+
+def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
+    """Quantize ``model``'s decoder-layer projections with ``scheme``; returns how many. Every layer's
+    shape is checked before any is changed (ValueError naming the first that does not fit)."""
+    targets = [
+        (name, module)
+        for name, module in model.model.layers.named_modules()
+        if isinstance(module, Linear) and name.rpartition(".")[2] != ROUTER_NAME
+    ]
+    for name, module in targets:
+        try:
+            scheme.group_for(module.in_features)
+        except ValueError as exc:
+            raise ValueError(f"cannot quantize layers.{name} ({scheme.name}): {exc}") from None
+    before = _resident_bytes(model)
+    for _, module in targets:
+        module.quantize_(scheme)
+    model.quantization = scheme
+    if next(model.parameters()).device.type == "cpu":
+        move_to_huge_pages([*model.parameters(), *(b for b in model.buffers() if b is not None)])
+    logger.info(
+        "quantized %d projections to %s: weights %.1f -> %.1f MB; on CPU each product streams the packed "
+        "weight up to %d rows (quant_linear.cpp) and dequantizes it for oneDNN beyond",
+        len(targets),
+        scheme.name,
+        before / 2**20,
+        _resident_bytes(model) / 2**20,
+        STREAM_MAX_ROWS,
+    )
+    return len(targets)
+
+
+def _resident_bytes(model: torch.nn.Module) -> int:
+    tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None)]
+    return sum(t.numel() * t.element_size() for t in tensors)
