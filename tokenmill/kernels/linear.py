@@ -127,7 +127,6 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self._blocked = BlockedCopy()
         self.quantization: QuantScheme | None = None
-        self._group = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias)
@@ -145,16 +144,17 @@ class Linear(nn.Linear):
             raise ValueError(f"the layer is already quantized ({self.quantization.name})")
         tensors = quantize(self.weight, scheme)
         del self.weight
-        self._blocked = BlockedCopy()
+        self._blocked = BlockedCopy()  # drops the blocked copy of the full-precision weight, if one was made
         self.register_buffer("qweight", tensors.qweight)
         self.register_buffer("qscale", tensors.scale)
         self.register_buffer("qmin", tensors.min)
-        self.quantization, self._group = scheme, tensors.group
+        self.quantization = scheme
 
     def quantized_weight(self) -> QuantizedTensors:
         """The quantized weight's tensors (only after :meth:`quantize_`)."""
         assert self.quantization is not None, "the layer is not quantized"
-        return QuantizedTensors(self.qweight, self.qscale, self.qmin, self.quantization.bits, self._group)
+        group = self.in_features // self.qscale.shape[1]
+        return QuantizedTensors(self.qweight, self.qscale, self.qmin, self.quantization.bits, group)
 
     def blocked_weight(self, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
         """The blocked copy that :meth:`forward` multiplies a CPU input of ``dtype`` and ``rows`` rows

@@ -53,7 +53,7 @@ def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
         module.quantize_(scheme)
     model.quantization = scheme
     if next(model.parameters()).device.type == "cpu":
-        move_to_huge_pages([*model.parameters(), *(b for b in model.buffers() if b is not None)])
+        move_to_huge_pages([*model.parameters(), *model.buffers()])
     logger.info(
         "quantized %d projections to %s: weights %.1f -> %.1f MB; on CPU each product streams the packed "
         "weight up to %d rows (quant_linear.cpp) and dequantizes it for oneDNN beyond",
@@ -67,5 +67,4 @@ def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
 
 
 def _resident_bytes(model: torch.nn.Module) -> int:
-    tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
