@@ -55,7 +55,7 @@ needs_kernels = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the
 @pytest.mark.parametrize("rows", [1, 3, STREAM_MAX_ROWS, STREAM_MAX_ROWS + 1, 40])
 def test_kernel_equals_linear_on_the_dequantized_weight(scheme: QuantScheme, rows: int) -> None:
     torch.manual_seed(rows)
-    w, x, bias = torch.randn(68, 256), torch.randn(rows, 256), torch.randn(68)
+    w, x, bias = torch.randn(70, 256), torch.randn(rows, 256), torch.randn(70)  # N: 17 blocks of 4 and 2 rows
     tensors = quantize(w, scheme)
     expected = F.linear(x, dequantize(tensors), bias)
     torch.testing.assert_close(quantized_linear(x, tensors, bias), expected, rtol=1e-5, atol=1e-4)

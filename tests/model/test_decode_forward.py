@@ -22,13 +22,18 @@ from tokenmill.cache.storage import KVStorage, ReqToTokenPool
 from tokenmill.engine.executor import StepExecutor
 from tokenmill.hardware import native_bf16
 from tokenmill.kernels import linear as linear_module
+from tokenmill.kernels import quant_linear as quant_linear_module
 from tokenmill.kernels.linear import BLOCKED_MAX_ROWS, PANEL_MAX_ROWS, SKINNY_MAX_ROWS
+from tokenmill.kernels.quant_format import QuantScheme
+from tokenmill.kernels.quant_linear import STREAM_MAX_ROWS
+from tokenmill.model import decode_forward as decode_forward_module
 from tokenmill.model.blocks import Attention, DecoderLayer, GatedMLP
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.decode_forward import CpuDecodeForward
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_model
+from tokenmill.model.quantization import quantize_model
 from tokenmill.model.registry import load_model_config
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler to build the CPU kernels")
@@ -119,6 +124,30 @@ def test_matches_python_layers(
     python, python_cache = greedy_decode(model, n_requests, steps=5, fused=False)
     for step, (a, b) in enumerate(zip(fused, python)):
         assert a.dtype == dtype
+        assert torch.equal(a, b), f"decode step {step}: max diff {(a - b).abs().max().item()}"
+    assert torch.equal(fused_cache, python_cache)
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(8), QuantScheme(4, 32, symmetric=False)], ids=lambda s: s.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_requests, stream_max_rows", [(1, STREAM_MAX_ROWS), (5, STREAM_MAX_ROWS), (5, 4)])
+def test_quantized_projections_match_python_layers(
+    llama: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    scheme: QuantScheme,
+    dtype: torch.dtype,
+    n_requests: int,
+    stream_max_rows: int,
+) -> None:
+    """Quantized projections in the C++ decode forward: streamed, or (more rows than the streaming
+    limit, lowered here to fit the harness's rows) dequantized for oneDNN."""
+    monkeypatch.setattr(quant_linear_module, "STREAM_MAX_ROWS", stream_max_rows)
+    monkeypatch.setattr(decode_forward_module, "STREAM_MAX_ROWS", stream_max_rows)
+    model = load_model(llama, dtype, "cpu")
+    quantize_model(model, scheme)
+    fused, fused_cache = greedy_decode(model, n_requests, steps=4, fused=True)
+    python, python_cache = greedy_decode(model, n_requests, steps=4, fused=False)
+    for step, (a, b) in enumerate(zip(fused, python)):
         assert torch.equal(a, b), f"decode step {step}: max diff {(a - b).abs().max().item()}"
     assert torch.equal(fused_cache, python_cache)
 

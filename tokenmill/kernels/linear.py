@@ -158,5 +158,5 @@ class Linear(nn.Linear):
 
     def blocked_weight(self, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
         """The blocked copy that :meth:`forward` multiplies a CPU input of ``dtype`` and ``rows`` rows
-        by; None where it uses :func:`linear` on the weight as stored."""
-        return self._blocked.for_rows(self.weight, dtype, rows)
+        by; None where it uses :func:`linear` on the weight as stored, or the weight is quantized."""
+        return None if self.quantization is not None else self._blocked.for_rows(self.weight, dtype, rows)

@@ -23,7 +23,7 @@ STREAM_MAX_ROWS = 16
 def quantized_linear(x: torch.Tensor, weight: QuantizedTensors, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ W.T + bias`` for the quantized ``W [N, K]``."""
     n, k = weight.shape
-    if x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and n % 4 == 0:
+    if x.is_cpu and x.dtype in (torch.float32, torch.bfloat16):
         kernels = load_cpu_kernels()
         if kernels is not None:
             rows = x.reshape(-1, k).contiguous()

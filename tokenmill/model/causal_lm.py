@@ -54,17 +54,18 @@ CPU_DECODE_LAYER_WEIGHTS = (
     "mlp.gate_up_proj.weight",
     "mlp.down_proj.weight",
 )
-"""A layer's parameters, in ``decode_forward.cpp``'s order; a layer with any other parameter (a
-bias, a q/k norm) is not what the C++ decode forward computes."""
+"""A layer's weights, in ``decode_forward.cpp``'s order (a quantized projection's ``weight`` is its
+packed ``qweight``); a layer with any other parameter (a bias, a q/k norm) is not what the C++
+decode forward computes."""
 
 
 @dataclass(frozen=True)
 class CpuDecodeWeights:
-    """What the C++ decode forward reads. The Parameter objects themselves are held: weight updates
+    """What the C++ decode forward reads. The tensor objects themselves are held: weight updates
     copy into them and ``Module.to`` swaps their ``.data``, so they stay current."""
 
     embed: nn.Parameter
-    layers: list[nn.Parameter]  # CPU_DECODE_LAYER_WEIGHTS of each layer, layer after layer
+    layers: list[torch.Tensor]  # CPU_DECODE_LAYER_WEIGHTS of each layer, layer after layer
     final_norm: nn.Parameter
     lm_head: nn.Parameter
     projections: list[Linear | None]  # qkv, o, gate_up, down of each layer; the LM head's (None: tied)
@@ -212,10 +213,15 @@ class CausalLM(nn.Module, ABC):
             or self.config.hidden_act != "silu"
         ):
             return None
-        weights: list[nn.Parameter] = []
+        weights: list[torch.Tensor] = []
         projections: list[Linear | None] = []
         for layer in self.model.layers:
-            params = dict(layer.named_parameters())
+            params: dict[str, torch.Tensor] = dict(layer.named_parameters())
+            params.update(
+                (f"{name}.weight", module.qweight)
+                for name, module in layer.named_modules()
+                if isinstance(module, Linear) and module.quantization is not None
+            )
             if params.keys() != set(CPU_DECODE_LAYER_WEIGHTS):
                 return None
             weights.extend(params[name] for name in CPU_DECODE_LAYER_WEIGHTS)

@@ -6,8 +6,8 @@ family opted in, no soft-capping, one rank), the instance has nothing the kernel
 (``CausalLM.cpu_decode_weights``) and the C++ kernels are available. It reads the neutral decode
 view (such a backend plans nothing). The kernels and their order are those of the Python forward,
 products included (each projection's blocked oneDNN weight where its ``Linear`` would use one for
-the step's rows, else the functional ``linear``'s choice), so logits and stored keys/values are
-bit-identical to it. The caller (the engine's runner) decides per step:
+the step's rows, a quantized projection's ``quantized_linear``, else the functional ``linear``'s
+choice), so logits and stored keys/values are bit-identical to it. The caller (the engine's runner) decides per step:
 :meth:`CpuDecodeForward.can_run`, then call it with the step's decode view.
 """
 
@@ -21,6 +21,7 @@ from tokenmill.attention.base import AttentionBackend
 from tokenmill.cache.views import DecodeKVCache
 from tokenmill.kernels import linear as linear_kernels
 from tokenmill.kernels.cpu import load_cpu_kernels
+from tokenmill.kernels.quant_linear import STREAM_MAX_ROWS
 from tokenmill.model.capabilities import cpu_decode_forward_applies
 from tokenmill.model.causal_lm import CausalLM, CpuDecodeWeights
 
@@ -38,6 +39,10 @@ class CpuDecodeForward:
         self._kernel = kernel
         self._scale = scale
         self._kv_dtype = kv_dtype
+        quantized = [p if p is not None and p.quantization is not None else None for p in weights.projections]
+        any_quantized = any(p is not None for p in quantized)
+        self._qscales = [None if p is None else p.qscale for p in quantized] if any_quantized else []
+        self._qmins = [None if p is None else p.qmin for p in quantized] if any_quantized else []
 
     @classmethod
     def build(cls, model: CausalLM, backend: AttentionBackend, kv_dtype: torch.dtype) -> CpuDecodeForward | None:
@@ -98,4 +103,7 @@ class CpuDecodeForward:
             self._scale,
             skinny_max_rows,
             panel_max_rows,
+            self._qscales,
+            self._qmins,
+            STREAM_MAX_ROWS,
         )

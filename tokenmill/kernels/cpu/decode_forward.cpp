@@ -67,8 +67,11 @@ struct PlainLinear {
 // rotate_half layout); weights: kWeightsPerLayer per layer, in the order above; blocked: empty, or
 // kProjectionsPerLayer per layer and then one for the LM head, each the projection's weight in
 // oneDNN's blocked layout (what kernels/linear.py's Linear would use for B rows) or None (the plain
-// weight, through PlainLinear's choice); k_buffer/v_buffer [layers, slots, Hkv, D] in the model's
-// dtype; windows: each layer's sliding window (0: global attention). Returns the logits [B, V'].
+// weight, through PlainLinear's choice); qscales/qmins: empty, or like blocked, the scale and min of a
+// projection kept quantized (quant_linear.cpp's layout; its weight slot then holds the packed int8
+// or uint8 weight: 8 or 4 bits; min None for int8) or None for one that is not, multiplied by
+// quantized_linear with stream_max_rows as kernels/quant_linear.py calls it; k_buffer/v_buffer
+// [layers, slots, Hkv, D] in the model's dtype; windows: each layer's sliding window (0: global attention). Returns the logits [B, V'].
 at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& embed,
                           const at::Tensor& cos_table, const at::Tensor& sin_table, at::TensorList weights,
                           const c10::List<std::optional<at::Tensor>>& blocked, const at::Tensor& final_norm,
@@ -76,7 +79,9 @@ at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positio
                           const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
                           const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, at::IntArrayRef windows,
                           int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, double eps, double scale,
-                          int64_t skinny_max_rows, int64_t panel_max_rows) {
+                          int64_t skinny_max_rows, int64_t panel_max_rows,
+                          const c10::List<std::optional<at::Tensor>>& qscales,
+                          const c10::List<std::optional<at::Tensor>>& qmins, int64_t stream_max_rows) {
   const int64_t n_layers = k_buffer.size(0), batch = input_ids.numel();
   TORCH_CHECK(static_cast<int64_t>(windows.size()) == n_layers, "one window per layer");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == n_layers * kWeightsPerLayer, "expected ", kWeightsPerLayer,
@@ -84,11 +89,23 @@ at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positio
   const int64_t lm_head_index = n_layers * kProjectionsPerLayer;
   TORCH_CHECK(blocked.empty() || static_cast<int64_t>(blocked.size()) == lm_head_index + 1, "blocked: none, or ",
               kProjectionsPerLayer, " per layer and one for the LM head");
+  TORCH_CHECK(qscales.size() == qmins.size() && (qscales.empty() || static_cast<int64_t>(qscales.size()) ==
+                                                                          lm_head_index + 1),
+              "qscales/qmins: none, or one each per projection");
   TORCH_CHECK(positions.numel() == batch && out_cache_loc.numel() == batch && seq_lens.numel() == batch,
               "one position, slot and length per request");
   const PlainLinear plain{skinny_max_rows, panel_max_rows};
-  // x @ weight^T for the projection whose blocked copy (if any) is blocked[index]
+  // x @ weight^T for the projection whose blocked copy (if any) is blocked[index], or whose scales
+  // (if it is quantized) are qscales[index]
   const auto project = [&](const at::Tensor& x, int64_t index, const at::Tensor& weight) {
+    if (!qscales.empty()) {
+      const std::optional<at::Tensor> scales = qscales.get(index);
+      if (scales.has_value()) {
+        const int64_t bits = weight.scalar_type() == at::kChar ? 8 : 4;
+        const int64_t group = x.size(1) / scales->size(1);
+        return quantized_linear(x, weight, *scales, qmins.get(index), bits, group, c10::nullopt, stream_max_rows);
+      }
+    }
     if (!blocked.empty()) {
       const std::optional<at::Tensor> copy = blocked.get(index);
       if (copy.has_value()) return onednn_linear(x, *copy);
@@ -125,7 +142,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
         "Tensor[] weights, Tensor?[] blocked, Tensor final_norm, Tensor lm_head, Tensor(a!) k_buffer, "
         "Tensor(b!) v_buffer, Tensor out_cache_loc, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
         "int[] windows, int n_heads, int n_kv_heads, int head_dim, float eps, float scale, int skinny_max_rows, "
-        "int panel_max_rows) -> Tensor");
+        "int panel_max_rows, Tensor?[] qscales, Tensor?[] qmins, int stream_max_rows) -> Tensor");
   m.impl("decode_forward", c10::DispatchKey::CPU, &decode_forward);
   // fp32 blocked weights are oneDNN tensors, which dispatch the call to this key
   m.impl("decode_forward", c10::DispatchKey::MkldnnCPU, &decode_forward);

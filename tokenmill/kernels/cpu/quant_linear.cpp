@@ -7,9 +7,9 @@
 //
 // quantized_linear: y [M, N] = x [M, K] @ w^T (+ bias), x and y fp32 or bf16 (fp32 math).
 //   Few rows (M <= stream_max_rows): the packed weights stream from memory once; threads split the
-//   output columns in blocks of 4 weight rows, each dequantized kChunk values at a time into an
-//   L1-resident fp32 tile that every row of x is multiplied against (the dequantized weight never
-//   exists whole). More rows: the weight is dequantized to x's dtype (a temporary freed after the
+//   output columns in blocks of 4 weight rows, each 32-value run dequantized (times its scale) into
+//   registers and multiplied against up to 4 rows of x at a time; an int4 group's min is added
+//   once per group as min * sum(x over the group). The dequantized weight never exists in memory. More rows: the weight is dequantized to x's dtype (a temporary freed after the
 //   call) and multiplied by at::linear (oneDNN), whose cost then dominates.
 // dequantize_weight: the whole weight in `dtype` (fp32 or bf16), for that path and for tests.
 #include <ATen/ATen.h>
@@ -17,6 +17,10 @@
 #include <torch/library.h>
 
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "simd.h"
 
@@ -29,7 +33,6 @@ using tokenmill_simd::store16;
 using tokenmill_simd::vec16;
 
 constexpr int64_t kRun = 32;  // values per packed run (and the smallest group)
-constexpr int64_t kChunk = 256;  // values along K dequantized at a time per weight row
 constexpr int64_t kBlock = 4;  // weight rows per work item
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
@@ -59,49 +62,98 @@ inline int64_t group_index(const Packed& p, int64_t n, int64_t k) {
   return n * p.groups_per_row + (p.group_shift >= 0 ? k >> p.group_shift : 0);
 }
 
-// w[0:32) = the dequantized values [k, k + 32) of weight row n (k a multiple of 32).
-inline void dequantize_run(const Packed& p, int64_t n, int64_t k, float* w) {
-  const int64_t g = group_index(p, n, k);
-  const float scale = p.scale[g];
+// The 32 values [k, k + 32) of weight row n as q (int8 weights: the signed value; int4: 0..15)
+// times the group's scale, in two 16-wide halves; an int4 group's min is added per group by the
+// caller (min * the sum of x over the group), not per value.
+__attribute__((always_inline)) inline void scaled_run(const Packed& p, int64_t n, int64_t k, float scale, vec16& lo, vec16& hi) {
+  const uint8_t* q = static_cast<const uint8_t*>(p.q) + (p.bits == 8 ? n * p.k_dim + k : n * (p.k_dim >> 1) + (k >> 1));
+#if defined(__AVX512F__)
+  // the widening as the two instructions it needs (the generic path below is correct everywhere,
+  // but GCC 12 moves its bytes through general registers first)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
   if (p.bits == 8) {
-    const uint8_t* q = static_cast<const uint8_t*>(p.q) + n * p.k_dim + k;
-    for (int64_t half = 0; half < 2; ++half) {
-      u8x16 bytes;
-      std::memcpy(&bytes, q + 16 * half, sizeof(bytes));
-      store16(w + 16 * half, widen_signed(bytes) * scale);
-    }
-    return;
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)) * scale;
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))) * scale;
+  } else {
+    const __m128i nibble = _mm_set1_epi8(15);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble))) * scale;
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble))) * scale;
   }
-  const uint8_t* q = static_cast<const uint8_t*>(p.q) + n * (p.k_dim >> 1) + (k >> 1);
+#else
   u8x16 bytes;
   std::memcpy(&bytes, q, sizeof(bytes));
-  const float min = p.min[g];
-  store16(w, widen_unsigned(bytes & 15) * scale + min);
-  store16(w + 16, widen_unsigned(bytes >> 4) * scale + min);
+  if (p.bits == 8) {
+    lo = widen_signed(bytes) * scale;
+    std::memcpy(&bytes, q + 16, sizeof(bytes));
+    hi = widen_signed(bytes) * scale;
+  } else {
+    lo = widen_unsigned(bytes & 15) * scale;
+    hi = widen_unsigned(bytes >> 4) * scale;
+  }
+#endif
 }
 
-// y[m, n0:n0+4] for every row m of x (fp32, [M, K]); sums accumulate chunk by chunk.
-void block_product(const Packed& p, const float* x, int64_t m_rows, int64_t n0, float* tile, float* sums) {
-  const int64_t k_dim = p.k_dim;
-  std::fill(sums, sums + m_rows * kBlock, 0.f);
-  for (int64_t k0 = 0; k0 < k_dim; k0 += kChunk) {
-    const int64_t len = std::min(kChunk, k_dim - k0);  // a multiple of 32
-    for (int64_t j = 0; j < kBlock; ++j) {
-      for (int64_t k = 0; k < len; k += kRun) dequantize_run(p, n0 + j, k0 + k, tile + j * kChunk + k);
-    }
-    for (int64_t m = 0; m < m_rows; ++m) {
-      const float* xr = x + m * k_dim + k0;
-      vec16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-      for (int64_t k = 0; k < len; k += 16) {
-        const vec16 xv = load16(xr + k);
-        a0 += load16(tile + k) * xv;
-        a1 += load16(tile + kChunk + k) * xv;
-        a2 += load16(tile + 2 * kChunk + k) * xv;
-        a3 += load16(tile + 3 * kChunk + k) * xv;
+// y[m, n0 + j] for the kRows rows m of x (fp32 [*, K], from row m0) and the weight rows n0 + j < n0 +
+// valid: every run is dequantized into registers once and multiplied against the kRows rows of x
+// with kRows x 4 vector accumulators. xsum[m * groups_per_row + g]: the sum of x's row m over
+// group g (int4's min term).
+template <int kRows>
+void tile_product(const Packed& p, const float* x, const float* xsum, int64_t m0, int64_t n0, int64_t valid,
+                  float* y) {
+  vec16 acc[kRows][kBlock] = {};
+  float min_terms[kRows][kBlock] = {};
+  const int64_t k_dim = p.k_dim, runs_per_group = p.group / kRun;
+  // rows past the last (N not a multiple of 4) repeat the last one: computed, never stored
+  int64_t rows[kBlock];
+  for (int64_t j = 0; j < kBlock; ++j) rows[j] = n0 + std::min(j, valid - 1);
+  if (n0 + kBlock < p.n_out) {  // the next block's rows: rows are short streams the hardware does not prefetch
+    const int64_t row_bytes = p.bits == 8 ? k_dim : k_dim / 2;
+    const int64_t next_rows = std::min(kBlock, p.n_out - n0 - kBlock);
+    tokenmill_simd::prefetch_range(static_cast<const uint8_t*>(p.q) + (n0 + kBlock) * row_bytes, next_rows * row_bytes);
+  }
+  for (int64_t g = 0; g < p.groups_per_row; ++g) {
+    float scale[kBlock];
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < kBlock; ++j) scale[j] = p.scale[rows[j] * p.groups_per_row + g];
+    if (p.min != nullptr) {
+#pragma GCC unroll 4
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const float min = p.min[rows[j] * p.groups_per_row + g];
+        for (int m = 0; m < kRows; ++m) min_terms[m][j] += min * xsum[(m0 + m) * p.groups_per_row + g];
       }
-      const tokenmill_simd::vec4 s = horizontal_sum4(a0, a1, a2, a3);
-      for (int64_t j = 0; j < kBlock; ++j) sums[m * kBlock + j] += s[j];
     }
+    for (int64_t r = 0; r < runs_per_group; ++r) {
+      const int64_t k = g * p.group + r * kRun;
+      vec16 lo[kBlock], hi[kBlock];
+#pragma GCC unroll 4
+      for (int64_t j = 0; j < kBlock; ++j) scaled_run(p, rows[j], k, scale[j], lo[j], hi[j]);
+#pragma GCC unroll 4
+      for (int m = 0; m < kRows; ++m) {
+        const vec16 x_lo = load16(x + (m0 + m) * k_dim + k), x_hi = load16(x + (m0 + m) * k_dim + k + 16);
+#pragma GCC unroll 4
+        for (int64_t j = 0; j < kBlock; ++j) {
+          acc[m][j] += lo[j] * x_lo;  // two statements: two fused multiply-adds
+          acc[m][j] += hi[j] * x_hi;
+        }
+      }
+    }
+  }
+  for (int m = 0; m < kRows; ++m) {
+    const tokenmill_simd::vec4 s = horizontal_sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+    for (int64_t j = 0; j < valid; ++j) y[(m0 + m) * p.n_out + n0 + j] = s[j] + min_terms[m][j];
+  }
+}
+
+// tile_product over all m_rows rows of x, four at a time.
+void block_product(const Packed& p, const float* x, const float* xsum, int64_t m_rows, int64_t n0, float* y) {
+  const int64_t valid = std::min(kBlock, p.n_out - n0);
+  int64_t m0 = 0;
+  for (; m0 + 4 <= m_rows; m0 += 4) tile_product<4>(p, x, xsum, m0, n0, valid, y);
+  switch (m_rows - m0) {
+    case 3: tile_product<3>(p, x, xsum, m0, n0, valid, y); break;
+    case 2: tile_product<2>(p, x, xsum, m0, n0, valid, y); break;
+    case 1: tile_product<1>(p, x, xsum, m0, n0, valid, y); break;
+    default: break;
   }
 }
 
@@ -134,7 +186,12 @@ void dequantize_into(const Packed& p, T* out) {
     float run[kRun];
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t k = 0; k < p.k_dim; k += kRun) {
-        dequantize_run(p, n, k, run);
+        const int64_t g = group_index(p, n, k);
+        vec16 lo, hi;
+        scaled_run(p, n, k, p.scale[g], lo, hi);
+        const float min = p.min != nullptr ? p.min[g] : 0.f;
+        store16(run, lo + min);
+        store16(run + 16, hi + min);
         T* o = out + n * p.k_dim + k;
         for (int64_t i = 0; i < kRun; ++i) tokenmill_simd::store_as(o + i, run[i]);
       }
@@ -168,20 +225,24 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
     const at::Tensor w = dequantize_weight(qweight, scale, min, bits, group, x.scalar_type());
     return at::linear(x, w, bias.has_value() && bias->defined() ? *bias : at::Tensor());
   }
-  TORCH_CHECK(p.n_out % kBlock == 0, "N must be a multiple of 4, got ", p.n_out);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({m_rows, p.n_out}, xf.options());
   const float* xp = xf.data_ptr<float>();
   float* y = out.data_ptr<float>();
-  at::parallel_for(0, p.n_out / kBlock, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> tile(kBlock * kChunk), sums(m_rows * kBlock);
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t n0 = block * kBlock;
-      block_product(p, xp, m_rows, n0, tile.data(), sums.data());
-      for (int64_t m = 0; m < m_rows; ++m) {
-        for (int64_t j = 0; j < kBlock; ++j) y[m * p.n_out + n0 + j] = sums[m * kBlock + j];
+  std::vector<float> xsum;  // int4: each row of x summed over each group (the min terms)
+  if (p.min != nullptr) {
+    xsum.resize(m_rows * p.groups_per_row);
+    for (int64_t m = 0; m < m_rows; ++m) {
+      for (int64_t g = 0; g < p.groups_per_row; ++g) {
+        const float* xg = xp + m * p.k_dim + g * p.group;
+        vec16 total = {};
+        for (int64_t k = 0; k < p.group; k += 16) total += load16(xg + k);
+        xsum[m * p.groups_per_row + g] = tokenmill_simd::horizontal_sum(total);
       }
     }
+  }
+  at::parallel_for(0, (p.n_out + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) block_product(p, xp, xsum.data(), m_rows, block * kBlock, y);
   });
   if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
   return out.to(x.scalar_type());
