@@ -183,17 +183,14 @@ Packed packed_operands(const at::Tensor& qweight, const at::Tensor& scale, const
 template <typename T>
 void dequantize_into(const Packed& p, T* out) {
   at::parallel_for(0, p.n_out, 16, [&](int64_t begin, int64_t end) {
-    float run[kRun];
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t k = 0; k < p.k_dim; k += kRun) {
         const int64_t g = group_index(p, n, k);
         vec16 lo, hi;
         scaled_run(p, n, k, p.scale[g], lo, hi);
         const float min = p.min != nullptr ? p.min[g] : 0.f;
-        store16(run, lo + min);
-        store16(run + 16, hi + min);
-        T* o = out + n * p.k_dim + k;
-        for (int64_t i = 0; i < kRun; ++i) tokenmill_simd::store_as(o + i, run[i]);
+        store16(out + n * p.k_dim + k, lo + min);
+        store16(out + n * p.k_dim + k + 16, hi + min);
       }
     }
   });

@@ -87,6 +87,19 @@ inline vec16 load16(const bf16_t* p) {
 
 inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+// 16 values rounded to bf16 as store_as rounds one (nearest even, a NaN staying a quiet NaN).
+inline void store16(bf16_t* p, vec16 v) {
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  u32x16 bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const u32x16 quiet_nan = (bits >> 16) | 0x40u;
+  const u32x16 result = (bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+  const u16x16 halves = __builtin_convertvector(result, u16x16);
+  std::memcpy(p, &halves, sizeof(halves));
+}
+
 inline float horizontal_sum(vec16 v) {
   vec8 lo, hi;
   std::memcpy(&lo, &v, sizeof(lo));
