@@ -4,7 +4,11 @@ Loads the model folder with ``transformers`` (local files only), scores every he
 token in non-overlapping windows, and compares against an add-one smoothed unigram
 baseline estimated from the training files' tokens. The model card numbers come from here.
 
-Usage: ``python tools/measure_perplexity.py [--model-dir PATH]``
+With ``--quantization int8|int4`` every decoder projection the engine would quantize is replaced by
+its quantized-then-dequantized value first (``tokenmill.model.quantization.fake_quantize_projections``:
+the numbers a model loaded with that ``quantization`` computes), which measures the quantization error.
+
+Usage: ``python tools/measure_perplexity.py [--model-dir PATH] [--quantization int8|int4]``
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import torch
 import torch.nn.functional as F
 from corpus import load_split, pack_stream, stream_windows
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tokenmill.config import EngineConfig
+from tokenmill.model.quantization import fake_quantize_projections, quantization_scheme
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "tokenmill" / "assets" / "default-model"
 
@@ -34,10 +41,15 @@ def model_nll(model: torch.nn.Module, windows: list[torch.Tensor], batch_size: i
     return total
 
 
-def measure(model_dir: Path, seq_len: int = 256, batch_size: int = 8) -> dict[str, float]:
-    """Return model and unigram-baseline perplexities on the held-out files."""
+def measure(
+    model_dir: Path, seq_len: int = 256, batch_size: int = 8, quantization: str | None = None
+) -> dict[str, float]:
+    """Return model and unigram-baseline perplexities on the held-out files (the model's weights as
+    ``quantization`` leaves them, if given)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
+    scheme = quantization_scheme(EngineConfig(quantization=quantization))
+    quantized = 0 if scheme is None else fake_quantize_projections(model.model.layers, scheme)
     vocab_size = model.config.vocab_size
     eos_id = tokenizer.eos_token_id
     train_texts, val_texts = load_split()
@@ -55,6 +67,7 @@ def measure(model_dir: Path, seq_len: int = 256, batch_size: int = 8) -> dict[st
     log_probs = torch.log((counts + 1) / (counts.sum() + vocab_size))
     unigram_nll = -log_probs[targets].sum().item()
     return {
+        "quantized_projections": quantized,
         "tokens": len(targets),
         "seq_len": seq_len,
         "model_ppl": math.exp(nll / len(targets)),
@@ -68,9 +81,11 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantization", choices=("int8", "int4"), default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    result = measure(args.model_dir, args.seq_len)
+    result = measure(args.model_dir, args.seq_len, quantization=args.quantization)
+    print(f"quantized projections:    {result['quantized_projections']} ({args.quantization or 'none'})")
     print(f"held-out tokens:          {result['tokens']:,} ({args.seq_len}-token windows)")
     print(f"model perplexity:         {result['model_ppl']:.3f}")
     print(f"unigram perplexity:       {result['unigram_ppl']:.3f}")

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from tests.model.test_parity import PROMPT_LENS, greedy_through_cache, hf_reference
 from tests.tiny_models import hf_greedy, save_tiny_checkpoint, save_tiny_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.kernels.quant_format import QuantScheme, dequantize, quantize
+from tokenmill.kernels.quant_format import QuantScheme
 from tokenmill.model.loader import load_model
-from tokenmill.model.quantization import quantize_model
+from tokenmill.model.quantization import fake_quantize_projections, quantize_model
 from tokenmill.model.weights import WeightError
 
 CASES = {
@@ -28,19 +27,6 @@ CASES = {
 SCHEMES = {"int8": QuantScheme(8), "int4": QuantScheme(4, None, symmetric=False), "int4-sym-g32": QuantScheme(4, 32)}
 
 
-def dequantize_hf_projections(hf_model: nn.Module, scheme: QuantScheme) -> int:
-    """Replace each decoder-layer nn.Linear weight (not an MoE router ``gate``) of ``hf_model`` by its
-    quantized-then-dequantized value: rows quantize independently, so separate q/k/v (gate/up)
-    weights give what tokenmill's packed ones give. Returns how many."""
-    count = 0
-    for name, module in hf_model.model.layers.named_modules():
-        if isinstance(module, nn.Linear) and name.rpartition(".")[2] != "gate":
-            with torch.no_grad():
-                module.weight.copy_(dequantize(quantize(module.weight, scheme)))
-            count += 1
-    return count
-
-
 @pytest.mark.parametrize("scheme_name", sorted(SCHEMES))
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_quantized_model_matches_transformers_on_the_dequantized_weights(case, scheme_name, tmp_path: Path) -> None:
@@ -50,7 +36,7 @@ def test_quantized_model_matches_transformers_on_the_dequantized_weights(case, s
     model = load_model(tmp_path, torch.float32, "cpu")
     n_quantized = quantize_model(model, scheme)
     assert n_quantized > 0 and model.quantization == scheme
-    dequantize_hf_projections(hf_model, scheme)
+    fake_quantize_projections(hf_model.model.layers, scheme)
     prompts = [list(range(3, 3 + n)) for n in PROMPT_LENS]
     logits, tokens = greedy_through_cache(model, prompts)
     for prompt, ours, greedy in zip(prompts, logits, tokens):
@@ -64,7 +50,8 @@ def test_engine_generates_what_transformers_does_with_the_dequantized_weights(qu
     """The real path: ``LLM(quantization=...)`` (C++ kernels, cpu backend, chunked prefill)."""
     hf_model = save_tiny_checkpoint(tmp_path)
     llm = LLM(model=str(tmp_path), dtype="float32", quantization=quantization, max_num_batched_tokens=16)
-    dequantize_hf_projections(hf_model, QuantScheme(8) if quantization == "int8" else QuantScheme(4, symmetric=False))
+    scheme = QuantScheme(8) if quantization == "int8" else QuantScheme(4, symmetric=False)  # the engine's
+    fake_quantize_projections(hf_model.model.layers, scheme)
     prompts = [[5, 6, 7], list(range(3, 30))]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 12) for p in prompts]
@@ -83,7 +70,7 @@ def test_tensor_parallel_quantized_equals_transformers(tmp_path: Path) -> None:
         model=str(tmp_path), dtype="float32", quantization="int4", quantization_group_size=32, tensor_parallel_size=2
     )
     try:
-        dequantize_hf_projections(hf_model, QuantScheme(4, 32, symmetric=False))
+        fake_quantize_projections(hf_model.model.layers, QuantScheme(4, 32, symmetric=False))
         prompts = [[5, 6, 7], list(range(3, 20))]
         outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 8) for p in prompts]
@@ -92,10 +79,18 @@ def test_tensor_parallel_quantized_equals_transformers(tmp_path: Path) -> None:
 
 
 def test_a_group_size_that_does_not_divide_a_layer_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    """An explicit group size must fit every layer; the default groups skip a layer none fits."""
     save_tiny_model(tmp_path, "llama")  # intermediate_size 96: groups of 64 do not divide the down projection
     model = load_model(tmp_path, torch.float32, "cpu")
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj .*groups of 64"):
         quantize_model(model, QuantScheme(4, 64))
     assert model.quantization is None and all(hasattr(layer.mlp.down_proj, "weight") for layer in model.model.layers)
+    n_layers = model.config.num_layers
+    assert quantize_model(model, QuantScheme(4)) == 4 * n_layers  # default groups: 96 fits groups of 32
+    save_tiny_model(tmp_path / "odd", "llama", intermediate_size=80)  # 80 is no multiple of 32
+    odd = load_model(tmp_path / "odd", torch.float32, "cpu")
+    assert quantize_model(odd, QuantScheme(8)) == 3 * n_layers
+    assert all(hasattr(layer.mlp.down_proj, "weight") for layer in odd.model.layers)
+    assert all(layer.mlp.gate_up_proj.quantization == QuantScheme(8) for layer in odd.model.layers)
     with pytest.raises(ValueError, match="quantization"):
         LLM(model=str(tmp_path), quantization="int3")

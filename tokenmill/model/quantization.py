@@ -16,7 +16,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.linear import Linear
-from tokenmill.kernels.quant_format import QuantScheme
+from tokenmill.kernels.quant_format import QuantScheme, dequantize, quantize
 from tokenmill.kernels.quant_linear import STREAM_MAX_ROWS
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.huge_pages import move_to_huge_pages
@@ -37,17 +37,23 @@ def quantization_scheme(config: EngineConfig) -> QuantScheme | None:
 
 def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
     """Quantize ``model``'s decoder-layer projections with ``scheme``; returns how many. Every layer's
-    shape is checked before any is changed (ValueError naming the first that does not fit)."""
-    targets = [
-        (name, module)
-        for name, module in model.model.layers.named_modules()
-        if isinstance(module, Linear) and name.rpartition(".")[2] != ROUTER_NAME
-    ]
-    for name, module in targets:
+    shape is checked before any is changed: with an explicit group size, a layer it does not fit is
+    a ValueError naming it; with the default groups, a layer whose input width is no multiple of 32
+    keeps its precision (logged as a warning)."""
+    targets, kept = [], []
+    for name, module in model.model.layers.named_modules():
+        if not isinstance(module, Linear) or name.rpartition(".")[2] == ROUTER_NAME:
+            continue
         try:
             scheme.group_for(module.in_features)
         except ValueError as exc:
-            raise ValueError(f"cannot quantize layers.{name} ({scheme.name}): {exc}") from None
+            if scheme.group_size is not None:
+                raise ValueError(f"cannot quantize layers.{name} ({scheme.name}): {exc}") from None
+            kept.append(f"layers.{name}")
+            continue
+        targets.append((name, module))
+    if kept:
+        logger.warning("%d projection(s) keep their precision (input width no multiple of 32): %s", len(kept), kept)
     before = _resident_bytes(model)
     for _, module in targets:
         module.quantize_(scheme)
@@ -64,6 +70,29 @@ def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
         STREAM_MAX_ROWS,
     )
     return len(targets)
+
+
+def fake_quantize_projections(layers: torch.nn.Module, scheme: QuantScheme) -> int:
+    """Replace the weight of every ``nn.Linear`` under ``layers`` (a decoder stack of any
+    implementation, e.g. a transformers model's; MoE routers excepted) by its quantized-then-
+    dequantized value, where the scheme fits it as :func:`quantize_model` decides; returns how many.
+    Rows quantize independently, so separate q/k/v (gate/up) weights give what tokenmill's packed
+    ones give: the model then computes what a quantized tokenmill model does (for measuring the
+    quantization error, e.g. perplexity, with any framework)."""
+    count = 0
+    for name, module in layers.named_modules():
+        if not isinstance(module, torch.nn.Linear) or name.rpartition(".")[2] == ROUTER_NAME:
+            continue
+        try:
+            scheme.group_for(module.in_features)
+        except ValueError:
+            if scheme.group_size is not None:
+                raise
+            continue
+        with torch.no_grad():
+            module.weight.copy_(dequantize(quantize(module.weight, scheme)))
+        count += 1
+    return count
 
 
 def _resident_bytes(model: torch.nn.Module) -> int:
