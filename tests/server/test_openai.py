@@ -27,6 +27,7 @@ def test_models_list(client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].owned_by == "tokenmill"
+    assert models[0].model_extra["quantization"] is None  # an unquantized engine
 
 
 def test_chat_equals_engine_output_with_exact_usage(client: openai.OpenAI, server: Server) -> None:

@@ -35,6 +35,8 @@ class ThroughputResult:
     output_tokens: int
     dtype: str  # what the engine runs (dtype "auto" resolved for this machine)
     attention_backend: str
+    quantization: str  # the weights' scheme, or "none"
+    weight_bytes: int  # resident bytes of the model's weights (quantized ones at their packed size)
 
 
 def _watch_kv(llm: LLM, stop: threading.Event, peak: list[float]) -> None:
@@ -79,6 +81,8 @@ def run_throughput(llm: LLM, work: Workload) -> tuple[ThroughputResult, list[Req
         output_tokens=work.n_output_tokens,
         dtype=str(llm.engine.dtype).removeprefix("torch."),
         attention_backend=llm.engine.model.backend.name,
+        quantization=llm.engine.model.quantization.name if llm.engine.model.quantization else "none",
+        weight_bytes=llm.engine.model.weight_bytes(),
     )
     return result, outputs
 
@@ -137,6 +141,12 @@ def add_arguments(parser: Any) -> None:
         default=2048,
         help="the engine's option of that name (default: %(default)s)",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=("int8", "int4"),
+        default=None,
+        help="the engine's option of that name (default: none)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of per-request latencies")
 
@@ -150,6 +160,7 @@ def main(args: Any) -> int:
         skip_tokenizer_init=True,
         max_running_requests=args.max_running_requests,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        quantization=args.quantization,
     )
     try:
         result, outputs = run_throughput(llm, work)
@@ -162,7 +173,8 @@ def main(args: Any) -> int:
         return 0
     print(
         f"requests: {result.n_requests}, prompt tokens: {result.prompt_tokens}, output tokens: {result.output_tokens}"
-        f" ({result.dtype}, attention backend {result.attention_backend})"
+        f" ({result.dtype}, attention backend {result.attention_backend}, weights {result.quantization}"
+        f" {result.weight_bytes / 2**20:.2f} MiB)"
     )
     print(
         f"elapsed {result.elapsed_s:.1f} s: {result.requests_per_s:.2f} req/s, "

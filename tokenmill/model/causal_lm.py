@@ -195,6 +195,10 @@ class CausalLM(nn.Module, ABC):
         """Checkpoint tensors that are not weights of this model: RoPE caches, a tied LM head."""
         return name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight")
 
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's parameters and buffers (quantized weights at their packed size)."""
+        return sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()])
+
     @property
     def lm_head_weight(self) -> nn.Parameter:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

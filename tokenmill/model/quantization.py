@@ -54,7 +54,7 @@ def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
         targets.append((name, module))
     if kept:
         logger.warning("%d projection(s) keep their precision (input width no multiple of 32): %s", len(kept), kept)
-    before = _resident_bytes(model)
+    before = model.weight_bytes()
     for _, module in targets:
         module.quantize_(scheme)
     model.quantization = scheme
@@ -66,7 +66,7 @@ def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
         len(targets),
         scheme.name,
         before / 2**20,
-        _resident_bytes(model) / 2**20,
+        model.weight_bytes() / 2**20,
         STREAM_MAX_ROWS,
     )
     return len(targets)
@@ -93,7 +93,3 @@ def fake_quantize_projections(layers: torch.nn.Module, scheme: QuantScheme) -> i
             module.weight.copy_(dequantize(quantize(module.weight, scheme)))
         count += 1
     return count
-
-
-def _resident_bytes(model: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])

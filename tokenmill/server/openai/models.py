@@ -19,5 +19,6 @@ async def list_models(state: State) -> dict[str, Any]:
         "created": state.started,
         "owned_by": "tokenmill",
         "max_model_len": state.engine.max_context_len,
+        "quantization": state.engine.config.quantization,  # None, "int8" or "int4"
     }
     return {"object": "list", "data": [model]}

@@ -1,0 +1,31 @@
+"""A server over a quantized engine: ``/v1/models`` says so, and a completion through the official
+client returns what the engine generates."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.server.conftest import MODEL, Server, engine_generate, serve
+from tokenmill.engine.engine import Engine
+from tokenmill.request import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def quantized(checkpoint: Path) -> Iterator[Server]:
+    with serve(Engine(dtype="float32", model=str(checkpoint), num_kv_slots=1024, quantization="int4")) as live:
+        yield live
+
+
+def test_models_list_shows_the_quantization_and_completions_match_the_engine(quantized: Server) -> None:
+    client = openai.OpenAI(base_url=f"{quantized.url}/v1", api_key="none")
+    (model,) = client.models.list().data
+    assert model.id == MODEL and model.model_extra["quantization"] == "int4"
+    truth = engine_generate(quantized.engine, [5, 6, 7], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    reply = client.completions.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert truth.outputs[0].text and reply.choices[0].text == truth.outputs[0].text
