@@ -11,6 +11,7 @@ huge-page mapping, which frees the full-precision projections.
 from __future__ import annotations
 
 import logging
+from typing import TypeVar
 
 import torch
 
@@ -23,6 +24,7 @@ from tokenmill.model.huge_pages import move_to_huge_pages
 
 logger = logging.getLogger("tokenmill.model")
 
+LinearT = TypeVar("LinearT", bound=torch.nn.Linear)
 ROUTER_NAME = "gate"
 """The attribute name of an MoE router, which stays unquantized (its scores pick experts)."""
 
@@ -37,25 +39,10 @@ def quantization_scheme(config: EngineConfig) -> QuantScheme | None:
 
 def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
     """Quantize ``model``'s decoder-layer projections with ``scheme``; returns how many. Every layer's
-    shape is checked before any is changed: with an explicit group size, a layer it does not fit is
-    a ValueError naming it; with the default groups, a layer whose input width is no multiple of 32
-    keeps its precision (logged as a warning)."""
-    targets, kept = [], []
-    for name, module in model.model.layers.named_modules():
-        if not isinstance(module, Linear) or name.rpartition(".")[2] == ROUTER_NAME:
-            continue
-        try:
-            scheme.group_for(module.in_features)
-        except ValueError as exc:
-            if scheme.group_size is not None:
-                raise ValueError(f"cannot quantize layers.{name} ({scheme.name}): {exc}") from None
-            kept.append(f"layers.{name}")
-            continue
-        targets.append((name, module))
-    if kept:
-        logger.warning("%d projection(s) keep their precision (input width no multiple of 32): %s", len(kept), kept)
+    shape is checked before any is changed (see :func:`_fitting_projections`)."""
+    targets = _fitting_projections(model.model.layers, scheme, Linear)
     before = model.weight_bytes()
-    for _, module in targets:
+    for module in targets:
         module.quantize_(scheme)
     model.quantization = scheme
     if next(model.parameters()).device.type == "cpu":
@@ -74,22 +61,34 @@ def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
 
 def fake_quantize_projections(layers: torch.nn.Module, scheme: QuantScheme) -> int:
     """Replace the weight of every ``nn.Linear`` under ``layers`` (a decoder stack of any
-    implementation, e.g. a transformers model's; MoE routers excepted) by its quantized-then-
-    dequantized value, where the scheme fits it as :func:`quantize_model` decides; returns how many.
-    Rows quantize independently, so separate q/k/v (gate/up) weights give what tokenmill's packed
-    ones give: the model then computes what a quantized tokenmill model does (for measuring the
-    quantization error, e.g. perplexity, with any framework)."""
-    count = 0
+    implementation, e.g. a transformers model's) that :func:`quantize_model` would quantize by its
+    quantized-then-dequantized value; returns how many. Rows quantize independently, so separate
+    q/k/v (gate/up) weights give what tokenmill's packed ones give: the model then computes what a
+    quantized tokenmill model does (for measuring the quantization error, e.g. perplexity, with any
+    framework)."""
+    targets = _fitting_projections(layers, scheme, torch.nn.Linear)
+    for module in targets:
+        with torch.no_grad():
+            module.weight.copy_(dequantize(quantize(module.weight, scheme)))
+    return len(targets)
+
+
+def _fitting_projections(layers: torch.nn.Module, scheme: QuantScheme, kind: type[LinearT]) -> list[LinearT]:
+    """The ``kind`` modules under ``layers`` to quantize (MoE routers excepted). With an explicit
+    group size, a layer it does not fit is a ValueError naming it; with the default groups, a layer
+    whose input width is no multiple of 32 keeps its precision (logged as a warning)."""
+    targets, kept = [], []
     for name, module in layers.named_modules():
-        if not isinstance(module, torch.nn.Linear) or name.rpartition(".")[2] == ROUTER_NAME:
+        if not isinstance(module, kind) or name.rpartition(".")[2] == ROUTER_NAME:
             continue
         try:
             scheme.group_for(module.in_features)
-        except ValueError:
+        except ValueError as exc:
             if scheme.group_size is not None:
-                raise
+                raise ValueError(f"cannot quantize layers.{name} ({scheme.name}): {exc}") from None
+            kept.append(f"layers.{name}")
             continue
-        with torch.no_grad():
-            module.weight.copy_(dequantize(quantize(module.weight, scheme)))
-        count += 1
-    return count
+        targets.append(module)
+    if kept:
+        logger.warning("%d projection(s) keep their precision (input width no multiple of 32): %s", len(kept), kept)
+    return targets

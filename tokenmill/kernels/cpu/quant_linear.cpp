@@ -9,8 +9,9 @@
 //   Few rows (M <= stream_max_rows): the packed weights stream from memory once; threads split the
 //   output columns in blocks of 4 weight rows, each 32-value run dequantized (times its scale) into
 //   registers and multiplied against up to 4 rows of x at a time; an int4 group's min is added
-//   once per group as min * sum(x over the group). The dequantized weight never exists in memory. More rows: the weight is dequantized to x's dtype (a temporary freed after the
-//   call) and multiplied by at::linear (oneDNN), whose cost then dominates.
+//   once per group as min * sum(x over the group). The dequantized weight never exists in memory.
+//   More rows: the weight is dequantized to x's dtype (a temporary freed after the call) and
+//   multiplied by at::linear (oneDNN), whose cost then dominates.
 // dequantize_weight: the whole weight in `dtype` (fp32 or bf16), for that path and for tests.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
