@@ -9,8 +9,10 @@ ends (shutdown or death), every command and request it still holds is answered, 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -20,6 +22,18 @@ from tokenmill.engine.commands import CommandQueue, EngineDeadError
 
 logger = logging.getLogger("tokenmill.engine")
 T = TypeVar("T")
+
+_STARTED: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
+"""Every loop started in this process and not yet garbage: stopped at interpreter exit."""
+
+
+@atexit.register
+def _stop_started_loops() -> None:
+    """Stop the loops a program left running, before the interpreter finalizes: a daemon loop thread
+    still polling its commands then would be frozen mid-call, which can abort the whole process
+    (``std::terminate``: "terminate called without an active exception")."""
+    for loop in list(_STARTED):
+        loop.shutdown()
 
 
 class EngineLoop(ABC):
@@ -38,6 +52,7 @@ class EngineLoop(ABC):
         built: Future[None] = Future()
         self._thread = threading.Thread(target=self._run, args=(built,), name="tokenmill-engine", daemon=True)
         self._thread.start()
+        _STARTED.add(self)
         built.result()
 
     # ------------------------------------------------------------------ what a subclass provides
