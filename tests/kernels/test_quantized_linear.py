@@ -9,8 +9,17 @@ import torch.nn.functional as F
 
 from tokenmill.kernels.cpu import load_cpu_kernels
 from tokenmill.kernels.linear import Linear
-from tokenmill.kernels.quant_format import QuantScheme, dequantize, pack_int4, quantize, unpack_int4
-from tokenmill.kernels.quant_linear import STREAM_MAX_ROWS, quantized_linear
+from tokenmill.kernels.quant_format import (
+    QuantScheme,
+    dequantize,
+    fake_quantize_activations,
+    from_panels,
+    pack_int4,
+    quantize,
+    to_panels,
+    unpack_int4,
+)
+from tokenmill.kernels.quant_linear import STREAM_MAX_ROWS, activation_block, int8_dot_products, quantized_linear
 
 SCHEMES = [
     QuantScheme(8),
@@ -112,3 +121,59 @@ def test_a_quantized_linear_holds_only_the_quantized_bytes_and_computes_with_the
     assert (dequantize(layer.quantized_weight()) - full).abs().max() < 0.25
     with pytest.raises(ValueError, match="already quantized"):
         layer.quantize_(QuantScheme(8))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_panels_put_a_panels_quad_in_one_vector_and_round_trip(bits: int) -> None:
+    """Lane r of panel p's quad t holds row 16 p + r's values 4 t .. 4 t + 3 (int4: bytes 4 r + i of
+    the 32 hold lane r in the low nibble and lane 8 + r in the high one); scales go to [K / g, N]."""
+    torch.manual_seed(bits)
+    tensors = quantize(torch.randn(48, 128), QuantScheme(bits, 32, symmetric=bits == 8))
+    panels = to_panels(tensors)
+    values = tensors.qweight if bits == 8 else unpack_int4(tensors.qweight)
+    assert panels.panels and panels.shape == (48, 128) and panels.scale.shape == (4, 48)
+    assert panels.qweight.shape == (3, 32, 64 if bits == 8 else 32)
+    for p, t, r, i in [(0, 0, 0, 0), (1, 5, 3, 2), (2, 31, 15, 3), (2, 7, 9, 1)]:
+        value = values[16 * p + r, 4 * t + i]
+        if bits == 8:
+            assert panels.qweight[p, t, 4 * r + i] == value
+        else:
+            byte = panels.qweight[p, t, 4 * (r % 8) + i]
+            assert (byte & 15 if r < 8 else byte >> 4) == value
+    back = from_panels(panels)
+    assert torch.equal(back.qweight, tensors.qweight) and torch.equal(back.scale, tensors.scale)
+    assert torch.equal(dequantize(panels), dequantize(tensors))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        to_panels(quantize(torch.randn(40, 128), QuantScheme(bits, 32, symmetric=bits == 8)))
+
+
+def test_activation_quantization_rounds_each_block_to_127_steps_of_its_absmax() -> None:
+    x = torch.tensor([[0.0, 0.3, -2.54, 0.5, 0.0, 0.0, 0.0, 0.0]])
+    step = 2.54 / 127
+    expected = torch.tensor([[0.0, 15 * step, -2.54, 25 * step, 0.0, 0.0, 0.0, 0.0]])  # 0.3 / step = 15.0
+    torch.testing.assert_close(fake_quantize_activations(x, 4), expected)
+    assert activation_block(64, 256) == 64 and activation_block(256, 256) == 128 and activation_block(160, 160) == 32
+
+
+needs_int8_dots = pytest.mark.skipif(
+    load_cpu_kernels() is None or not int8_dot_products(), reason="needs AVX512-VNNI (the panels layout's kernel)"
+)
+
+
+@needs_int8_dots
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+@pytest.mark.parametrize("rows", [1, 5, 6, 13])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panels_kernel_equals_linear_on_the_dequantized_activations_and_weight(
+    scheme: QuantScheme, rows: int, dtype: torch.dtype
+) -> None:
+    """N = 80: two pairs of panels and one single; rows: whole tiles of 6 and remainders."""
+    torch.manual_seed(rows)
+    w, x, bias = torch.randn(80, 256), torch.randn(rows, 256).to(dtype), torch.randn(80)
+    x[0, :32] = 0.0  # an all-zero block
+    tensors = to_panels(quantize(w, scheme))
+    expected = F.linear(fake_quantize_activations(x, activation_block(tensors.group, 256)), dequantize(tensors), bias)
+    got = quantized_linear(x, tensors, bias.to(dtype))
+    assert got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance * 4)

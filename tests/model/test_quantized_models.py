@@ -13,6 +13,7 @@ from tests.model.test_parity import PROMPT_LENS, greedy_through_cache, hf_refere
 from tests.tiny_models import hf_greedy, save_tiny_checkpoint, save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.quant_format import QuantScheme
+from tokenmill.kernels.quant_linear import int8_dot_products
 from tokenmill.model.loader import load_model
 from tokenmill.model.quantization import fake_quantize_projections, quantize_model
 from tokenmill.model.weights import WeightError
@@ -43,6 +44,29 @@ def test_quantized_model_matches_transformers_on_the_dequantized_weights(case, s
         hf_logits, hf_tokens = hf_reference(hf_model, prompt)
         torch.testing.assert_close(ours, hf_logits, rtol=1e-4, atol=1e-4)
         assert greedy == hf_tokens
+
+
+@pytest.mark.skipif(not int8_dot_products(), reason="needs AVX512-VNNI (the panels layout's int8 kernel)")
+@pytest.mark.parametrize("scheme_name", sorted(SCHEMES))
+def test_bf16_panels_model_is_as_close_to_its_fp32_oracle_as_transformers_bf16(scheme_name, tmp_path: Path) -> None:
+    """A bf16 model on a VNNI CPU keeps its projections in the panels layout (int8 activations): the
+    oracle is transformers in fp32 on the dequantized weights with each projection's input quantized
+    the same way; our bf16 error must be within what transformers' own bf16 run makes. Both quantize
+    the checkpoint's weights as rounded to bf16 (what the bf16 model loads)."""
+    scheme = SCHEMES[scheme_name]
+    hf_model = save_tiny_model(tmp_path, "llama").to(torch.bfloat16).float()
+    model = load_model(tmp_path, torch.bfloat16, "cpu")
+    quantize_model(model, scheme)
+    assert all(m.qweight.dim() == 3 for m in model.modules() if getattr(m, "quantization", None) and m is not model)
+    fake_quantize_projections(hf_model.model.layers, scheme, int8_activations=True)
+    prompts = [list(range(3, 3 + n)) for n in PROMPT_LENS]
+    logits, _ = greedy_through_cache(model, prompts)
+    for prompt, ours in zip(prompts, logits):
+        truth, _ = hf_reference(hf_model, prompt)
+        theirs, _ = hf_reference(hf_model.to(torch.bfloat16), prompt)
+        hf_model.float()
+        their_error, our_error = (theirs.float() - truth).abs().max(), (ours.float() - truth).abs().max()
+        assert 0 < their_error and our_error <= 2 * their_error + 1e-2, (our_error, their_error)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])

@@ -24,7 +24,7 @@ from torch import nn
 
 from tokenmill.hardware import avx512, avx512_bf16, native_bf16
 from tokenmill.kernels.cpu import load_cpu_kernels
-from tokenmill.kernels.quant_format import QuantizedTensors, QuantScheme, quantize
+from tokenmill.kernels.quant_format import QuantizedTensors, QuantScheme, quantize, to_panels
 from tokenmill.kernels.quant_linear import quantized_linear
 
 SKINNY_MAX_ROWS = 8
@@ -137,12 +137,15 @@ class Linear(nn.Linear):
             return quantized_linear(x, self.quantized_weight(), bias)
         return blocked_linear(x, self.weight, bias, self._blocked)
 
-    def quantize_(self, scheme: QuantScheme) -> None:
-        """Keep the weight quantized with ``scheme`` from now on (raises ValueError, changing nothing,
-        if its shape does not fit the scheme's groups)."""
+    def quantize_(self, scheme: QuantScheme, panels: bool = False) -> None:
+        """Keep the weight quantized with ``scheme`` from now on, in the rows layout or (``panels``)
+        the panels layout (raises ValueError, changing nothing, if its shape does not fit the
+        scheme's groups or the layout)."""
         if self.quantization is not None:
             raise ValueError(f"the layer is already quantized ({self.quantization.name})")
         tensors = quantize(self.weight, scheme)
+        if panels:
+            tensors = to_panels(tensors)
         del self.weight
         self._blocked = BlockedCopy()  # drops the blocked copy of the full-precision weight, if one was made
         self.register_buffer("qweight", tensors.qweight)
@@ -153,7 +156,7 @@ class Linear(nn.Linear):
     def quantized_weight(self) -> QuantizedTensors:
         """The quantized weight's tensors (only after :meth:`quantize_`)."""
         assert self.quantization is not None, "the layer is not quantized"
-        group = self.in_features // self.qscale.shape[1]
+        group = self.in_features * self.out_features // self.qscale.numel()
         return QuantizedTensors(self.qweight, self.qscale, self.qmin, self.quantization.bits, group)
 
     def blocked_weight(self, dtype: torch.dtype, rows: int) -> torch.Tensor | None:

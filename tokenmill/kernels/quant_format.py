@@ -12,6 +12,12 @@ of 32 that divides K; ``group_size = K`` is one scale per output channel):
 
 ``scale`` and ``min`` are fp32 ``[N, K / group_size]``. Checkpoint formats (AWQ, GPTQ, GGUF) are
 repacked into this one at load. Quantizing here is round-to-nearest.
+
+That is the *rows* layout. The *panels* layout (:func:`to_panels`; needs N a multiple of 16) holds
+the same values for the int8-activation kernel: ``qweight`` 3-D ``[N / 16, K / 4, 64 | 32]``, per
+panel of 16 rows and quad of 4 values along K the 64 bytes of one 16-lane int32 vector (lane ``r``:
+row ``r``'s 4 values; int4 in 32 bytes, byte ``b``'s low nibble lane ``b // 4``, its high nibble
+lane ``8 + b // 4``), and ``scale``/``min`` transposed to ``[K / group_size, N]``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import torch
 
 RUN = 32
 """Values per packed int4 run; every group size is a multiple of it."""
+PANEL = 16
+"""Weight rows per panel of the panels layout."""
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -64,7 +72,8 @@ class QuantScheme:
 
 @dataclass
 class QuantizedTensors:
-    """One quantized weight (see the module docstring): ``min`` is None for int8."""
+    """One quantized weight in the rows or the panels layout (see the module docstring): ``min`` is
+    None for int8."""
 
     qweight: torch.Tensor
     scale: torch.Tensor
@@ -73,7 +82,14 @@ class QuantizedTensors:
     group: int
 
     @property
+    def panels(self) -> bool:
+        return self.qweight.dim() == 3
+
+    @property
     def shape(self) -> tuple[int, int]:
+        if self.panels:
+            panels, quads, _ = self.qweight.shape
+            return panels * PANEL, quads * 4
         n, packed = self.qweight.shape
         return n, packed if self.bits == 8 else 2 * packed
 
@@ -99,6 +115,8 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedTensors:
 
 def dequantize(tensors: QuantizedTensors, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight ``[N, K]`` the quantized tensors stand for, in ``dtype`` (computed in fp32)."""
+    if tensors.panels:
+        tensors = from_panels(tensors)
     n, k = tensors.shape
     groups = k // tensors.group
     if tensors.bits == 8:
@@ -122,6 +140,49 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     n, half = packed.shape
     runs = packed.reshape(n, half // (RUN // 2), 1, RUN // 2)
     return torch.cat([runs & 15, runs >> 4], dim=2).reshape(n, 2 * half)
+
+
+def fake_quantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x [..., K]`` (float) as the panels layout's kernel sees it: each block of ``block`` values
+    of a row quantized to int8 (symmetric, scale = absmax / 127, ``torch.round``: half to even) and
+    dequantized, in fp32."""
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    return (torch.round(blocks / _nonzero(scale)) * scale).reshape(x.shape)
+
+
+def to_panels(tensors: QuantizedTensors) -> QuantizedTensors:
+    """The same weight (rows layout) in the panels layout; raises ValueError unless N is a multiple of 16."""
+    n, k = tensors.shape
+    if n % PANEL:
+        raise ValueError(f"the panels layout needs a multiple of {PANEL} output rows, not {n}")
+    values = tensors.qweight if tensors.bits == 8 else unpack_int4(tensors.qweight)
+    quads = values.reshape(n // PANEL, PANEL, k // 4, 4).transpose(1, 2)  # [panel, quad, lane, 4]
+    if tensors.bits == 4:
+        quads = quads[:, :, : PANEL // 2] | (quads[:, :, PANEL // 2 :] << 4)
+    return QuantizedTensors(
+        quads.reshape(n // PANEL, k // 4, -1).contiguous(),
+        tensors.scale.T.contiguous(),
+        None if tensors.min is None else tensors.min.T.contiguous(),
+        tensors.bits,
+        tensors.group,
+    )
+
+
+def from_panels(tensors: QuantizedTensors) -> QuantizedTensors:
+    """The inverse of :func:`to_panels`."""
+    n, k = tensors.shape
+    quads = tensors.qweight.reshape(n // PANEL, k // 4, -1, 4)
+    if tensors.bits == 4:
+        quads = torch.cat([quads & 15, quads >> 4], dim=2)
+    values = quads.transpose(1, 2).reshape(n, k)
+    return QuantizedTensors(
+        values.contiguous() if tensors.bits == 8 else pack_int4(values),
+        tensors.scale.T.contiguous(),
+        None if tensors.min is None else tensors.min.T.contiguous(),
+        tensors.bits,
+        tensors.group,
+    )
 
 
 def _nonzero(scale: torch.Tensor) -> torch.Tensor:

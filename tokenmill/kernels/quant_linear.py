@@ -1,11 +1,16 @@
 """Products with a weight kept quantized (:mod:`tokenmill.kernels.quant_format`).
 
 On CPU with the C++ kernels built (fp32 or bf16 input), ``quantized_linear`` of ``quant_linear.cpp``:
-up to ``STREAM_MAX_ROWS`` rows it streams the packed weight once (never dequantized whole), beyond
-it dequantizes the weight into a temporary in the input's dtype for oneDNN. Elsewhere (GPU, other
-dtypes, no compiler) the weight is dequantized in torch for each call. Either way the result is
-``x @ dequantize(weight).T + bias``, the contract of ``F.linear`` on the dequantized weight (to
-fp32 rounding: the streamed path sums in fp32 in its own order).
+- rows layout: up to ``STREAM_MAX_ROWS`` rows it streams the packed weight once in fp32 (never
+  dequantized whole), beyond it dequantizes the weight into a temporary in the input's dtype for
+  oneDNN; either way the result is ``x @ dequantize(weight).T + bias``, the contract of ``F.linear``
+  on the dequantized weight (to fp32 rounding: the kernel sums in its own order);
+- panels layout (made only where :func:`int8_dot_products`), any rows: each row of x is first
+  quantized to int8 per block of :func:`activation_block` values (``quant_format.fake_quantize_activations``)
+  and multiplied in integers, streaming the packed weight: the result is ``F.linear`` of those
+  dequantized activations on the dequantized weight (to fp32 rounding).
+Elsewhere (GPU, other dtypes, no compiler) the weight is dequantized in torch for each call (and
+the activations are not quantized).
 """
 
 from __future__ import annotations
@@ -14,11 +19,25 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.cpu import load_cpu_kernels
-from tokenmill.kernels.quant_format import QuantizedTensors, dequantize
+from tokenmill.kernels.quant_format import GROUP_SIZES, QuantizedTensors, dequantize
 
 STREAM_MAX_ROWS = 6
-"""Most rows of x for which the C++ kernel streams the packed weight (more: dequantize, then oneDNN);
-where the two cross over in the README's measurements (576 x 3072 projections, bf16 input)."""
+"""Most rows of x for which the rows layout's fp32 kernel streams the packed weight (more:
+dequantize, then oneDNN); where the two cross over in the README's measurements."""
+
+
+def int8_dot_products() -> bool:
+    """Whether the C++ kernels have the panels layout's int8 path on this CPU (AVX512-VNNI)."""
+    kernels = load_cpu_kernels()
+    return kernels is not None and bool(kernels.int8_dot_products())
+
+
+def activation_block(group: int, in_features: int) -> int:
+    """The block of a row of x sharing one int8 scale in the panels layout's products: the weight's
+    group when it is at most 128, else the largest of 128, 64, 32 that divides K."""
+    if group <= max(GROUP_SIZES):
+        return group
+    return next((b for b in reversed(GROUP_SIZES) if in_features % b == 0), in_features)
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedTensors, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,7 +5,8 @@
 causal_softmax_ (CpuBackend prefill).
 ``skinny_linear.cpp``: ``x @ W^T`` for few rows of x (``kernels/linear.py``, decode batches).
 ``panel_linear.cpp``: ``x @ W^T`` for decode-batch-sized x (``kernels/linear.py``).
-``quant_linear.cpp``: products with int8/int4 weights kept quantized (``kernels/quant_linear.py``).
+``quant_linear.cpp``: products with int8/int4 weights kept quantized (``kernels/quant_linear.py``);
+``quant_int8_dot.cpp``: its int8-activation path (AVX512-VNNI); ``quant_packed.h``: their weight view.
 ``decode_forward.cpp``: the whole forward of a decode step in one call (``model/decode_forward.py``).
 ``simd.h``: the vector helpers they share; ``kernels.h``: the kernels' C++ entry points;
 ``linear_io.h``: the linear kernels' checks and bias.
@@ -45,11 +46,12 @@ SOURCES = [
         "decode_forward.cpp",
         "elementwise.cpp",
         "panel_linear.cpp",
+        "quant_int8_dot.cpp",
         "quant_linear.cpp",
         "skinny_linear.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "linear_io.h", "simd.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "linear_io.h", "quant_packed.h", "simd.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]
 

@@ -12,6 +12,7 @@
 #include <optional>
 
 #include "kernels.h"
+#include "quant_packed.h"
 
 namespace {
 
@@ -102,7 +103,8 @@ at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positio
       const std::optional<at::Tensor> scales = qscales.get(index);
       if (scales.has_value()) {
         const int64_t bits = weight.scalar_type() == at::kChar ? 8 : 4;
-        const int64_t group = x.size(1) / scales->size(1);
+        const int64_t n_out = weight.dim() == 3 ? weight.size(0) * tokenmill_quant::kPanel : weight.size(0);
+        const int64_t group = x.size(1) * n_out / scales->numel();  // either layout: one scale per group
         return quantized_linear(x, weight, *scales, qmins.get(index), bits, group, c10::nullopt, stream_max_rows);
       }
     }

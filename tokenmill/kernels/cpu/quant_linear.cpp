@@ -1,18 +1,16 @@
-// Products with weights kept quantized in memory (kernels/quant_format.py's layout):
-//   int8: qweight int8 [N, K], w = q * scale;
-//   int4: qweight uint8 [N, K / 2], w = q * scale + min with q in 0..15; the 16 bytes of each run of
-//         32 values along K hold value j in byte j's low nibble and value 16 + j in its high one;
-// scale (and min) fp32 [N, K / group], one per group of `group` values along K (group a multiple of
-// 32 that divides K).
+// Products with weights kept quantized in memory (quant_packed.h's layout).
 //
-// quantized_linear: y [M, N] = x [M, K] @ w^T (+ bias), x and y fp32 or bf16 (fp32 math).
-//   Few rows (M <= stream_max_rows): the packed weights stream from memory once; threads split the
-//   output columns in blocks of 4 weight rows, each 32-value run dequantized (times its scale) into
-//   registers and multiplied against up to 4 rows of x at a time; an int4 group's min is added
-//   once per group as min * sum(x over the group). The dequantized weight never exists in memory.
-//   More rows: the weight is dequantized to x's dtype (a temporary freed after the call) and
-//   multiplied by at::linear (oneDNN), whose cost then dominates.
-// dequantize_weight: the whole weight in `dtype` (fp32 or bf16), for that path and for tests.
+// quantized_linear: y [M, N] = x [M, K] @ w^T (+ bias), x and y fp32 or bf16; the packed weight is
+// never dequantized whole, except for many rows of the rows layout.
+//   Panels layout, any rows: x is quantized to int8 per block and multiplied in integers
+//   (quant_int8_dot.cpp).
+//   Rows layout, few rows (M <= stream_max_rows), in fp32: threads split the output columns in
+//   blocks of 4 weight rows, each 32-value run dequantized (times its scale) into registers and
+//   multiplied against up to 4 rows of x at a time; an int4 group's min is added once per group as
+//   min * sum(x over the group). More rows: the weight is dequantized to x's dtype (a temporary
+//   freed after the call) and multiplied by at::linear (oneDNN), whose cost then dominates.
+// dequantize_weight: a rows-layout weight whole in `dtype` (fp32 or bf16), for that path and for tests.
+// int8_dot_products: whether this build has the panels layout's int8 path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -23,18 +21,20 @@
 #include <immintrin.h>
 #endif
 
+#include "quant_packed.h"
 #include "simd.h"
 
 namespace {
 
+using tokenmill_quant::kBlock;
+using tokenmill_quant::kRun;
+using tokenmill_quant::Packed;
+using tokenmill_quant::row_bytes;
 using tokenmill_simd::bf16_t;
 using tokenmill_simd::horizontal_sum4;
 using tokenmill_simd::load16;
 using tokenmill_simd::store16;
 using tokenmill_simd::vec16;
-
-constexpr int64_t kRun = 32;  // values per packed run (and the smallest group)
-constexpr int64_t kBlock = 4;  // weight rows per work item
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -49,14 +49,6 @@ inline vec16 widen_signed(u8x16 bytes) {
   return __builtin_convertvector(__builtin_convertvector(biased, i32x16) - 128, vec16);
 }
 
-struct Packed {
-  const void* q;
-  const float* scale;
-  const float* min;  // nullptr for int8
-  int64_t bits, group, n_out, k_dim;
-  int64_t groups_per_row;  // k_dim / group
-  int64_t group_shift;  // log2(group) when group is a power of two; else -1 (then group == k_dim)
-};
 
 // The index into scale/min of value k of weight row n (no division on this hot path).
 inline int64_t group_index(const Packed& p, int64_t n, int64_t k) {
@@ -67,7 +59,7 @@ inline int64_t group_index(const Packed& p, int64_t n, int64_t k) {
 // times the group's scale, in two 16-wide halves; an int4 group's min is added per group by the
 // caller (min * the sum of x over the group), not per value.
 __attribute__((always_inline)) inline void scaled_run(const Packed& p, int64_t n, int64_t k, float scale, vec16& lo, vec16& hi) {
-  const uint8_t* q = static_cast<const uint8_t*>(p.q) + (p.bits == 8 ? n * p.k_dim + k : n * (p.k_dim >> 1) + (k >> 1));
+  const uint8_t* q = row_bytes(p, n, k);
 #if defined(__AVX512F__)
   // the widening as the two instructions it needs (the generic path below is correct everywhere,
   // but GCC 12 moves its bytes through general registers first)
@@ -108,9 +100,9 @@ void tile_product(const Packed& p, const float* x, const float* xsum, int64_t m0
   int64_t rows[kBlock];
   for (int64_t j = 0; j < kBlock; ++j) rows[j] = n0 + std::min(j, valid - 1);
   if (n0 + kBlock < p.n_out) {  // the next block's rows: rows are short streams the hardware does not prefetch
-    const int64_t row_bytes = p.bits == 8 ? k_dim : k_dim / 2;
+    const int64_t stride = p.bits == 8 ? k_dim : k_dim / 2;
     const int64_t next_rows = std::min(kBlock, p.n_out - n0 - kBlock);
-    tokenmill_simd::prefetch_range(static_cast<const uint8_t*>(p.q) + (n0 + kBlock) * row_bytes, next_rows * row_bytes);
+    tokenmill_simd::prefetch_range(row_bytes(p, n0 + kBlock, 0), next_rows * stride);
   }
   for (int64_t g = 0; g < p.groups_per_row; ++g) {
     float scale[kBlock];
@@ -158,28 +150,6 @@ void block_product(const Packed& p, const float* x, const float* xsum, int64_t m
   }
 }
 
-Packed packed_operands(const at::Tensor& qweight, const at::Tensor& scale, const c10::optional<at::Tensor>& min,
-                       int64_t bits, int64_t group) {
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && scale.is_contiguous(), "contiguous operands");
-  TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "int8 weights are int8, int4 uint8");
-  const int64_t n_out = qweight.size(0), k_dim = bits == 8 ? qweight.size(1) : 2 * qweight.size(1);
-  TORCH_CHECK(group % kRun == 0 && group > 0 && k_dim % group == 0, "group ", group, " must be a multiple of 32 "
-              "dividing K=", k_dim);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n_out * (k_dim / group), "scale: fp32 [N, K/group]");
-  const bool has_min = min.has_value() && min->defined();
-  TORCH_CHECK(has_min == (bits == 4), "int4 weights need mins, int8 weights have none");
-  if (has_min) {
-    TORCH_CHECK(min->scalar_type() == at::kFloat && min->is_contiguous() && min->numel() == scale.numel(),
-                "min: fp32 like scale");
-  }
-  int64_t shift = 0;
-  while ((int64_t{1} << shift) < group) ++shift;
-  if ((int64_t{1} << shift) != group) shift = -1;
-  TORCH_CHECK(shift >= 0 || group == k_dim, "a group size that is not a power of two must be all of K");
-  return {qweight.data_ptr(), scale.data_ptr<float>(), has_min ? min->data_ptr<float>() : nullptr,
-          bits, group, n_out, k_dim, k_dim / group, shift};
-}
 
 template <typename T>
 void dequantize_into(const Packed& p, T* out) {
@@ -197,36 +167,9 @@ void dequantize_into(const Packed& p, T* out) {
   });
 }
 
-}  // namespace
 
-at::Tensor dequantize_weight(const at::Tensor& qweight, const at::Tensor& scale, const c10::optional<at::Tensor>& min,
-                             int64_t bits, int64_t group, at::ScalarType dtype) {
-  const Packed p = packed_operands(qweight, scale, min, bits, group);
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to fp32 or bf16");
-  at::Tensor out = at::empty({p.n_out, p.k_dim}, qweight.options().dtype(dtype));
-  if (dtype == at::kFloat) {
-    dequantize_into(p, out.data_ptr<float>());
-  } else {
-    dequantize_into(p, reinterpret_cast<bf16_t*>(out.data_ptr()));
-  }
-  return out;
-}
-
-at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
-                            const c10::optional<at::Tensor>& min, int64_t bits, int64_t group,
-                            const c10::optional<at::Tensor>& bias, int64_t stream_max_rows) {
-  const Packed p = packed_operands(qweight, scale, min, bits, group);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == p.k_dim, "x must be [M, ", p.k_dim, "]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x fp32 or bf16");
-  const int64_t m_rows = x.size(0);
-  if (m_rows > stream_max_rows) {
-    const at::Tensor w = dequantize_weight(qweight, scale, min, bits, group, x.scalar_type());
-    return at::linear(x, w, bias.has_value() && bias->defined() ? *bias : at::Tensor());
-  }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({m_rows, p.n_out}, xf.options());
-  const float* xp = xf.data_ptr<float>();
-  float* y = out.data_ptr<float>();
+// y [M, N] = x [M, K] @ w^T in fp32, streaming the packed weight (the header's few-rows fp32 path).
+void fp32_product(const Packed& p, const float* xp, int64_t m_rows, float* y) {
   std::vector<float> xsum;  // int4: each row of x summed over each group (the min terms)
   if (p.min != nullptr) {
     xsum.resize(m_rows * p.groups_per_row);
@@ -242,6 +185,77 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
   at::parallel_for(0, (p.n_out + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) block_product(p, xp, xsum.data(), m_rows, block * kBlock, y);
   });
+}
+
+}  // namespace
+
+namespace tokenmill_quant {
+
+Packed packed_operands(const at::Tensor& qweight, const at::Tensor& scale, const c10::optional<at::Tensor>& min,
+                       int64_t bits, int64_t group) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+  TORCH_CHECK((qweight.dim() == 2 || qweight.dim() == 3) && qweight.is_contiguous() && scale.is_contiguous(),
+              "contiguous operands, qweight 2-D (rows layout) or 3-D (panels)");
+  TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "int8 weights are int8, int4 uint8");
+  const bool panels = qweight.dim() == 3;
+  if (panels) {
+    TORCH_CHECK(qweight.size(2) == (bits == 8 ? 64 : 32), "a panels-layout quad is 64 (int8) or 32 (int4) bytes");
+  }
+  const int64_t n_out = panels ? qweight.size(0) * kPanel : qweight.size(0);
+  const int64_t k_dim = panels ? 4 * qweight.size(1) : bits == 8 ? qweight.size(1) : 2 * qweight.size(1);
+  TORCH_CHECK(group % kRun == 0 && group > 0 && k_dim % group == 0, "group ", group, " must be a multiple of 32 "
+              "dividing K=", k_dim);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n_out * (k_dim / group), "scale: fp32, one per "
+              "group");
+  const bool has_min = min.has_value() && min->defined();
+  TORCH_CHECK(has_min == (bits == 4), "int4 weights need mins, int8 weights have none");
+  if (has_min) {
+    TORCH_CHECK(min->scalar_type() == at::kFloat && min->is_contiguous() && min->numel() == scale.numel(),
+                "min: fp32 like scale");
+  }
+  int64_t shift = 0;
+  while ((int64_t{1} << shift) < group) ++shift;
+  if ((int64_t{1} << shift) != group) shift = -1;
+  TORCH_CHECK(shift >= 0 || group == k_dim, "a group size that is not a power of two must be all of K");
+  return {qweight.data_ptr(), scale.data_ptr<float>(), has_min ? min->data_ptr<float>() : nullptr,
+          bits, group, n_out, k_dim, k_dim / group, shift, panels};
+}
+
+}  // namespace tokenmill_quant
+
+at::Tensor dequantize_weight(const at::Tensor& qweight, const at::Tensor& scale, const c10::optional<at::Tensor>& min,
+                             int64_t bits, int64_t group, at::ScalarType dtype) {
+  const Packed p = tokenmill_quant::packed_operands(qweight, scale, min, bits, group);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to fp32 or bf16");
+  TORCH_CHECK(!p.panels, "dequantize_weight reads the rows layout");
+  at::Tensor out = at::empty({p.n_out, p.k_dim}, qweight.options().dtype(dtype));
+  if (dtype == at::kFloat) {
+    dequantize_into(p, out.data_ptr<float>());
+  } else {
+    dequantize_into(p, reinterpret_cast<bf16_t*>(out.data_ptr()));
+  }
+  return out;
+}
+
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& min, int64_t bits, int64_t group,
+                            const c10::optional<at::Tensor>& bias, int64_t stream_max_rows) {
+  const Packed p = tokenmill_quant::packed_operands(qweight, scale, min, bits, group);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == p.k_dim, "x must be [M, ", p.k_dim, "]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x fp32 or bf16");
+  const int64_t m_rows = x.size(0);
+  if (!p.panels && m_rows > stream_max_rows) {
+    const at::Tensor w = dequantize_weight(qweight, scale, min, bits, group, x.scalar_type());
+    return at::linear(x, w, bias.has_value() && bias->defined() ? *bias : at::Tensor());
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({m_rows, p.n_out}, xf.options());
+  if (p.panels) {
+    TORCH_CHECK(tokenmill_quant::int8_dot_available(), "the panels layout needs AVX512-VNNI; this CPU has none");
+    tokenmill_quant::int8_dot_product(p, xf.data_ptr<float>(), m_rows, out.data_ptr<float>());
+  } else {
+    fp32_product(p, xf.data_ptr<float>(), m_rows, out.data_ptr<float>());
+  }
   if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
   return out.to(x.scalar_type());
 }
@@ -252,4 +266,5 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("dequantize_weight(Tensor qweight, Tensor scale, Tensor? min, int bits, int group, ScalarType dtype) -> Tensor");
   m.impl("quantized_linear", c10::DispatchKey::CPU, &quantized_linear);
   m.impl("dequantize_weight", c10::DispatchKey::CPU, &dequantize_weight);
+  m.def("int8_dot_products() -> bool", &tokenmill_quant::int8_dot_available);
 }

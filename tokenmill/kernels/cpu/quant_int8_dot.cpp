@@ -1,0 +1,188 @@
+// Products with a panels-layout quantized weight whose activations are quantized to int8 first
+// (quant_packed.h's int8_dot_product). Each row of x is cut into blocks (a weight group, or 128
+// values of a per-channel int8 row), each block gets one fp32 scale. The weight is read a panel of
+// 16 rows at a time, one quad of K (4 values) per 16-lane vector, so one vpdpbusd multiplies the
+// panel's quad (unsigned bytes) by a row's 4 activation bytes broadcast (signed), summing into the
+// panel's 16 int32 outputs: no horizontal sums. An int4 byte is its value 0..15 as is; an int8
+// weight v is fed as the unsigned byte v + 128 and 128 x the block's sum of activation bytes is
+// taken off again, in int32. Once per block the integer sums are converted and scaled (an int4
+// group's min multiplies the block's dequantized activation sum). The integer sums are exact, so
+// the result is the fp32 product of the dequantized activations with the dequantized weight up to
+// summation order.
+//   Work split: x is taken kChunkRows rows at a time (its int8 bytes stay in cache); for each chunk
+//   threads take pairs of panels (32 output columns), running the chunk's rows 6 at a time (the
+//   tile: 6 x 2 int32 and 6 x 2 fp32 accumulators in registers) against the pair's packed bytes,
+//   read from memory once per chunk and from cache for the further row tiles.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define TOKENMILL_INT8_DOT 1
+#include <immintrin.h>
+#endif
+
+#include "quant_packed.h"
+
+namespace tokenmill_quant {
+
+int64_t activation_block(int64_t group, int64_t k_dim) {
+  if (group <= 128) return group;
+  for (int64_t block : {128, 64, 32}) {
+    if (k_dim % block == 0) return block;
+  }
+  return k_dim;
+}
+
+#if defined(TOKENMILL_INT8_DOT)
+
+namespace {
+
+constexpr int kTileRows = 6;  // rows of x per tile
+constexpr int kTilePanels = 2;  // panels per tile (and per work item)
+constexpr int64_t kChunkRows = 192;  // rows of x per pass over the weight
+
+// x quantized per block: q int8 [M, K]; per block its scale and the sum of its bytes.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> q_sum;
+  int64_t block, blocks_per_row;
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t m_rows, int64_t k_dim, int64_t block) {
+  QuantizedRows a;
+  a.block = block;
+  a.blocks_per_row = k_dim / block;
+  a.q.resize(m_rows * k_dim);
+  a.scale.resize(m_rows * a.blocks_per_row);
+  a.q_sum.resize(a.scale.size());
+  at::parallel_for(0, m_rows * a.blocks_per_row, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* xb = x + b * block;  // rows are contiguous: block b of the whole [M, K]
+      __m512 absmax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < block; k += 16) absmax = _mm512_max_ps(absmax, _mm512_abs_ps(_mm512_loadu_ps(xb + k)));
+      const float scale = _mm512_reduce_max_ps(absmax) / 127.f;
+      const __m512 divisor = _mm512_set1_ps(scale == 0.f ? 1.f : scale);
+      __m512i q_total = _mm512_setzero_si512();
+      for (int64_t k = 0; k < block; k += 16) {
+        // IEEE division and the default rounding (to nearest, ties to even), as torch.round(x / scale)
+        const __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xb + k), divisor));
+        q_total = _mm512_add_epi32(q_total, q);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + b * block + k), _mm512_cvtepi32_epi8(q));
+      }
+      a.scale[b] = scale;
+      a.q_sum[b] = _mm512_reduce_add_epi32(q_total);
+    }
+  });
+  return a;
+}
+
+// Panel `panel`'s quad t as 64 unsigned bytes, lane r holding row r's 4 values (int4: 0..15; int8: v + 128).
+__attribute__((always_inline)) inline __m512i panel_quad(const Packed& p, int64_t panel, int64_t t) {
+  const uint8_t* q = quad_bytes(p, panel, t);
+  if (p.bits == 8) return _mm512_xor_si512(_mm512_loadu_si512(q), _mm512_set1_epi8(-128));
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), nibble = _mm256_set1_epi8(15);
+  const __m256i lo = _mm256_and_si256(bytes, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+// y[m0 + m, 16 panel0 ...) for kRows rows of x and kPanels panels.
+template <int kRows, int kPanels>
+void panel_tile(const Packed& p, const QuantizedRows& a, int64_t m0, int64_t panel0, float* y) {
+  __m512 acc[kRows][kPanels];
+  for (int m = 0; m < kRows; ++m) {
+    for (int j = 0; j < kPanels; ++j) acc[m][j] = _mm512_setzero_ps();
+  }
+  const int64_t quads_per_row = p.k_dim / 4, quads_per_block = a.block / 4, blocks_per_group = p.group / a.block;
+  const int32_t* x_quads = reinterpret_cast<const int32_t*>(a.q.data());  // a row's 4 bytes of one quad
+  for (int64_t b = 0; b < a.blocks_per_row; ++b) {
+    __m512i dots[kRows][kPanels];
+    for (int m = 0; m < kRows; ++m) {
+      for (int j = 0; j < kPanels; ++j) dots[m][j] = _mm512_setzero_si512();
+    }
+    for (int64_t t = b * quads_per_block; t < (b + 1) * quads_per_block; ++t) {
+      __m512i w[kPanels];
+      for (int j = 0; j < kPanels; ++j) w[j] = panel_quad(p, panel0 + j, t);
+#pragma GCC unroll 6
+      for (int m = 0; m < kRows; ++m) {
+        const __m512i x = _mm512_set1_epi32(x_quads[(m0 + m) * quads_per_row + t]);
+        for (int j = 0; j < kPanels; ++j) dots[m][j] = _mm512_dpbusd_epi32(dots[m][j], w[j], x);
+      }
+    }
+    const int64_t g = p.groups_per_row == 1 ? 0 : b / blocks_per_group;
+    __m512 w_scale[kPanels], w_min[kPanels];
+    for (int j = 0; j < kPanels; ++j) {
+      w_scale[j] = _mm512_loadu_ps(p.scale + g * p.n_out + (panel0 + j) * kPanel);
+      if (p.min != nullptr) w_min[j] = _mm512_loadu_ps(p.min + g * p.n_out + (panel0 + j) * kPanel);
+    }
+#pragma GCC unroll 6
+    for (int m = 0; m < kRows; ++m) {
+      const int64_t ab = (m0 + m) * a.blocks_per_row + b;
+      const __m512 x_scale = _mm512_set1_ps(a.scale[ab]);
+      for (int j = 0; j < kPanels; ++j) {
+        const __m512 scale = _mm512_mul_ps(w_scale[j], x_scale);
+        if (p.min != nullptr) {  // + min * the block's dequantized activation sum
+          acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[m][j]), scale, acc[m][j]);
+          acc[m][j] = _mm512_fmadd_ps(w_min[j], _mm512_set1_ps(a.scale[ab] * static_cast<float>(a.q_sum[ab])), acc[m][j]);
+        } else {  // int8: the bytes were v + 128
+          const __m512i exact = _mm512_sub_epi32(dots[m][j], _mm512_set1_epi32(128 * a.q_sum[ab]));
+          acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[m][j]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < kRows; ++m) {
+    for (int j = 0; j < kPanels; ++j) _mm512_storeu_ps(y + (m0 + m) * p.n_out + (panel0 + j) * kPanel, acc[m][j]);
+  }
+}
+
+// Rows [m_begin, m_end) of x against kPanels panels from panel0, kTileRows rows at a time.
+template <int kPanels>
+void panel_rows(const Packed& p, const QuantizedRows& a, int64_t m_begin, int64_t m_end, int64_t panel0, float* y) {
+  int64_t m0 = m_begin;
+  for (; m0 + kTileRows <= m_end; m0 += kTileRows) panel_tile<kTileRows, kPanels>(p, a, m0, panel0, y);
+  switch (m_end - m0) {
+    case 5: panel_tile<5, kPanels>(p, a, m0, panel0, y); break;
+    case 4: panel_tile<4, kPanels>(p, a, m0, panel0, y); break;
+    case 3: panel_tile<3, kPanels>(p, a, m0, panel0, y); break;
+    case 2: panel_tile<2, kPanels>(p, a, m0, panel0, y); break;
+    case 1: panel_tile<1, kPanels>(p, a, m0, panel0, y); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+bool int8_dot_available() { return true; }
+
+void int8_dot_product(const Packed& p, const float* x, int64_t m_rows, float* y) {
+  const QuantizedRows a = quantize_rows(x, m_rows, p.k_dim, activation_block(p.group, p.k_dim));
+  const int64_t n_panels = p.n_out / kPanel;
+  for (int64_t m_begin = 0; m_begin < m_rows; m_begin += kChunkRows) {
+    const int64_t m_end = std::min(m_rows, m_begin + kChunkRows);
+    at::parallel_for(0, (n_panels + kTilePanels - 1) / kTilePanels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t panel0 = item * kTilePanels;
+        if (panel0 + kTilePanels <= n_panels) {
+          panel_rows<kTilePanels>(p, a, m_begin, m_end, panel0, y);
+        } else {
+          panel_rows<1>(p, a, m_begin, m_end, panel0, y);
+        }
+      }
+    });
+  }
+}
+
+#else
+
+bool int8_dot_available() { return false; }
+
+void int8_dot_product(const Packed&, const float*, int64_t, float*) {
+  TORCH_CHECK(false, "int8 dot products need AVX512-VNNI (with AVX512-VL/BW)");
+}
+
+#endif
+
+}  // namespace tokenmill_quant

@@ -1,0 +1,63 @@
+// A quantized weight as the CPU kernels read it (kernels/quant_format.py's layouts), fp32 scale
+// (and int4 min) per group of `group` values along K (a multiple of 32 that divides K):
+//   rows layout, qweight 2-D: int8 [N, K] (w = q * scale) or uint8 [N, K / 2] (int4: w = q * scale
+//     + min, q in 0..15; the 16 bytes of each run of 32 values along K hold value j in byte j's low
+//     nibble and value 16 + j in its high one); scale/min [N, K / group].
+//   panels layout, qweight 3-D [N / 16, K / 4, 64 | 32]: each panel of 16 weight rows, per quad of
+//     4 values along K, as the 64 bytes of one 16-lane int32 vector (lane r: row r's 4 values;
+//     int8: the signed values; int4: 32 bytes, byte b's low nibble the value of lane b / 4 and its
+//     high nibble that of lane 8 + b / 4, same k); scale/min [K / group, N].
+// Shared by quant_linear.cpp (fp32 products on the rows layout, dequantization, the op) and
+// quant_int8_dot.cpp (products on the panels layout with activations quantized to int8).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace tokenmill_quant {
+
+constexpr int64_t kRun = 32;  // values per packed run (and the smallest group)
+constexpr int64_t kBlock = 4;  // weight rows per work item of the rows layout
+constexpr int64_t kPanel = 16;  // weight rows per panel
+
+struct Packed {
+  const void* q;
+  const float* scale;
+  const float* min;  // nullptr for int8
+  int64_t bits, group, n_out, k_dim;
+  int64_t groups_per_row;  // k_dim / group
+  int64_t group_shift;  // log2(group) when group is a power of two; else -1 (then group == k_dim)
+  bool panels;
+};
+
+// The operands checked (layout, shapes, dtypes, contiguity, group) and gathered; raises on any mismatch.
+Packed packed_operands(const at::Tensor& qweight, const at::Tensor& scale, const c10::optional<at::Tensor>& min,
+                       int64_t bits, int64_t group);
+
+// Rows layout: the bytes of weight row n from value k on (k a multiple of 32).
+inline const uint8_t* row_bytes(const Packed& p, int64_t n, int64_t k) {
+  return static_cast<const uint8_t*>(p.q) + (p.bits == 8 ? n * p.k_dim + k : n * (p.k_dim >> 1) + (k >> 1));
+}
+
+// Panels layout: the bytes of panel `panel`'s quad of values [4 t, 4 t + 4).
+inline const uint8_t* quad_bytes(const Packed& p, int64_t panel, int64_t t) {
+  const int64_t quad = p.bits == 8 ? 64 : 32;
+  return static_cast<const uint8_t*>(p.q) + (panel * (p.k_dim / 4) + t) * quad;
+}
+
+// True where quant_int8_dot.cpp is compiled in (the CPU has AVX512-VNNI with AVX512-VL/BW).
+bool int8_dot_available();
+
+// The activation block of int8_dot_product for a weight of K values in groups of `group`: the
+// group when it is at most 128, else the largest of 128, 64, 32 dividing K.
+int64_t activation_block(int64_t group, int64_t k_dim);
+
+// y [M, N] (fp32) = x [M, K] (fp32) @ w^T for a panels-layout weight, with x first quantized to
+// int8 per block of activation_block values of a row (symmetric: scale = absmax / 127, q =
+// round-half-even(x / scale), an all-zero block has scale 0), then integer dot products per block
+// scaled in fp32: the fp32 product of the dequantized x with the dequantized weight, up to
+// summation order. Only where int8_dot_available().
+void int8_dot_product(const Packed& p, const float* x, int64_t m_rows, float* y);
+
+}  // namespace tokenmill_quant
