@@ -18,8 +18,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.model.test_parity import PROMPT_LENS, greedy_through_cache, hf_reference
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import hf_greedy, save_tiny_checkpoint, save_tiny_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.config import ModelConfigError
 from tokenmill.model.loader import load_model
+from tokenmill.model.weights import WeightError
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -184,3 +187,129 @@ def test_prequantized_checkpoint_matches_transformers_on_its_dequantized_weights
         hf_logits, hf_tokens = hf_reference(hf_model, prompt)
         torch.testing.assert_close(ours, hf_logits, rtol=1e-4, atol=1e-4)
         assert greedy == hf_tokens
+
+
+def test_engine_generates_what_transformers_does_and_refuses_updates(tmp_path: Path) -> None:
+    """The real path: ``LLM`` on a pre-quantized checkpoint (C++ kernels, chunked prefill), no
+    ``quantization`` asked for."""
+    quantizer, config = CASES["gptq_v1_sym_g32"]
+    hf_model = save_tiny_checkpoint(tmp_path)
+    quantize_checkpoint(tmp_path, hf_model, quantizer, config)
+    hf_model.generation_config.eos_token_id = None  # ignore_eos below: compare every token
+    llm = LLM(model=str(tmp_path), dtype="float32", max_num_batched_tokens=16)
+    prompts = [[5, 6, 7], list(range(3, 30))]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 12) for p in prompts]
+    assert llm.engine.model.checkpoint_quantization == "gptq"
+    with pytest.raises(WeightError, match="quantized"):
+        llm.update_weights([("model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 64))])
+    with pytest.raises(ValueError, match="pre-quantized checkpoint"):
+        LLM(model=str(tmp_path), dtype="float32", quantization="int8")
+
+
+def test_tensor_parallel_prequantized_equals_transformers(tmp_path: Path) -> None:
+    """Each rank takes its rows of the column-parallel shards and its whole groups of the row-parallel
+    ones' K (64 of the MLP's 128: two groups of 32)."""
+    quantizer, config = CASES["awq_g32"]
+    hf_model = save_tiny_checkpoint(tmp_path, intermediate_size=128)
+    quantize_checkpoint(tmp_path, hf_model, quantizer, config)
+    hf_model.generation_config.eos_token_id = None  # ignore_eos below: compare every token
+    llm = LLM(model=str(tmp_path), dtype="float32", tensor_parallel_size=2)
+    try:
+        prompts = [[5, 6, 7], list(range(3, 20))]
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 8) for p in prompts]
+    finally:
+        llm.shutdown()
+
+
+def edit_checkpoint(path: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    state = load_file(path / "model.safetensors")
+    edit(state)
+    contiguous = {name: tensor.contiguous() for name, tensor in state.items()}
+    save_file(contiguous, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"].update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("case", "changes", "match"),
+    [
+        ("awq_g32", dict(quant_method="bitsandbytes"), "quant_method 'bitsandbytes' is not supported"),
+        ("awq_g32", dict(bits=8), "awq: quantization_config field bits=8"),
+        ("awq_g32", dict(version="gemv"), "field version='gemv'"),
+        ("awq_g32", dict(group_size=48), "field group_size=48"),
+        ("gptq_v1_sym_g32", dict(desc_act=True), "field desc_act=True"),
+        ("gptq_v1_sym_g32", dict(checkpoint_format="marlin"), "field checkpoint_format='marlin'"),
+        ("ct_w4a16_sym_g32", dict(format="float-quantized"), "field format='float-quantized'"),
+        ("ct_w4a16_sym_g32", dict(kv_cache_scheme={"num_bits": 8}), "field kv_cache_scheme"),
+    ],
+)
+def test_an_unsupported_quantization_config_is_refused_naming_the_field(case, changes, match, tmp_path: Path) -> None:
+    quantizer, config = CASES[case]
+    quantize_checkpoint(tmp_path, save_tiny_model(tmp_path, "llama"), quantizer, config)
+    edit_config(tmp_path, **changes)
+    with pytest.raises(ModelConfigError, match=match):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
+Q = "model.layers.1.self_attn.q_proj"
+K = "model.layers.1.self_attn.k_proj"
+
+
+def _drop(name: str) -> Callable[[dict], None]:
+    return lambda state: state.pop(name)
+
+
+def _set(name: str, value: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict], None]:
+    return lambda state: state.update({name: value(state[name])})
+
+
+def _half_q_rows(state: dict) -> None:
+    """q_proj's tensors consistent with each other, but for 32 output rows instead of 64."""
+    for leaf, cols in (("qweight", 4), ("qzeros", 4), ("scales", 32)):
+        state[f"{Q}.{leaf}"] = state[f"{Q}.{leaf}"][:, :cols]
+
+
+def _dequantized_k(state: dict) -> None:
+    for leaf in ("qweight", "qzeros", "scales", "g_idx"):
+        state.pop(f"{K}.{leaf}")
+    state[f"{K}.weight"] = torch.zeros(32, 64)
+
+
+@pytest.mark.parametrize(
+    ("case", "edit", "match"),
+    [
+        ("awq_g32", _drop(f"{Q}.qzeros"), f"missing tensor '{Q}.qzeros'"),
+        ("awq_g32", _set(f"{Q}.scales", lambda t: t[:1]), rf"'{Q}.scales' has shape \(1, 64\), expected \(2, 64\)"),
+        ("awq_g32", _set(f"{Q}.qweight", lambda t: t.float()), f"'{Q}.qweight' has dtype torch.float32"),
+        ("awq_g32", _half_q_rows, rf"'{Q}.qweight' holds a weight of shape \(32, 64\), expected \(64, 64\)"),
+        ("awq_g32", _set(f"{Q}.scales", lambda t: t.fill_(float("nan"))), f"'{Q}.qweight''s scales holds"),
+        ("gptq_v1_sym_g32", _set(f"{Q}.g_idx", lambda t: t.flip(0)), f"'{Q}.g_idx' does not put input row k"),
+        ("gptq_v1_sym_g32", _dequantized_k, "must be stored alike"),
+        ("awq_g32", lambda state: state.update({"lm_head.qweight": torch.zeros(64, 12, dtype=torch.int32)}), "LM head"),
+        ("ct_w4a16_sym_g32", _set(f"{Q}.weight_shape", lambda t: t + 8), f"'{Q}.weight_packed' has shape"),
+    ],
+)
+def test_tensors_that_do_not_fit_the_config_are_refused_naming_the_tensor(case, edit, match, tmp_path: Path) -> None:
+    quantizer, config = CASES[case]
+    quantize_checkpoint(tmp_path, save_tiny_model(tmp_path, "llama"), quantizer, config)
+    edit_checkpoint(tmp_path, edit)
+    with pytest.raises(WeightError, match=match):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
+def test_a_packed_projection_quantized_in_different_groups_is_refused(tmp_path: Path) -> None:
+    """q_proj in groups of 32, k_proj and v_proj (config group 1) in groups of 64: one qkv_proj cannot hold both."""
+    quantizer, config = CASES["ct_w4a16_sym_g32"]
+    quantize_checkpoint(tmp_path, save_tiny_model(tmp_path, "llama"), quantizer, config)
+    groups = config["config_groups"]
+    wide = {**groups["group_0"], "targets": [r"re:.*\.(k|v)_proj$"]}
+    wide["weights"] = {**wide["weights"], "group_size": 64}
+    edit_config(tmp_path, config_groups={"group_1": wide, **groups})
+    with pytest.raises(WeightError, match="packed into one projection but quantized differently"):
+        load_model(tmp_path, torch.float32, "cpu")
