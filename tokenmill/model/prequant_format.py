@@ -97,13 +97,14 @@ class IntWeight:
             self.q[rows, start:stop], self.zero[rows, groups], self.scale[rows, groups], self.bits, self.name
         )
 
-    def to_quantized(self) -> QuantizedTensors:
-        """The same weight in tokenmill's layout (exact: see the module docstring)."""
+    def to_quantized(self, device: torch.device) -> QuantizedTensors:
+        """The same weight in tokenmill's layout (exact: see the module docstring), on ``device``."""
         scale = self.scale.float().contiguous()
         if self.bits == 8:
-            return QuantizedTensors(self.q.to(torch.int8).contiguous(), scale, None, 8, self.group)
-        low = (-self.zero.float() * scale).contiguous()
-        return QuantizedTensors(pack_int4(self.q.to(torch.uint8)), scale, low, 4, self.group)
+            return QuantizedTensors(self.q.to(torch.int8).to(device), scale.to(device), None, 8, self.group)
+        low = -self.zero.float() * scale
+        packed = pack_int4(self.q.to(torch.uint8))
+        return QuantizedTensors(packed.to(device), scale.to(device), low.contiguous().to(device), 4, self.group)
 
 
 def concat_rows(parts: list[IntWeight]) -> IntWeight:

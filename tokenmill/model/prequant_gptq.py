@@ -9,7 +9,9 @@ size ``g`` (-1: one group, all of K),
   hold ``q`` of input row ``8r + j``;
 - ``qzeros`` int32 ``[K / g, N / 8]``, packed along N in plain order (bits ``4j`` of word
   ``[G, c]``: column ``8c + j``); v1 stores each zero point minus one (AutoGPTQ's ``zeros -= 1``
-  before packing, ``zeros + 1`` after unpacking each nibble), v2 stores it as is;
+  before packing, ``zeros + 1`` after unpacking each nibble; GPTQModel's v1 -> v2 conversion adds
+  ``0x11111111`` to the whole word, the same for every zero point 1..15 that v1 can store), v2
+  stores it as is;
 - ``scales`` fp16 ``[K / g, N]``; ``g_idx`` int32 ``[K]``: the group of each input row, which
   must be ``k // g`` (``desc_act`` reorders it: refused);
 - ``W.T[k, n] = (q[k, n] - zero[g_idx[k], n]) * scale[g_idx[k], n]``.

@@ -101,11 +101,7 @@ class PrequantizedPlan:
                 parts.append(weight.take(rows, cols))
             whole = concat_rows(parts)
             whole.check()
-            quantized = whole.to_quantized()
-            for field in ("qweight", "scale", "min"):
-                tensor = getattr(quantized, field)
-                setattr(quantized, field, None if tensor is None else tensor.to(device))
-            projection.module.load_quantized_(quantized, projection.scheme)
+            projection.module.load_quantized_(whole.to_quantized(device), projection.scheme)
         schemes = sorted({p.scheme.name for p in self.projections})
         model.quantization = self.projections[0].scheme
         model.checkpoint_quantization = self.fmt.method
