@@ -40,6 +40,7 @@ from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.thread_governor import engine_thread_governor
 from tokenmill.engine.weight_update import WeightsSource, apply_update, next_version, stage_update
 from tokenmill.model.parallel import SINGLE
+from tokenmill.model.prequantized import checkpoint_format
 from tokenmill.model.registry import load_model_config
 from tokenmill.request import FinishReason, OutputCallback, SamplingParams, now
 from tokenmill.tokenizer import Tokenizer
@@ -56,6 +57,11 @@ class Engine(EngineLoop):
         path = cfg.model_path()
         self.device = cfg.resolved_device()
         self.model_config = mc = load_model_config(path)
+        if checkpoint_format(path) is not None and cfg.quantization is not None:  # also checks its quantization_config
+            raise ValueError(
+                f"{path} is a pre-quantized checkpoint (quantization_config in config.json): it loads quantized "
+                f"as published; leave quantization unset (got {cfg.quantization!r})"
+            )
         self.dtype = cfg.resolved_dtype(mc.checkpoint_dtype)
         self.tokenizer = None if cfg.skip_tokenizer_init else Tokenizer(path)
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else set()

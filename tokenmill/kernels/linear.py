@@ -119,8 +119,9 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) whose forward uses :func:`linear`, through a
     :class:`BlockedCopy` of its weight for the dtypes in ``BLOCKED_MIN_ROWS``.
 
-    :meth:`quantize_` replaces the ``weight`` parameter by buffers holding it quantized
-    (``qweight``, ``qscale``, ``qmin``; see ``quant_format``): from then on there is no ``weight``
+    :meth:`quantize_` (or :meth:`load_quantized_`, given the quantized tensors) replaces the ``weight``
+    parameter by buffers holding it quantized (``qweight``, ``qscale``, ``qmin``; see
+    ``quant_format``): from then on there is no ``weight``
     attribute, :attr:`quantization` names the scheme, and products go through :func:`quantized_linear`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
@@ -143,10 +144,22 @@ class Linear(nn.Linear):
         scheme's groups or the layout)."""
         if self.quantization is not None:
             raise ValueError(f"the layer is already quantized ({self.quantization.name})")
-        tensors = quantize(self.weight, scheme)
+        self.load_quantized_(quantize(self.weight, scheme), scheme, panels)
+
+    def load_quantized_(self, tensors: QuantizedTensors, scheme: QuantScheme, panels: bool = False) -> None:
+        """Keep ``tensors`` (rows layout, already quantized with ``scheme``, e.g. repacked from a
+        pre-quantized checkpoint) as this layer's weight from now on, in the rows layout or
+        (``panels``) the panels layout: the ``weight`` parameter, if the layer still has one, is
+        dropped. Raises ValueError, changing nothing, unless their shape is the layer's and fits the layout."""
+        if tensors.shape != (self.out_features, self.in_features) or tensors.bits != scheme.bits:
+            raise ValueError(
+                f"int{tensors.bits} weight of shape {tensors.shape} does not fit a layer of "
+                f"{(self.out_features, self.in_features)} quantized {scheme.name}"
+            )
         if panels:
             tensors = to_panels(tensors)
-        del self.weight
+        if "weight" in self._parameters:
+            del self.weight
         self._blocked = BlockedCopy()  # drops the blocked copy of the full-precision weight, if one was made
         self.register_buffer("qweight", tensors.qweight)
         self.register_buffer("qscale", tensors.scale)

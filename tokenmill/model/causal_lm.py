@@ -117,7 +117,8 @@ class CausalLM(nn.Module, ABC):
         else:
             self.lm_head = parallel.VocabParallelLMHead(config.hidden_size, config.vocab_size, tp)
         self.backend = None
-        self.quantization: QuantScheme | None = None  # set by model/quantization.py
+        self.quantization: QuantScheme | None = None  # set by model/quantization.py or model/prequantized.py
+        self.checkpoint_quantization: str | None = None  # a pre-quantized checkpoint's quant_method (prequantized.py)
 
     @abstractmethod
     def decoder_layer(self, config: ModelConfig, layer_id: int) -> nn.Module:

@@ -6,13 +6,15 @@ huge-page mapping, ``huge_pages.py``), then each tensor is read from disk, check
 (``weights.check_tensor``) and copied straight into its rows of its (possibly packed) parameter,
 so at most one checkpoint tensor is held beside the model; every expected tensor must appear.
 With tensor parallelism each rank reads only its parts of the tensors (safetensors ``get_slice``).
+A pre-quantized checkpoint (``quantization_config`` in config.json) keeps its quantized projections
+quantized: they are never allocated in full precision but read and repacked by ``prequantized.py``.
 Only safetensors are read: no pickle, no remote code.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -21,6 +23,7 @@ from safetensors import safe_open
 from tokenmill.model import parallel
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.huge_pages import materialize_on_huge_pages
+from tokenmill.model.prequantized import checkpoint_format, plan_prequantized
 from tokenmill.model.registry import load_model_config, model_class
 from tokenmill.model.weights import WeightError, WeightTarget, check_complete, check_tensor, checkpoint_targets
 
@@ -51,14 +54,17 @@ def weight_files(path: str | Path) -> list[Path]:
 
 
 def iter_checkpoint(
-    path: str | Path, targets: dict[str, WeightTarget] | None = None
+    path: str | Path, targets: dict[str, WeightTarget] | None = None, skip: Collection[str] = ()
 ) -> Iterator[tuple[str, torch.Tensor, Path, tuple[int, ...] | None]]:
-    """Yield ``(name, tensor, file, whole_shape)`` for every tensor of the checkpoint, one at a time:
-    the whole tensor (``whole_shape`` None), or for a name of ``targets`` that holds a part of its
-    tensor (tensor parallelism) only that part, read from the file, with the whole tensor's shape."""
+    """Yield ``(name, tensor, file, whole_shape)`` for every tensor of the checkpoint but those in
+    ``skip``, one at a time: the whole tensor (``whole_shape`` None), or for a name of ``targets`` that
+    holds a part of its tensor (tensor parallelism) only that part, read from the file, with the
+    whole tensor's shape."""
     for file in weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():
+                if name in skip:
+                    continue
                 target = None if targets is None else targets.get(name)
                 if target is not None and target.part is not None:
                     stored = handle.get_slice(name)
@@ -100,13 +106,18 @@ def load_model(
     """Build the model described by ``path/config.json`` and load its safetensors weights (with
     tensor parallelism ``tp``: this rank's shards, read from the files part by part)."""
     config = load_model_config(path)
-    weight_files(path)  # fail on a missing checkpoint before allocating the model
+    files = weight_files(path)  # fail on a missing checkpoint before allocating the model
+    fmt = checkpoint_format(path)
     with torch.device("meta"), parallel.building(tp):
         model = model_class(config.architecture)(config)
     model = model.to(dtype)
+    plan = None if fmt is None else plan_prequantized(model, fmt, files)  # drops the quantized weights
     model = materialize_on_huge_pages(model) if torch.device(device).type == "cpu" else model.to_empty(device=device)
     model.build_rotary(device)
     targets = checkpoint_targets(model)
-    tensors = ((name, tensor, str(file), shape) for name, tensor, file, shape in iter_checkpoint(path, targets))
+    skip = set() if plan is None else plan.tensor_names
+    tensors = ((name, tensor, str(file), shape) for name, tensor, file, shape in iter_checkpoint(path, targets, skip))
     load_weights(model, tensors, targets)
+    if plan is not None:
+        plan.load(model)
     return model.eval()

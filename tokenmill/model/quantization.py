@@ -48,29 +48,38 @@ def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
     shape is checked before any is changed (see :func:`_fitting_projections`)."""
     targets = _fitting_projections(model.model.layers, scheme, Linear)
     before = model.weight_bytes()
-    parameter = next(model.parameters())
-    int8_activations = parameter.device.type == "cpu" and parameter.dtype == torch.bfloat16 and int8_dot_products()
-    kernels: Counter[str] = Counter()
     for module in targets:
-        panels = int8_activations and module.out_features % PANEL == 0
-        module.quantize_(scheme, panels=panels)
-        kernels[f"{module.out_features}x{module.in_features} {_kernel_description(panels)}"] += 1
+        module.quantize_(scheme, panels=keeps_panels(model, module))
     model.quantization = scheme
-    if parameter.device.type == "cpu":
+    if next(model.parameters()).device.type == "cpu":
         move_to_huge_pages([*model.parameters(), *model.buffers()])
     logger.info(
-        "quantized %d projections to %s: weights %.1f -> %.1f MB; kernels per shape (N x K): %s",
+        "quantized %d projections to %s: weights %.1f -> %.1f MB; %s",
         len(targets),
         scheme.name,
         before / 2**20,
         model.weight_bytes() / 2**20,
-        "; ".join(f"{count} x {shape}" for shape, count in sorted(kernels.items())),
+        kernels_per_shape(targets),
     )
     return len(targets)
 
 
+def keeps_panels(model: CausalLM, module: Linear) -> bool:
+    """Whether ``module`` of ``model`` (on its device and in its dtype) is kept in the panels layout:
+    a bf16 model on a CPU with the int8 kernel, an output width that is a multiple of 16."""
+    parameter = next(model.parameters())
+    on_cpu_in_bf16 = parameter.device.type == "cpu" and parameter.dtype == torch.bfloat16
+    return on_cpu_in_bf16 and module.out_features % PANEL == 0 and int8_dot_products()
+
+
+def kernels_per_shape(modules: list[Linear]) -> str:
+    """Which kernel each shape of the quantized ``modules`` runs, for the start-up log."""
+    counts = Counter(f"{m.out_features}x{m.in_features}: {_kernel_description(m.qweight.dim() == 3)}" for m in modules)
+    return "kernels per shape (N x K): " + "; ".join(f"{n} x {shape}" for shape, n in sorted(counts.items()))
+
+
 def _kernel_description(panels: bool) -> str:
-    """How a quantized projection's products run, for the start-up log."""
+    """How a quantized projection's products run."""
     if panels:
         return "panels layout: int8 activations x packed weight, any rows (AVX512-VNNI, quant_int8_dot.cpp)"
     return f"rows layout: fp32 streaming (quant_linear.cpp) up to {STREAM_MAX_ROWS} rows, dequantized + oneDNN beyond"

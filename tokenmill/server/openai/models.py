@@ -19,6 +19,7 @@ async def list_models(state: State) -> dict[str, Any]:
         "created": state.started,
         "owned_by": "tokenmill",
         "max_model_len": state.engine.max_context_len,
-        "quantization": state.engine.config.quantization,  # None, "int8" or "int4"
+        # None, "int8" or "int4" (quantized at load), or a pre-quantized checkpoint's method ("awq", ...)
+        "quantization": state.engine.config.quantization or state.engine.model.checkpoint_quantization,
     }
     return {"object": "list", "data": [model]}
