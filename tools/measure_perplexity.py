@@ -4,11 +4,12 @@ Loads the model folder with ``transformers`` (local files only), scores every he
 token in non-overlapping windows, and compares against an add-one smoothed unigram
 baseline estimated from the training files' tokens. The model card numbers come from here.
 
-With ``--quantization int8|int4`` every decoder projection the engine would quantize is replaced by
-its quantized-then-dequantized value first (``tokenmill.model.quantization.fake_quantize_projections``:
-the numbers a model loaded with that ``quantization`` computes), which measures the quantization error.
+With ``--quantization int8|int4`` every projection the engine would quantize is replaced by its
+quantized-then-dequantized value first (``tokenmill.model.quantization.fake_quantize_model``: the
+numbers a model loaded with that ``quantization`` computes), which measures the quantization error;
+``--int8-activations`` also quantizes each one's input as the panels layout (bf16 on a VNNI CPU) does.
 
-Usage: ``python tools/measure_perplexity.py [--model-dir PATH] [--quantization int8|int4]``
+Usage: ``python tools/measure_perplexity.py [--model-dir PATH] [--quantization int8|int4] [--int8-activations]``
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from corpus import load_split, pack_stream, stream_windows
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tokenmill.config import EngineConfig
-from tokenmill.model.quantization import fake_quantize_projections, quantization_scheme
+from tokenmill.model.quantization import fake_quantize_model, quantization_scheme
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "tokenmill" / "assets" / "default-model"
 
@@ -42,14 +43,18 @@ def model_nll(model: torch.nn.Module, windows: list[torch.Tensor], batch_size: i
 
 
 def measure(
-    model_dir: Path, seq_len: int = 256, batch_size: int = 8, quantization: str | None = None
+    model_dir: Path,
+    seq_len: int = 256,
+    batch_size: int = 8,
+    quantization: str | None = None,
+    int8_activations: bool = False,
 ) -> dict[str, float]:
     """Return model and unigram-baseline perplexities on the held-out files (the model's weights as
-    ``quantization`` leaves them, if given)."""
+    ``quantization`` leaves them, if given, and with ``int8_activations`` their inputs too)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
     scheme = quantization_scheme(EngineConfig(quantization=quantization))
-    quantized = 0 if scheme is None else fake_quantize_projections(model.model.layers, scheme)
+    quantized = 0 if scheme is None else fake_quantize_model(model, scheme, int8_activations)
     vocab_size = model.config.vocab_size
     eos_id = tokenizer.eos_token_id
     train_texts, val_texts = load_split()
@@ -82,10 +87,14 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quantization", choices=("int8", "int4"), default=None)
+    parser.add_argument("--int8-activations", action="store_true", help="also quantize the projections' inputs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    result = measure(args.model_dir, args.seq_len, quantization=args.quantization)
-    print(f"quantized projections:    {result['quantized_projections']} ({args.quantization or 'none'})")
+    result = measure(
+        args.model_dir, args.seq_len, quantization=args.quantization, int8_activations=args.int8_activations
+    )
+    activations = ", int8 activations" if args.int8_activations else ""
+    print(f"quantized modules:        {result['quantized_projections']} ({args.quantization or 'none'}{activations})")
     print(f"held-out tokens:          {result['tokens']:,} ({args.seq_len}-token windows)")
     print(f"model perplexity:         {result['model_ppl']:.3f}")
     print(f"unigram perplexity:       {result['unigram_ppl']:.3f}")

@@ -15,7 +15,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.quant_format import QuantScheme
 from tokenmill.kernels.quant_linear import int8_dot_products
 from tokenmill.model.loader import load_model
-from tokenmill.model.quantization import fake_quantize_projections, quantize_model
+from tokenmill.model.quantization import LM_HEAD_SCHEME, fake_quantize_model, quantize_model
 from tokenmill.model.weights import WeightError
 
 CASES = {
@@ -37,7 +37,9 @@ def test_quantized_model_matches_transformers_on_the_dequantized_weights(case, s
     model = load_model(tmp_path, torch.float32, "cpu")
     n_quantized = quantize_model(model, scheme)
     assert n_quantized > 0 and model.quantization == scheme
-    fake_quantize_projections(hf_model.model.layers, scheme)
+    head = model.lm_head  # untied heads are kept int8 whatever the scheme; a tied one is the embedding table
+    assert head is None if hf_model.config.tie_word_embeddings else head.quantization == LM_HEAD_SCHEME
+    fake_quantize_model(hf_model, scheme)
     prompts = [list(range(3, 3 + n)) for n in PROMPT_LENS]
     logits, tokens = greedy_through_cache(model, prompts)
     for prompt, ours, greedy in zip(prompts, logits, tokens):
@@ -57,8 +59,9 @@ def test_bf16_panels_model_is_as_close_to_its_fp32_oracle_as_transformers_bf16(s
     hf_model = save_tiny_model(tmp_path, "llama").to(torch.bfloat16).float()
     model = load_model(tmp_path, torch.bfloat16, "cpu")
     quantize_model(model, scheme)
-    assert all(m.qweight.dim() == 3 for m in model.modules() if getattr(m, "quantization", None) and m is not model)
-    fake_quantize_projections(hf_model.model.layers, scheme, int8_activations=True)
+    layers = model.model.layers.modules()
+    assert all(m.qweight.dim() == 3 for m in layers if getattr(m, "quantization", None))  # widths multiples of 16
+    fake_quantize_model(hf_model, scheme, int8_activations=True)
     prompts = [list(range(3, 3 + n)) for n in PROMPT_LENS]
     logits, _ = greedy_through_cache(model, prompts)
     for prompt, ours in zip(prompts, logits):
@@ -75,7 +78,7 @@ def test_engine_generates_what_transformers_does_with_the_dequantized_weights(qu
     hf_model = save_tiny_checkpoint(tmp_path)
     llm = LLM(model=str(tmp_path), dtype="float32", quantization=quantization, max_num_batched_tokens=16)
     scheme = QuantScheme(8) if quantization == "int8" else QuantScheme(4, symmetric=False)  # the engine's
-    fake_quantize_projections(hf_model.model.layers, scheme)
+    fake_quantize_model(hf_model, scheme)
     prompts = [[5, 6, 7], list(range(3, 30))]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 12) for p in prompts]
@@ -94,7 +97,7 @@ def test_tensor_parallel_quantized_equals_transformers(tmp_path: Path) -> None:
         model=str(tmp_path), dtype="float32", quantization="int4", quantization_group_size=32, tensor_parallel_size=2
     )
     try:
-        fake_quantize_projections(hf_model.model.layers, QuantScheme(4, 32, symmetric=False))
+        fake_quantize_model(hf_model, QuantScheme(4, 32, symmetric=False))
         prompts = [[5, 6, 7], list(range(3, 20))]
         outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 8) for p in prompts]
@@ -110,10 +113,10 @@ def test_a_group_size_that_does_not_divide_a_layer_is_refused_before_anything_ch
         quantize_model(model, QuantScheme(4, 64))
     assert model.quantization is None and all(hasattr(layer.mlp.down_proj, "weight") for layer in model.model.layers)
     n_layers = model.config.num_layers
-    assert quantize_model(model, QuantScheme(4)) == 4 * n_layers  # default groups: 96 fits groups of 32
+    assert quantize_model(model, QuantScheme(4)) == 4 * n_layers + 1  # default groups: 96 fits groups of 32; + the head
     save_tiny_model(tmp_path / "odd", "llama", intermediate_size=80)  # 80 is no multiple of 32
     odd = load_model(tmp_path / "odd", torch.float32, "cpu")
-    assert quantize_model(odd, QuantScheme(8)) == 3 * n_layers
+    assert quantize_model(odd, QuantScheme(8)) == 3 * n_layers + 1
     assert all(hasattr(layer.mlp.down_proj, "weight") for layer in odd.model.layers)
     assert all(layer.mlp.gate_up_proj.quantization == QuantScheme(8) for layer in odd.model.layers)
     with pytest.raises(ValueError, match="quantization"):

@@ -201,8 +201,11 @@ class CausalLM(nn.Module, ABC):
         return sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()])
 
     @property
-    def lm_head_weight(self) -> nn.Parameter:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def lm_head_weight(self) -> torch.Tensor:
+        """The LM head's weight: the embedding table (tied), the head's, or its packed quantized one."""
+        if self.lm_head is None:
+            return self.model.embed_tokens.weight
+        return self.lm_head.qweight if self.lm_head.quantization is not None else self.lm_head.weight
 
     def cpu_decode_weights(self) -> CpuDecodeWeights | None:
         """The weights of the C++ decode forward, or None when it would not compute this instance

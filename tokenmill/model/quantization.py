@@ -2,10 +2,13 @@
 
 Every :class:`~tokenmill.kernels.linear.Linear` inside the decoder layers (attention and MLP
 projections, packed or tensor-parallel shards alike: rows are quantized independently and groups
-run along this rank's K) keeps its weight quantized from then on; what stays in the checkpoint's
-precision: embeddings, the LM head, norms, MoE routers (modules named ``gate``) and stacked MoE
-experts. On CPU the remaining tensors and the quantized ones are then moved into one fresh
-huge-page mapping, which frees the full-precision projections.
+run along this rank's K) keeps its weight quantized from then on with the scheme asked for; an
+untied LM head (its vocabulary shard, with tensor parallelism) with :data:`LM_HEAD_SCHEME`, int8
+per output channel whatever the scheme (its error goes straight into the logits: 8 bits, as
+llama.cpp's 4-bit files keep their output matrix at 6-8). What stays in the checkpoint's
+precision: embeddings (and so a tied LM head), norms, MoE routers (modules named ``gate``) and
+stacked MoE experts. On CPU the remaining tensors and the quantized ones are then moved into one
+fresh huge-page mapping, which frees the full-precision weights.
 
 The layout (``quant_format``) is chosen per model: a bf16 model on a CPU with the int8 kernel
 (AVX512-VNNI) keeps the projections whose output width is a multiple of 16 in the panels layout
@@ -31,6 +34,8 @@ from tokenmill.model.huge_pages import move_to_huge_pages
 logger = logging.getLogger("tokenmill.model")
 
 LinearT = TypeVar("LinearT", bound=torch.nn.Linear)
+LM_HEAD_SCHEME = QuantScheme(8)
+"""How a quantized model's untied LM head is kept, whatever its projections' scheme."""
 ROUTER_NAME = "gate"
 """The attribute name of an MoE router, which stays unquantized (its scores pick experts)."""
 
@@ -44,12 +49,17 @@ def quantization_scheme(config: EngineConfig) -> QuantScheme | None:
 
 
 def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
-    """Quantize ``model``'s decoder-layer projections with ``scheme``; returns how many. Every layer's
-    shape is checked before any is changed (see :func:`_fitting_projections`)."""
+    """Quantize ``model``'s decoder-layer projections with ``scheme`` and its untied LM head with
+    :data:`LM_HEAD_SCHEME`; returns how many modules. Every layer's shape is checked before any is
+    changed (see :func:`_fitting_projections`)."""
     targets = _fitting_projections(model.model.layers, scheme, Linear)
     before = model.weight_bytes()
     for module in targets:
         module.quantize_(scheme, panels=keeps_panels(model, module))
+    head = _quantizable_head(model.lm_head)
+    if head is not None:
+        head.quantize_(LM_HEAD_SCHEME, panels=keeps_panels(model, head))
+        targets.append(head)
     model.quantization = scheme
     if next(model.parameters()).device.type == "cpu":
         move_to_huge_pages([*model.parameters(), *model.buffers()])
@@ -62,6 +72,18 @@ def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
         kernels_per_shape(targets),
     )
     return len(targets)
+
+
+def _quantizable_head(head: LinearT | None) -> LinearT | None:
+    """``head`` (an untied LM head) if :data:`LM_HEAD_SCHEME` fits its width, else None (logged)."""
+    if head is None:
+        return None
+    try:
+        LM_HEAD_SCHEME.group_for(head.in_features)
+    except ValueError:
+        logger.warning("the LM head keeps its precision (input width %d, no multiple of 32)", head.in_features)
+        return None
+    return head
 
 
 def keeps_panels(model: CausalLM, module: Linear) -> bool:
@@ -85,20 +107,26 @@ def _kernel_description(panels: bool) -> str:
     return f"rows layout: fp32 streaming (quant_linear.cpp) up to {STREAM_MAX_ROWS} rows, dequantized + oneDNN beyond"
 
 
-def fake_quantize_projections(layers: torch.nn.Module, scheme: QuantScheme, int8_activations: bool = False) -> int:
-    """Replace the weight of every ``nn.Linear`` under ``layers`` (a decoder stack of any
-    implementation, e.g. a transformers model's) that :func:`quantize_model` would quantize by its
-    quantized-then-dequantized value; returns how many. Rows quantize independently, so separate
-    q/k/v (gate/up) weights give what tokenmill's packed ones give: the model then computes what a
-    quantized tokenmill model does (for measuring the quantization error, e.g. perplexity, with any
-    framework). With ``int8_activations`` each of them also quantizes its input as the panels
-    layout's kernel does (a forward pre-hook: ``fake_quantize_activations`` per ``activation_block``)."""
-    targets = _fitting_projections(layers, scheme, torch.nn.Linear)
-    for module in targets:
+def fake_quantize_model(model: torch.nn.Module, scheme: QuantScheme, int8_activations: bool = False) -> int:
+    """Make a transformers causal LM (``model.model.layers``, ``get_output_embeddings()``) compute
+    what a tokenmill model quantized with ``scheme`` does; returns how many modules changed. Each
+    ``nn.Linear`` :func:`quantize_model` would quantize (the decoder projections; the LM head with
+    :data:`LM_HEAD_SCHEME` unless it is the embedding table) gets its quantized-then-dequantized
+    weight. Rows quantize independently, so separate q/k/v (gate/up) weights give what tokenmill's
+    packed ones give (for measuring the quantization error, e.g. perplexity, with any framework).
+    With ``int8_activations`` each of them also quantizes its input as the panels layout's kernel
+    does (a forward pre-hook: ``fake_quantize_activations`` per ``activation_block``)."""
+    targets = [(module, scheme) for module in _fitting_projections(model.model.layers, scheme, torch.nn.Linear)]
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is not model.get_input_embeddings().weight:
+        head = _quantizable_head(head)
+        if head is not None:
+            targets.append((head, LM_HEAD_SCHEME))
+    for module, module_scheme in targets:
         with torch.no_grad():
-            module.weight.copy_(dequantize(quantize(module.weight, scheme)))
+            module.weight.copy_(dequantize(quantize(module.weight, module_scheme)))
         if int8_activations:
-            block = activation_block(scheme.group_for(module.in_features), module.in_features)
+            block = activation_block(module_scheme.group_for(module.in_features), module.in_features)
             module.register_forward_pre_hook(
                 lambda _, args, block=block: (fake_quantize_activations(args[0], block).to(args[0].dtype),)
             )
