@@ -2,7 +2,8 @@
 
 A random model of a preset's shape (default SmolLM2-135M's: 30 layers, hidden 576) runs at the
 default dtype unquantized and with each ``--quantization``: batch-1 decode (a 16-token prompt, 64
-output tokens; the median ms/token of ``--repeats`` runs after a warm-up) and throughput on the
+output tokens; the median ms/token of ``--repeats`` runs after a warm-up), prefill (8 prompts of
+512 tokens, one output token each: prompt tokens/s, median of ``--repeats``) and throughput on the
 reference workload generator (``--num-prompts`` requests, greedy, ``ignore_eos``). Ratios are
 against the unquantized run.
 
@@ -16,8 +17,12 @@ import json
 import statistics
 import time
 
+import torch
+
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.workload import PRESETS, make_random_model, make_workload
+
+PREFILL_PROMPTS, PREFILL_LEN = 8, 512
 
 
 def measure(model: str, quantization: str | None, args: argparse.Namespace) -> dict[str, float]:
@@ -31,6 +36,14 @@ def measure(model: str, quantization: str | None, args: argparse.Namespace) -> d
             llm.generate([[7] * 16], single, use_tqdm=False)
             per_token.append((time.perf_counter() - started) / 64 * 1e3)
         vocab = llm.engine.worker.model.config.vocab_size
+        first = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
+        prefill = []
+        for repeat in range(args.repeats):  # fresh prompts each time: no prefix-cache hits
+            generator = torch.Generator().manual_seed(repeat)
+            prompts = torch.randint(1, vocab, (PREFILL_PROMPTS, PREFILL_LEN), generator=generator).tolist()
+            started = time.perf_counter()
+            llm.generate(prompts, first, use_tqdm=False)
+            prefill.append(PREFILL_PROMPTS * PREFILL_LEN / (time.perf_counter() - started))
         workload = make_workload(args.num_prompts, (64, 511), (128, 128), vocab_size=vocab)
         params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in workload.output_lens]
         started = time.perf_counter()
@@ -40,6 +53,7 @@ def measure(model: str, quantization: str | None, args: argparse.Namespace) -> d
         llm.shutdown()
     return {
         "batch1_ms_per_token": round(statistics.median(per_token), 2),
+        "prefill_tok_s": round(statistics.median(prefill), 1),
         "output_tok_s": round(workload.n_output_tokens / seconds, 1),
     }
 
@@ -62,6 +76,7 @@ def main() -> None:
         "ratios": {
             name: {
                 "batch1_time": round(r["batch1_ms_per_token"] / base["batch1_ms_per_token"], 3),
+                "prefill": round(r["prefill_tok_s"] / base["prefill_tok_s"], 3),
                 "throughput": round(r["output_tok_s"] / base["output_tok_s"], 3),
             }
             for name, r in results.items()

@@ -126,12 +126,13 @@ def test_a_quantized_linear_holds_only_the_quantized_bytes_and_computes_with_the
 @pytest.mark.parametrize("bits", [8, 4])
 def test_panels_put_a_panels_quad_in_one_vector_and_round_trip(bits: int) -> None:
     """Lane r of panel p's quad t holds row 16 p + r's values 4 t .. 4 t + 3 (int4: bytes 4 r + i of
-    the 32 hold lane r in the low nibble and lane 8 + r in the high one); scales go to [K / g, N]."""
+    the 32 hold lane r in the low nibble and lane 8 + r in the high one); scales go to [N / 16, K / g, 16]."""
     torch.manual_seed(bits)
     tensors = quantize(torch.randn(48, 128), QuantScheme(bits, 32, symmetric=bits == 8))
     panels = to_panels(tensors)
     values = tensors.qweight if bits == 8 else unpack_int4(tensors.qweight)
-    assert panels.panels and panels.shape == (48, 128) and panels.scale.shape == (4, 48)
+    assert panels.panels and panels.shape == (48, 128) and panels.scale.shape == (3, 4, 16)
+    assert panels.scale[1, 2, 5] == tensors.scale[16 + 5, 2]
     assert panels.qweight.shape == (3, 32, 64 if bits == 8 else 32)
     for p, t, r, i in [(0, 0, 0, 0), (1, 5, 3, 2), (2, 31, 15, 3), (2, 7, 9, 1)]:
         value = values[16 * p + r, 4 * t + i]

@@ -17,7 +17,8 @@ That is the *rows* layout. The *panels* layout (:func:`to_panels`; needs N a mul
 the same values for the int8-activation kernel: ``qweight`` 3-D ``[N / 16, K / 4, 64 | 32]``, per
 panel of 16 rows and quad of 4 values along K the 64 bytes of one 16-lane int32 vector (lane ``r``:
 row ``r``'s 4 values; int4 in 32 bytes, byte ``b``'s low nibble lane ``b // 4``, its high nibble
-lane ``8 + b // 4``), and ``scale``/``min`` transposed to ``[K / group_size, N]``.
+lane ``8 + b // 4``), and ``scale``/``min`` ``[N / 16, K / group_size, 16]`` (a panel's scales, group
+after group, one stream beside its weights).
 """
 
 from __future__ import annotations
@@ -162,8 +163,8 @@ def to_panels(tensors: QuantizedTensors) -> QuantizedTensors:
         quads = quads[:, :, : PANEL // 2] | (quads[:, :, PANEL // 2 :] << 4)
     return QuantizedTensors(
         quads.reshape(n // PANEL, k // 4, -1).contiguous(),
-        tensors.scale.T.contiguous(),
-        None if tensors.min is None else tensors.min.T.contiguous(),
+        _panel_major(tensors.scale),
+        None if tensors.min is None else _panel_major(tensors.min),
         tensors.bits,
         tensors.group,
     )
@@ -178,11 +179,23 @@ def from_panels(tensors: QuantizedTensors) -> QuantizedTensors:
     values = quads.transpose(1, 2).reshape(n, k)
     return QuantizedTensors(
         values.contiguous() if tensors.bits == 8 else pack_int4(values),
-        tensors.scale.T.contiguous(),
-        None if tensors.min is None else tensors.min.T.contiguous(),
+        _row_major(tensors.scale),
+        None if tensors.min is None else _row_major(tensors.min),
         tensors.bits,
         tensors.group,
     )
+
+
+def _panel_major(per_row: torch.Tensor) -> torch.Tensor:
+    """Scales ``[N, G]`` as the panels layout keeps them: ``[N / 16, G, 16]``."""
+    n, groups = per_row.shape
+    return per_row.reshape(n // PANEL, PANEL, groups).transpose(1, 2).contiguous()
+
+
+def _row_major(per_panel: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_panel_major`."""
+    panels, groups, _ = per_panel.shape
+    return per_panel.transpose(1, 2).reshape(panels * PANEL, groups).contiguous()
 
 
 def _nonzero(scale: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,11 @@ for ``W [N, K]`` (out, in) quantized to signed ``v`` with scale ``s`` and zero p
 So int4 maps to tokenmill's ``q = v + 8`` with zero ``zp + 8``, int8 to ``q = v`` (symmetric only).
 The ``config_groups`` (``targets``: ``"Linear"``, a module name or ``"re:<regex>"``) give each
 projection its arguments; which projections are quantized is read from the tensors (``ignore``d
-ones are stored as plain weights). Activation quantization (W8A8's ``input_activations``, and any
-``input_scale`` tensors) is not applied: tokenmill computes weight-only, activations stay in the
-model's dtype.
+ones are stored as plain weights). The config's activation quantization (W8A8's
+``input_activations``, and any ``input_scale`` tensors) is not read: the projections compute as
+every quantized one does, i.e. in the panels layout (bf16 on a VNNI CPU) with activations quantized
+to int8 dynamically per block of each row (``kernels/quant_linear.py``), else with activations in
+the model's dtype.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@
 #endif
 
 #include "quant_packed.h"
+#include "simd.h"
 
 namespace tokenmill_quant {
 
@@ -51,7 +52,8 @@ struct QuantizedRows {
   int64_t block, blocks_per_row;
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t m_rows, int64_t k_dim, int64_t block) {
+template <typename In>
+QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t block) {
   QuantizedRows a;
   a.block = block;
   a.blocks_per_row = k_dim / block;
@@ -60,15 +62,15 @@ QuantizedRows quantize_rows(const float* x, int64_t m_rows, int64_t k_dim, int64
   a.q_sum.resize(a.scale.size());
   at::parallel_for(0, m_rows * a.blocks_per_row, 256, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const float* xb = x + b * block;  // rows are contiguous: block b of the whole [M, K]
+      const In* xb = x + b * block;  // rows are contiguous: block b of the whole [M, K]
       __m512 absmax = _mm512_setzero_ps();
-      for (int64_t k = 0; k < block; k += 16) absmax = _mm512_max_ps(absmax, _mm512_abs_ps(_mm512_loadu_ps(xb + k)));
+      for (int64_t k = 0; k < block; k += 16) absmax = _mm512_max_ps(absmax, _mm512_abs_ps(tokenmill_simd::load16(xb + k)));
       const float scale = _mm512_reduce_max_ps(absmax) / 127.f;
       const __m512 divisor = _mm512_set1_ps(scale == 0.f ? 1.f : scale);
       __m512i q_total = _mm512_setzero_si512();
       for (int64_t k = 0; k < block; k += 16) {
         // IEEE division and the default rounding (to nearest, ties to even), as torch.round(x / scale)
-        const __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xb + k), divisor));
+        const __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(tokenmill_simd::load16(xb + k), divisor));
         q_total = _mm512_add_epi32(q_total, q);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + b * block + k), _mm512_cvtepi32_epi8(q));
       }
@@ -88,9 +90,9 @@ __attribute__((always_inline)) inline __m512i panel_quad(const Packed& p, int64_
   return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
-// y[m0 + m, 16 panel0 ...) for kRows rows of x and kPanels panels.
-template <int kRows, int kPanels>
-void panel_tile(const Packed& p, const QuantizedRows& a, int64_t m0, int64_t panel0, float* y) {
+// y[m0 + m, 16 panel0 ...) (+ bias, if not null) for kRows rows of x and kPanels panels.
+template <int kRows, int kPanels, typename Out>
+void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m0, int64_t panel0, Out* y) {
   __m512 acc[kRows][kPanels];
   for (int m = 0; m < kRows; ++m) {
     for (int j = 0; j < kPanels; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -114,8 +116,9 @@ void panel_tile(const Packed& p, const QuantizedRows& a, int64_t m0, int64_t pan
     const int64_t g = p.groups_per_row == 1 ? 0 : b / blocks_per_group;
     __m512 w_scale[kPanels], w_min[kPanels];
     for (int j = 0; j < kPanels; ++j) {
-      w_scale[j] = _mm512_loadu_ps(p.scale + g * p.n_out + (panel0 + j) * kPanel);
-      if (p.min != nullptr) w_min[j] = _mm512_loadu_ps(p.min + g * p.n_out + (panel0 + j) * kPanel);
+      const int64_t at = ((panel0 + j) * p.groups_per_row + g) * kPanel;
+      w_scale[j] = _mm512_loadu_ps(p.scale + at);
+      if (p.min != nullptr) w_min[j] = _mm512_loadu_ps(p.min + at);
     }
 #pragma GCC unroll 6
     for (int m = 0; m < kRows; ++m) {
@@ -133,31 +136,31 @@ void panel_tile(const Packed& p, const QuantizedRows& a, int64_t m0, int64_t pan
       }
     }
   }
-  for (int m = 0; m < kRows; ++m) {
-    for (int j = 0; j < kPanels; ++j) _mm512_storeu_ps(y + (m0 + m) * p.n_out + (panel0 + j) * kPanel, acc[m][j]);
+  for (int j = 0; j < kPanels; ++j) {
+    const int64_t n0 = (panel0 + j) * kPanel;
+    const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < kRows; ++m) tokenmill_simd::store16(y + (m0 + m) * p.n_out + n0, _mm512_add_ps(acc[m][j], b));
   }
 }
 
 // Rows [m_begin, m_end) of x against kPanels panels from panel0, kTileRows rows at a time.
-template <int kPanels>
-void panel_rows(const Packed& p, const QuantizedRows& a, int64_t m_begin, int64_t m_end, int64_t panel0, float* y) {
+template <int kPanels, typename Out>
+void panel_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m_begin, int64_t m_end,
+                int64_t panel0, Out* y) {
   int64_t m0 = m_begin;
-  for (; m0 + kTileRows <= m_end; m0 += kTileRows) panel_tile<kTileRows, kPanels>(p, a, m0, panel0, y);
+  for (; m0 + kTileRows <= m_end; m0 += kTileRows) panel_tile<kTileRows, kPanels>(p, a, bias, m0, panel0, y);
   switch (m_end - m0) {
-    case 5: panel_tile<5, kPanels>(p, a, m0, panel0, y); break;
-    case 4: panel_tile<4, kPanels>(p, a, m0, panel0, y); break;
-    case 3: panel_tile<3, kPanels>(p, a, m0, panel0, y); break;
-    case 2: panel_tile<2, kPanels>(p, a, m0, panel0, y); break;
-    case 1: panel_tile<1, kPanels>(p, a, m0, panel0, y); break;
+    case 5: panel_tile<5, kPanels>(p, a, bias, m0, panel0, y); break;
+    case 4: panel_tile<4, kPanels>(p, a, bias, m0, panel0, y); break;
+    case 3: panel_tile<3, kPanels>(p, a, bias, m0, panel0, y); break;
+    case 2: panel_tile<2, kPanels>(p, a, bias, m0, panel0, y); break;
+    case 1: panel_tile<1, kPanels>(p, a, bias, m0, panel0, y); break;
     default: break;
   }
 }
 
-}  // namespace
-
-bool int8_dot_available() { return true; }
-
-void int8_dot_product(const Packed& p, const float* x, int64_t m_rows, float* y) {
+template <typename T>
+void product(const Packed& p, const T* x, int64_t m_rows, const float* bias, T* y) {
   const QuantizedRows a = quantize_rows(x, m_rows, p.k_dim, activation_block(p.group, p.k_dim));
   const int64_t n_panels = p.n_out / kPanel;
   for (int64_t m_begin = 0; m_begin < m_rows; m_begin += kChunkRows) {
@@ -166,20 +169,37 @@ void int8_dot_product(const Packed& p, const float* x, int64_t m_rows, float* y)
       for (int64_t item = begin; item < end; ++item) {
         const int64_t panel0 = item * kTilePanels;
         if (panel0 + kTilePanels <= n_panels) {
-          panel_rows<kTilePanels>(p, a, m_begin, m_end, panel0, y);
+          panel_rows<kTilePanels>(p, a, bias, m_begin, m_end, panel0, y);
         } else {
-          panel_rows<1>(p, a, m_begin, m_end, panel0, y);
+          panel_rows<1>(p, a, bias, m_begin, m_end, panel0, y);
         }
       }
     });
   }
 }
 
+}  // namespace
+
+bool int8_dot_available() { return true; }
+
+void int8_dot_product(const Packed& p, const float* x, int64_t m_rows, const float* bias, float* y) {
+  product(p, x, m_rows, bias, y);
+}
+
+void int8_dot_product(const Packed& p, const tokenmill_simd::bf16_t* x, int64_t m_rows, const float* bias,
+                      tokenmill_simd::bf16_t* y) {
+  product(p, x, m_rows, bias, y);
+}
+
 #else
 
 bool int8_dot_available() { return false; }
 
-void int8_dot_product(const Packed&, const float*, int64_t, float*) {
+void int8_dot_product(const Packed&, const float*, int64_t, const float*, float*) {
+  TORCH_CHECK(false, "int8 dot products need AVX512-VNNI (with AVX512-VL/BW)");
+}
+
+void int8_dot_product(const Packed&, const tokenmill_simd::bf16_t*, int64_t, const float*, tokenmill_simd::bf16_t*) {
   TORCH_CHECK(false, "int8 dot products need AVX512-VNNI (with AVX512-VL/BW)");
 }
 

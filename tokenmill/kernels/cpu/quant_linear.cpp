@@ -248,15 +248,25 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
     const at::Tensor w = dequantize_weight(qweight, scale, min, bits, group, x.scalar_type());
     return at::linear(x, w, bias.has_value() && bias->defined() ? *bias : at::Tensor());
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({m_rows, p.n_out}, xf.options());
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) TORCH_CHECK(bias->numel() == p.n_out, "bias must have ", p.n_out, " values");
   if (p.panels) {
     TORCH_CHECK(tokenmill_quant::int8_dot_available(), "the panels layout needs AVX512-VNNI; this CPU has none");
-    tokenmill_quant::int8_dot_product(p, xf.data_ptr<float>(), m_rows, out.data_ptr<float>());
-  } else {
-    fp32_product(p, xf.data_ptr<float>(), m_rows, out.data_ptr<float>());
+    const at::Tensor rows = x.contiguous(), bias_f = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    const float* b = has_bias ? bias_f.data_ptr<float>() : nullptr;
+    at::Tensor out = at::empty({m_rows, p.n_out}, x.options());
+    if (x.scalar_type() == at::kFloat) {
+      tokenmill_quant::int8_dot_product(p, rows.data_ptr<float>(), m_rows, b, out.data_ptr<float>());
+    } else {
+      tokenmill_quant::int8_dot_product(p, reinterpret_cast<const bf16_t*>(rows.data_ptr()), m_rows, b,
+                                        reinterpret_cast<bf16_t*>(out.data_ptr()));
+    }
+    return out;
   }
-  if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({m_rows, p.n_out}, xf.options());
+  fp32_product(p, xf.data_ptr<float>(), m_rows, out.data_ptr<float>());
+  if (has_bias) out.add_(bias->to(at::kFloat));
   return out.to(x.scalar_type());
 }
 

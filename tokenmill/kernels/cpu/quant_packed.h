@@ -6,7 +6,8 @@
 //   panels layout, qweight 3-D [N / 16, K / 4, 64 | 32]: each panel of 16 weight rows, per quad of
 //     4 values along K, as the 64 bytes of one 16-lane int32 vector (lane r: row r's 4 values;
 //     int8: the signed values; int4: 32 bytes, byte b's low nibble the value of lane b / 4 and its
-//     high nibble that of lane 8 + b / 4, same k); scale/min [K / group, N].
+//     high nibble that of lane 8 + b / 4, same k); scale/min [N / 16, K / group, 16] (a panel's
+//     scales group after group).
 // Shared by quant_linear.cpp (fp32 products on the rows layout, dequantization, the op) and
 // quant_int8_dot.cpp (products on the panels layout with activations quantized to int8).
 #pragma once
@@ -14,6 +15,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+
+#include "simd.h"
 
 namespace tokenmill_quant {
 
@@ -53,11 +56,14 @@ bool int8_dot_available();
 // group when it is at most 128, else the largest of 128, 64, 32 dividing K.
 int64_t activation_block(int64_t group, int64_t k_dim);
 
-// y [M, N] (fp32) = x [M, K] (fp32) @ w^T for a panels-layout weight, with x first quantized to
-// int8 per block of activation_block values of a row (symmetric: scale = absmax / 127, q =
-// round-half-even(x / scale), an all-zero block has scale 0), then integer dot products per block
-// scaled in fp32: the fp32 product of the dequantized x with the dequantized weight, up to
-// summation order. Only where int8_dot_available().
-void int8_dot_product(const Packed& p, const float* x, int64_t m_rows, float* y);
+// y [M, N] = x [M, K] @ w^T (+ bias [N], if not null) for a panels-layout weight, x and y fp32 or
+// both bf16, with x first quantized to int8 per block of activation_block values of a row
+// (symmetric: scale = absmax / 127, q = round-half-even(x / scale), an all-zero block has scale
+// 0), then integer dot products per block scaled in fp32: the fp32 product of the dequantized x
+// with the dequantized weight, up to summation order, plus the bias, rounded once to y's dtype
+// (bf16: to nearest even). Only where int8_dot_available().
+void int8_dot_product(const Packed& p, const float* x, int64_t m_rows, const float* bias, float* y);
+void int8_dot_product(const Packed& p, const tokenmill_simd::bf16_t* x, int64_t m_rows, const float* bias,
+                      tokenmill_simd::bf16_t* y);
 
 }  // namespace tokenmill_quant
