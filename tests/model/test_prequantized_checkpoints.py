@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from tests.model.test_parity import PROMPT_LENS, greedy_through_cache, hf_reference
 from tests.tiny_models import hf_greedy, save_tiny_checkpoint, save_tiny_model
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.quant_linear import int8_dot_products
 from tokenmill.model.config import ModelConfigError
 from tokenmill.model.loader import load_model
 from tokenmill.model.weights import WeightError
@@ -187,6 +188,22 @@ def test_prequantized_checkpoint_matches_transformers_on_its_dequantized_weights
         hf_logits, hf_tokens = hf_reference(hf_model, prompt)
         torch.testing.assert_close(ours, hf_logits, rtol=1e-4, atol=1e-4)
         assert greedy == hf_tokens
+
+
+@pytest.mark.skipif(not int8_dot_products(), reason="needs AVX512-VNNI (the panels layout's int8 kernel)")
+def test_bf16_prequantized_checkpoint_takes_the_panels_layout(tmp_path: Path) -> None:
+    """In bf16 on a VNNI CPU a checkpoint's projections are repacked to the panels layout (int8
+    activations), as quantizing at load does: the logits stay within bf16-and-int8-activation
+    distance of the fp32 rows-layout model's (a packing error would be far off)."""
+    quantizer, config = CASES["awq_g32"]
+    quantize_checkpoint(tmp_path, save_tiny_model(tmp_path, "llama"), quantizer, config)
+    bf16, fp32 = load_model(tmp_path, torch.bfloat16, "cpu"), load_model(tmp_path, torch.float32, "cpu")
+    assert (
+        bf16.model.layers[0].mlp.down_proj.qweight.dim() == 3 and fp32.model.layers[0].mlp.down_proj.qweight.dim() == 2
+    )
+    prompts = [list(range(3, 3 + n)) for n in PROMPT_LENS]
+    for ours, reference in zip(greedy_through_cache(bf16, prompts)[0], greedy_through_cache(fp32, prompts)[0]):
+        torch.testing.assert_close(ours.float(), reference, rtol=0.05, atol=0.05 * reference.abs().max().item())
 
 
 def test_engine_generates_what_transformers_does_and_refuses_updates(tmp_path: Path) -> None:
