@@ -127,7 +127,7 @@ def neighbour_runs(model: str, work_file: str) -> dict:
     from tokenmill.bench.workload import make_random_model
 
     small = str(make_random_model(preset="smollm2-135m-shape"))
-    batch1 = write_work([list(range(100, 116))] * 2, [64] * 2)  # the runners warm up on the first two
+    batch1 = write_work([list(range(100, 116))], [64])  # one request: warm-up, then the timed run
     engines, runs = ("vllm", "tokenmill"), {}
     for busy in (0, ARGS.neighbours):
         with neighbours(busy):
