@@ -72,8 +72,8 @@ class EngineConfig:
         None,
         'Keep the linear projections of the decoder layers quantized in memory: "int8" (symmetric), '
         '"int4" (asymmetric, scale and min per group); None keeps the checkpoint\'s precision. '
-        "An untied LM head is kept int8; embeddings (a tied head), MoE routers and experts stay "
-        "unquantized. A quantized model refuses "
+        "MoE experts too; an untied LM head is kept int8; embeddings (a tied head) and MoE routers "
+        "stay unquantized. A quantized model refuses "
         "weight updates. A pre-quantized checkpoint (AWQ, GPTQ, compressed-tensors) loads quantized as "
         "published: leave this None for it.",
         section="model",

@@ -15,6 +15,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.quant_format import QuantScheme
 from tokenmill.kernels.quant_linear import int8_dot_products
 from tokenmill.model.loader import load_model
+from tokenmill.model.moe import Experts
 from tokenmill.model.quantization import LM_HEAD_SCHEME, fake_quantize_model, quantize_model
 from tokenmill.model.weights import WeightError
 
@@ -37,6 +38,7 @@ def test_quantized_model_matches_transformers_on_the_dequantized_weights(case, s
     model = load_model(tmp_path, torch.float32, "cpu")
     n_quantized = quantize_model(model, scheme)
     assert n_quantized > 0 and model.quantization == scheme
+    assert all(m.quantized is not None for m in model.modules() if isinstance(m, Experts))  # MoE experts too
     head = model.lm_head  # untied heads are kept int8 whatever the scheme; a tied one is the embedding table
     assert head is None if hf_model.config.tie_word_embeddings else head.quantization == LM_HEAD_SCHEME
     fake_quantize_model(hf_model, scheme)

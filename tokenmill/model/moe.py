@@ -11,12 +11,14 @@ tokens.
 
 The experts' weights are stacked (``gate_up_proj`` ``[E, 2I, hidden]``, gate rows first;
 ``down_proj`` ``[E, hidden, I]``) and load from per-expert checkpoint tensors, whose names the
-family gives (:class:`ExpertNames`) and :meth:`Experts.checkpoint_shards` lists.
+family gives (:class:`ExpertNames`) and :meth:`Experts.checkpoint_shards` lists. Quantizing them
+(:meth:`Experts.quantize_`) replaces the stacks by one quantized ``Linear`` per expert projection.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -24,6 +26,7 @@ from torch import nn
 
 from tokenmill.kernels.fused import silu_and_mul
 from tokenmill.kernels.linear import BlockedCopy, Linear, blocked_linear
+from tokenmill.kernels.quant_format import QuantScheme, quantize
 from tokenmill.model import parallel
 from tokenmill.model.config import ModelConfigError, MoEConfig
 
@@ -64,9 +67,40 @@ class Experts(nn.Module, CheckpointShards):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
         self.sharded = tp.size > 1
+        self.num_experts = num_experts
+        self.hidden = hidden
         self.intermediate = intermediate
         self.names = names
         self._blocked = [(BlockedCopy(), BlockedCopy()) for _ in range(num_experts)]  # gate_up, down
+        self.quantized: nn.ModuleList | None = None  # per expert: its gate/up and down Linear, once quantized
+
+    @property
+    def shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``(N, K)`` of each expert's gate/up and down projections (this rank's)."""
+        width = self.width.stop - self.width.start
+        return (2 * width, self.hidden), (self.hidden, width)
+
+    def quantize_(self, scheme: QuantScheme, panels: Callable[[Linear], bool]) -> list[Linear]:
+        """Keep every expert's projections quantized with ``scheme`` from now on, each as a quantized
+        :class:`Linear` (in the panels layout where ``panels`` says so); the stacked parameters are
+        dropped. Returns the new layers. Raises ValueError, changing nothing, unless the scheme's
+        groups fit both projections' K (see ``QuantScheme.group_for``)."""
+        for _, k in self.shapes:
+            scheme.group_for(k)
+        experts = nn.ModuleList()
+        for e in range(self.num_experts):
+            pair = nn.ModuleList()
+            for stacked in (self.gate_up_proj, self.down_proj):
+                n, k = stacked.shape[1:]
+                with torch.device("meta"):
+                    layer = Linear(k, n, bias=False)
+                layer.load_quantized_(quantize(stacked[e], scheme), scheme, panels(layer))
+                pair.append(layer)
+            experts.append(pair)
+        del self.gate_up_proj, self.down_proj
+        self._blocked = []
+        self.quantized = experts
+        return [layer for pair in experts for layer in pair]
 
     def checkpoint_shards(self) -> list[CheckpointShard]:
         n_experts, two_i, _ = self.gate_up_proj.shape
@@ -89,7 +123,7 @@ class Experts(nn.Module, CheckpointShards):
         top_k = expert_ids.shape[1]
         flat = expert_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         token_of = order // top_k
         routed = x[token_of]
         pair_weights = weights.reshape(-1)[order, None]
@@ -98,12 +132,18 @@ class Experts(nn.Module, CheckpointShards):
         for e, n in enumerate(counts):  # experts without tokens do no work
             rows = slice(start, start + n)
             if n:
-                gate_up_copy, down_copy = self._blocked[e]
-                hidden = silu_and_mul(blocked_linear(routed[rows], self.gate_up_proj[e], None, gate_up_copy))
-                down = blocked_linear(hidden, self.down_proj[e], None, down_copy)
-                outputs[rows] = (down * pair_weights[rows]).to(x.dtype)
+                outputs[rows] = (self._expert(e, routed[rows]) * pair_weights[rows]).to(x.dtype)
             start += n
         return torch.zeros_like(x).index_add_(0, token_of, outputs)
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s SwiGLU MLP on its tokens ``x``."""
+        if self.quantized is not None:
+            gate_up, down = self.quantized[e]
+            return down(silu_and_mul(gate_up(x)))
+        gate_up_copy, down_copy = self._blocked[e]
+        hidden = silu_and_mul(blocked_linear(x, self.gate_up_proj[e], None, gate_up_copy))
+        return blocked_linear(hidden, self.down_proj[e], None, down_copy)
 
 
 class SparseMoE(nn.Module):

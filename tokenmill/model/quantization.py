@@ -6,9 +6,10 @@ run along this rank's K) keeps its weight quantized from then on with the scheme
 untied LM head (its vocabulary shard, with tensor parallelism) with :data:`LM_HEAD_SCHEME`, int8
 per output channel whatever the scheme (its error goes straight into the logits: 8 bits, as
 llama.cpp's 4-bit files keep their output matrix at 6-8). What stays in the checkpoint's
-precision: embeddings (and so a tied LM head), norms, MoE routers (modules named ``gate``) and
-stacked MoE experts. On CPU the remaining tensors and the quantized ones are then moved into one
-fresh huge-page mapping, which frees the full-precision weights.
+precision: embeddings (and so a tied LM head), norms and MoE routers (modules named ``gate``).
+Stacked MoE experts are quantized with the scheme too, each expert's projections becoming quantized
+``Linear`` layers (``moe.Experts.quantize_``). On CPU the remaining tensors and the quantized ones
+are then moved into one fresh huge-page mapping, which frees the full-precision weights.
 
 The layout (``quant_format``) is chosen per model: a bf16 model on a CPU with the int8 kernel
 (AVX512-VNNI) keeps the projections whose output width is a multiple of 16 in the panels layout
@@ -30,6 +31,7 @@ from tokenmill.kernels.quant_format import PANEL, QuantScheme, dequantize, fake_
 from tokenmill.kernels.quant_linear import STREAM_MAX_ROWS, activation_block, int8_dot_products
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.huge_pages import move_to_huge_pages
+from tokenmill.model.moe import Experts
 
 logger = logging.getLogger("tokenmill.model")
 
@@ -53,9 +55,12 @@ def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
     :data:`LM_HEAD_SCHEME`; returns how many modules. Every layer's shape is checked before any is
     changed (see :func:`_fitting_projections`)."""
     targets = _fitting_projections(model.model.layers, scheme, Linear)
+    experts = _fitting_experts(model.model.layers, scheme)
     before = model.weight_bytes()
     for module in targets:
         module.quantize_(scheme, panels=keeps_panels(model, module))
+    for stack in experts:
+        targets += stack.quantize_(scheme, lambda layer: keeps_panels(model, layer))
     head = _quantizable_head(model.lm_head)
     if head is not None:
         head.quantize_(LM_HEAD_SCHEME, panels=keeps_panels(model, head))
@@ -72,6 +77,27 @@ def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
         kernels_per_shape(targets),
     )
     return len(targets)
+
+
+def _fitting_experts(layers: torch.nn.Module, scheme: QuantScheme) -> list[Experts]:
+    """The stacked MoE experts under ``layers`` to quantize: as :func:`_fitting_projections`, an
+    explicit group size that does not fit is a ValueError naming them, a default one keeps them (warned)."""
+    targets, kept = [], []
+    for name, module in layers.named_modules():
+        if not isinstance(module, Experts):
+            continue
+        try:
+            for _, k in module.shapes:
+                scheme.group_for(k)
+        except ValueError as exc:
+            if scheme.group_size is not None:
+                raise ValueError(f"cannot quantize layers.{name} ({scheme.name}): {exc}") from None
+            kept.append(f"layers.{name}")
+            continue
+        targets.append(module)
+    if kept:
+        logger.warning("%d expert stack(s) keep their precision (a width no multiple of 32): %s", len(kept), kept)
+    return targets
 
 
 def _quantizable_head(head: LinearT | None) -> LinearT | None:
@@ -112,16 +138,27 @@ def fake_quantize_model(model: torch.nn.Module, scheme: QuantScheme, int8_activa
     what a tokenmill model quantized with ``scheme`` does; returns how many modules changed. Each
     ``nn.Linear`` :func:`quantize_model` would quantize (the decoder projections; the LM head with
     :data:`LM_HEAD_SCHEME` unless it is the embedding table) gets its quantized-then-dequantized
-    weight. Rows quantize independently, so separate q/k/v (gate/up) weights give what tokenmill's
-    packed ones give (for measuring the quantization error, e.g. perplexity, with any framework).
+    weight, and so does each expert of a stacked-experts module (``gate_up_proj``/``down_proj``
+    ``[E, N, K]``, two per expert in the count). Rows quantize independently, so separate q/k/v
+    (gate/up) weights give what tokenmill's packed ones give (for measuring the quantization error,
+    e.g. perplexity, with any framework).
     With ``int8_activations`` each of them also quantizes its input as the panels layout's kernel
-    does (a forward pre-hook: ``fake_quantize_activations`` per ``activation_block``)."""
+    does (a forward pre-hook: ``fake_quantize_activations`` per ``activation_block``); a model with
+    stacked experts then raises ValueError (their products are internal to the module)."""
     targets = [(module, scheme) for module in _fitting_projections(model.model.layers, scheme, torch.nn.Linear)]
     head = model.get_output_embeddings()
     if head is not None and head.weight is not model.get_input_embeddings().weight:
         head = _quantizable_head(head)
         if head is not None:
             targets.append((head, LM_HEAD_SCHEME))
+    stacks = [m for m in model.model.layers.modules() if _stacked_experts(m)]
+    if stacks and int8_activations:
+        raise ValueError("int8 activations are not modelled inside stacked experts (their products are internal)")
+    for stack in stacks:
+        for stacked in (stack.gate_up_proj, stack.down_proj):
+            with torch.no_grad():
+                for e in range(stacked.shape[0]):
+                    stacked[e].copy_(dequantize(quantize(stacked[e], scheme)))
     for module, module_scheme in targets:
         with torch.no_grad():
             module.weight.copy_(dequantize(quantize(module.weight, module_scheme)))
@@ -130,7 +167,14 @@ def fake_quantize_model(model: torch.nn.Module, scheme: QuantScheme, int8_activa
             module.register_forward_pre_hook(
                 lambda _, args, block=block: (fake_quantize_activations(args[0], block).to(args[0].dtype),)
             )
-    return len(targets)
+    return len(targets) + 2 * sum(stack.gate_up_proj.shape[0] for stack in stacks)
+
+
+def _stacked_experts(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds stacked experts as transformers' MoE blocks do (``gate_up_proj``
+    ``[E, 2I, hidden]`` and ``down_proj`` ``[E, hidden, I]`` parameters)."""
+    params = dict(module.named_parameters(recurse=False))
+    return all(name in params and params[name].dim() == 3 for name in ("gate_up_proj", "down_proj"))
 
 
 def _fitting_projections(layers: torch.nn.Module, scheme: QuantScheme, kind: type[LinearT]) -> list[LinearT]:
