@@ -109,7 +109,7 @@ class PrequantizedPlan:
         if device.type == "cpu":
             move_to_huge_pages([b for p in self.projections for b in p.module.buffers(recurse=False)])
         logger.info(
-            "loaded %d projections pre-quantized (%s, %s), repacked to tokenmill's layout; %s",
+            "loaded %d projections pre-quantized (%s, %s), repacked to tokenmill's layout; kernels: %s",
             len(self.projections),
             self.fmt.method,
             ", ".join(schemes),

@@ -69,7 +69,7 @@ def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
     if next(model.parameters()).device.type == "cpu":
         move_to_huge_pages([*model.parameters(), *model.buffers()])
     logger.info(
-        "quantized %d projections to %s: weights %.1f -> %.1f MB; %s",
+        "quantized %d projections to %s: weights %.1f -> %.1f MB; kernels: %s",
         len(targets),
         scheme.name,
         before / 2**20,
@@ -121,9 +121,16 @@ def keeps_panels(model: CausalLM, module: Linear) -> bool:
 
 
 def kernels_per_shape(modules: list[Linear]) -> str:
-    """Which kernel each shape of the quantized ``modules`` runs, for the start-up log."""
-    counts = Counter(f"{m.out_features}x{m.in_features}: {_kernel_description(m.qweight.dim() == 3)}" for m in modules)
-    return "kernels per shape (N x K): " + "; ".join(f"{n} x {shape}" for shape, n in sorted(counts.items()))
+    """Which kernel each shape (N x K) of the quantized ``modules`` runs, for the start-up log."""
+    shapes: dict[str, Counter[str]] = {}
+    for m in modules:
+        shapes.setdefault(_kernel_description(m.qweight.dim() == 3), Counter())[
+            f"{m.out_features}x{m.in_features}"
+        ] += 1
+    return "; ".join(
+        f"{kernel}: " + ", ".join(f"{n} x {shape}" for shape, n in sorted(counts.items()))
+        for kernel, counts in shapes.items()
+    )
 
 
 def _kernel_description(panels: bool) -> str:
