@@ -36,6 +36,7 @@ from tokenmill.model.moe import Experts
 logger = logging.getLogger("tokenmill.model")
 
 LinearT = TypeVar("LinearT", bound=torch.nn.Linear)
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 LM_HEAD_SCHEME = QuantScheme(8)
 """How a quantized model's untied LM head is kept, whatever its projections' scheme."""
 ROUTER_NAME = "gate"
@@ -80,24 +81,10 @@ def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
 
 
 def _fitting_experts(layers: torch.nn.Module, scheme: QuantScheme) -> list[Experts]:
-    """The stacked MoE experts under ``layers`` to quantize: as :func:`_fitting_projections`, an
-    explicit group size that does not fit is a ValueError naming them, a default one keeps them (warned)."""
-    targets, kept = [], []
-    for name, module in layers.named_modules():
-        if not isinstance(module, Experts):
-            continue
-        try:
-            for _, k in module.shapes:
-                scheme.group_for(k)
-        except ValueError as exc:
-            if scheme.group_size is not None:
-                raise ValueError(f"cannot quantize layers.{name} ({scheme.name}): {exc}") from None
-            kept.append(f"layers.{name}")
-            continue
-        targets.append(module)
-    if kept:
-        logger.warning("%d expert stack(s) keep their precision (a width no multiple of 32): %s", len(kept), kept)
-    return targets
+    """The stacked MoE experts under ``layers`` to quantize, checked as :func:`_fitting_projections`
+    checks projections (both of an expert's input widths)."""
+    stacks = [(name, m, [k for _, k in m.shapes]) for name, m in layers.named_modules() if isinstance(m, Experts)]
+    return _fitting(stacks, scheme, "expert stack(s)")
 
 
 def _quantizable_head(head: LinearT | None) -> LinearT | None:
@@ -188,12 +175,23 @@ def _fitting_projections(layers: torch.nn.Module, scheme: QuantScheme, kind: typ
     """The ``kind`` modules under ``layers`` to quantize (MoE routers excepted). With an explicit
     group size, a layer it does not fit is a ValueError naming it; with the default groups, a layer
     whose input width is no multiple of 32 keeps its precision (logged as a warning)."""
+    projections = [
+        (name, module, [module.in_features])
+        for name, module in layers.named_modules()
+        if isinstance(module, kind) and name.rpartition(".")[2] != ROUTER_NAME
+    ]
+    return _fitting(projections, scheme, "projection(s)")
+
+
+def _fitting(candidates: list[tuple[str, ModuleT, list[int]]], scheme: QuantScheme, what: str) -> list[ModuleT]:
+    """The ``(name under layers, module, its input widths)`` candidates whose widths ``scheme``'s
+    groups fit. With an explicit group size a misfit is a ValueError naming the module; with the
+    default groups the module keeps its precision (logged as a warning)."""
     targets, kept = [], []
-    for name, module in layers.named_modules():
-        if not isinstance(module, kind) or name.rpartition(".")[2] == ROUTER_NAME:
-            continue
+    for name, module, widths in candidates:
         try:
-            scheme.group_for(module.in_features)
+            for k in widths:
+                scheme.group_for(k)
         except ValueError as exc:
             if scheme.group_size is not None:
                 raise ValueError(f"cannot quantize layers.{name} ({scheme.name}): {exc}") from None
@@ -201,5 +199,5 @@ def _fitting_projections(layers: torch.nn.Module, scheme: QuantScheme, kind: typ
             continue
         targets.append(module)
     if kept:
-        logger.warning("%d projection(s) keep their precision (input width no multiple of 32): %s", len(kept), kept)
+        logger.warning("%d %s keep their precision (an input width no multiple of 32): %s", len(kept), what, kept)
     return targets
