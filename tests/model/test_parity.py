@@ -233,6 +233,17 @@ def hf_reference(hf_model, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
     return logits, out[0, len(prompt) :].tolist()
 
 
+def assert_counting_prompts_match(model: CausalLM, hf_model) -> None:
+    """``model``'s prefill logits (to 1e-4) and greedy tokens through the cache equal transformers'
+    on the prompts 3, 4, ... of each length in PROMPT_LENS."""
+    prompts = [list(range(3, 3 + n)) for n in PROMPT_LENS]
+    logits, tokens = greedy_through_cache(model, prompts)
+    for prompt, ours, greedy in zip(prompts, logits, tokens):
+        hf_logits, hf_tokens = hf_reference(hf_model, prompt)
+        torch.testing.assert_close(ours, hf_logits, rtol=1e-4, atol=1e-4)
+        assert greedy == hf_tokens
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_prefill_logits_and_greedy_decode_match_transformers(case: str, tmp_path: Path) -> None:
     kind, overrides = CASES[case]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.model.test_parity import PROMPT_LENS, greedy_through_cache, hf_reference
+from tests.model.test_parity import PROMPT_LENS, assert_counting_prompts_match, greedy_through_cache
 from tests.tiny_models import hf_greedy, save_tiny_checkpoint, save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.quant_linear import int8_dot_products
@@ -182,12 +182,7 @@ def test_prequantized_checkpoint_matches_transformers_on_its_dequantized_weights
     assert model.quantization is not None and model.checkpoint_quantization == config["quant_method"]
     layer = model.model.layers[0]
     assert not hasattr(layer.self_attn.qkv_proj, "weight") and layer.mlp.down_proj.quantization is not None
-    prompts = [list(range(3, 3 + n)) for n in PROMPT_LENS]
-    logits, tokens = greedy_through_cache(model, prompts)
-    for prompt, ours, greedy in zip(prompts, logits, tokens):
-        hf_logits, hf_tokens = hf_reference(hf_model, prompt)
-        torch.testing.assert_close(ours, hf_logits, rtol=1e-4, atol=1e-4)
-        assert greedy == hf_tokens
+    assert_counting_prompts_match(model, hf_model)
 
 
 @pytest.mark.skipif(not int8_dot_products(), reason="needs AVX512-VNNI (the panels layout's int8 kernel)")

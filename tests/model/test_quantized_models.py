@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.model.test_parity import PROMPT_LENS, greedy_through_cache, hf_reference
+from tests.model.test_parity import PROMPT_LENS, assert_counting_prompts_match, greedy_through_cache, hf_reference
 from tests.tiny_models import hf_greedy, save_tiny_checkpoint, save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.quant_format import QuantScheme
@@ -42,12 +42,7 @@ def test_quantized_model_matches_transformers_on_the_dequantized_weights(case, s
     head = model.lm_head  # untied heads are kept int8 whatever the scheme; a tied one is the embedding table
     assert head is None if hf_model.config.tie_word_embeddings else head.quantization == LM_HEAD_SCHEME
     fake_quantize_model(hf_model, scheme)
-    prompts = [list(range(3, 3 + n)) for n in PROMPT_LENS]
-    logits, tokens = greedy_through_cache(model, prompts)
-    for prompt, ours, greedy in zip(prompts, logits, tokens):
-        hf_logits, hf_tokens = hf_reference(hf_model, prompt)
-        torch.testing.assert_close(ours, hf_logits, rtol=1e-4, atol=1e-4)
-        assert greedy == hf_tokens
+    assert_counting_prompts_match(model, hf_model)
 
 
 @pytest.mark.skipif(not int8_dot_products(), reason="needs AVX512-VNNI (the panels layout's int8 kernel)")
