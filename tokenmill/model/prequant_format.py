@@ -21,10 +21,12 @@ from tokenmill.model.weights import WeightError, check_finite
 
 
 class CheckpointTensors:
-    """The tensors of a checkpoint by name, read from their files on demand."""
+    """The tensors of a checkpoint by name, read from their files on demand (each file opened once,
+    its header parsed once, for the life of this object)."""
 
     def __init__(self, files: dict[str, Path]) -> None:
         self.files = files  # tensor name -> the safetensors file holding it
+        self._handles: dict[Path, Any] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -34,8 +36,9 @@ class CheckpointTensors:
         file = self.files.get(name)
         if file is None:
             raise WeightError(f"checkpoint is missing tensor {name!r}")
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            return handle.get_tensor(name)
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return self._handles[file].get_tensor(name)
 
 
 @dataclass
