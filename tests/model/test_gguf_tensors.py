@@ -1,6 +1,7 @@
-"""GGUF tensor data as tokenmill weights: Q8_0/Q4_0/Q4_1 repacked losslessly (their dequantized
+"""GGUF tensor data as tokenmill weights: Q8_0/Q4_0/Q4_1/Q4_K repacked losslessly (their dequantized
 values equal the ``gguf`` package's, bit for bit), other types dequantized by it; a file written with
-``gguf``'s writer reads back through its reader; bad sizes are refused."""
+``gguf``'s writer reads back through its reader; bad sizes are refused. ``gguf`` cannot quantize
+K-quants, so their blocks are random bytes valid by the format's definition."""
 
 from __future__ import annotations
 
@@ -10,36 +11,59 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
 from tokenmill.kernels.quant_format import QuantizedTensors, dequantize
 from tokenmill.kernels.quant_linear import quantized_linear
 from tokenmill.model.gguf_tensors import LOSSLESS, gguf_weight
 
 N, K = 48, 96
+K_QUANT_K = 512  # two super-blocks a row
+Q = GGMLQuantizationType
+K_QUANT_FP16_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q3_K: (108,), Q.Q2_K: (80, 82)}
+"""Byte offsets of each K-quant super-block's fp16 ``d`` (and ``dmin``); every other bit is quants or
+packed scales, for which any pattern is valid."""
 
 
 def weights(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32)
 
 
+def k_quant_blocks(qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
+    """A random ``N x K_QUANT_K`` ``qtype`` tensor as rows of bytes: random bits, fp16 fields set to
+    finite values of magnitude below 0.01."""
+    rng = np.random.default_rng(seed)
+    _, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (N, K_QUANT_K // 256, block_bytes), dtype=np.uint8)
+    for offset in K_QUANT_FP16_FIELDS[qtype]:
+        fp16 = rng.uniform(-0.01, 0.01, (N, K_QUANT_K // 256, 1)).astype(np.float16)
+        blocks[..., offset : offset + 2] = fp16.view(np.uint8)
+    return blocks.reshape(N, -1)
+
+
+def stored(qtype: GGMLQuantizationType, seed: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """A random tensor's data in ``qtype`` as rows of bytes, and its shape ``[N, K]``."""
+    if qtype in K_QUANT_FP16_FIELDS:
+        return k_quant_blocks(qtype, seed), (N, K_QUANT_K)
+    return quants.quantize(weights(seed), qtype), (N, K)
+
+
 @pytest.mark.parametrize("qtype", LOSSLESS, ids=lambda t: t.name)
 def test_lossless_types_dequantize_as_gguf_does_and_multiply_like_it(qtype: GGMLQuantizationType) -> None:
-    raw = quants.quantize(weights(int(qtype)), qtype)
-    ours = gguf_weight(raw, qtype, (N, K))
-    assert isinstance(ours, QuantizedTensors) and ours.shape == (N, K) and ours.group == 32
+    raw, (n, k) = stored(qtype, int(qtype))
+    ours = gguf_weight(raw, qtype, (n, k))
+    assert isinstance(ours, QuantizedTensors) and ours.shape == (n, k) and ours.group == 32
     theirs = torch.from_numpy(quants.dequantize(raw, qtype))
     assert torch.equal(dequantize(ours), theirs)
-    assert ours.qweight.numel() * ours.qweight.element_size() == N * K * ours.bits // 8  # the packed bytes as stored
-    x = torch.randn(3, K)
+    assert ours.qweight.numel() * ours.qweight.element_size() == n * k * ours.bits // 8  # the packed bytes as stored
+    x = torch.randn(3, k)
     torch.testing.assert_close(quantized_linear(x, ours), F.linear(x, theirs), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q5_0, GGMLQuantizationType.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.F16, Q.Q6_K, Q.Q5_K, Q.Q3_K, Q.Q2_K], ids=lambda t: t.name)
 def test_other_types_come_back_dequantized(qtype: GGMLQuantizationType) -> None:
-    data = weights(7)
-    raw = quants.quantize(data, qtype) if qtype != GGMLQuantizationType.F16 else data.astype(np.float16)
-    ours = gguf_weight(raw, qtype, (N, K))
+    raw, shape = (weights(7).astype(np.float16), (N, K)) if qtype == Q.F16 else stored(qtype, 7)
+    ours = gguf_weight(raw, qtype, shape)
     assert isinstance(ours, torch.Tensor) and ours.dtype == torch.float32
     assert torch.equal(ours, torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32)))
 
@@ -49,7 +73,7 @@ def test_a_file_written_by_gguf_reads_back_through_its_reader(tmp_path: Path) ->
     writer = GGUFWriter(str(path), "llama")
     originals = {}
     for i, qtype in enumerate(LOSSLESS):
-        originals[qtype.name] = quants.quantize(weights(10 + i), qtype)
+        originals[qtype.name], _ = stored(qtype, 10 + i)
         writer.add_tensor(qtype.name, originals[qtype.name], raw_dtype=qtype)  # rows of blocks: [N, bytes]
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -63,8 +87,13 @@ def test_a_file_written_by_gguf_reads_back_through_its_reader(tmp_path: Path) ->
 
 
 def test_sizes_that_do_not_fit_are_refused() -> None:
-    raw = quants.quantize(weights(1), GGMLQuantizationType.Q4_0)
+    raw = quants.quantize(weights(1), Q.Q4_0)
     with pytest.raises(ValueError, match="not whole blocks"):
-        gguf_weight(raw, GGMLQuantizationType.Q4_0, (N, 80))
+        gguf_weight(raw, Q.Q4_0, (N, 80))
     with pytest.raises(ValueError, match=r"48x64 Q4_0 tensor is 1728 bytes, the file holds 2592"):
-        gguf_weight(raw, GGMLQuantizationType.Q4_0, (N, 64))
+        gguf_weight(raw, Q.Q4_0, (N, 64))
+    raw, _ = stored(Q.Q4_K, 2)
+    with pytest.raises(ValueError, match="Q4_K rows hold blocks of 256 values; K=96 is not whole blocks"):
+        gguf_weight(raw, Q.Q4_K, (N, K))
+    with pytest.raises(ValueError, match=r"48x256 Q4_K tensor is 6912 bytes, the file holds 13824"):
+        gguf_weight(raw, Q.Q4_K, (N, 256))

@@ -1,16 +1,20 @@
 """A GGUF file's tensor data as tokenmill weights (the first piece of GGUF support).
 
-ggml stores a 2-D weight as rows of K values (``ne[0]``, contiguous), cut into blocks of 32. The
-block types the quantized kernels run exactly are repacked losslessly into
-``kernels/quant_format``'s rows layout, groups of 32:
+ggml stores a 2-D weight as rows of K values (``ne[0]``, contiguous), cut into blocks (32 values; 256,
+in sub-blocks of 32, for K-quants). The block types the quantized kernels run exactly are repacked
+losslessly into ``kernels/quant_format``'s rows layout, groups of 32:
 
 - Q8_0 (fp16 ``d``, 32 int8 ``q``; ``w = q d``): int8, ``scale = d``;
 - Q4_0 (fp16 ``d``, 16 bytes; ``w = (q - 8) d``): int4, ``scale = d``, ``min = -8 d``;
-- Q4_1 (fp16 ``d``, fp16 ``m``, 16 bytes; ``w = q d + m``): int4, ``scale = d``, ``min = m``.
+- Q4_1 (fp16 ``d``, fp16 ``m``, 16 bytes; ``w = q d + m``): int4, ``scale = d``, ``min = m``;
+- Q4_K (fp16 ``d``, fp16 ``dmin``, 12 bytes of 6-bit ``sc`` and ``m`` per sub-block, 128 bytes;
+  ``w = q d sc - dmin m``): int4, ``scale = d sc``, ``min = -dmin m`` (both exact in fp32).
 
-A block's 16 bytes hold value ``j`` in byte ``j``'s low nibble and value ``16 + j`` in its high one,
-which is tokenmill's int4 run layout already: the bytes are copied as they are. Every other type
-(F32, F16, BF16, Q5_*, K-quants, ...) comes back dequantized to fp32 by the ``gguf`` package.
+A Q4_0/Q4_1 block's 16 bytes hold value ``j`` in byte ``j``'s low nibble and value ``16 + j`` in its
+high one, which is tokenmill's int4 run layout already: the bytes are copied as they are. Q4_K holds
+each 64 values in 32 bytes, values 0-31 in the low nibbles and 32-63 in the high ones: its nibbles
+are reshuffled into runs. Every other type (F32, F16, BF16, Q5_*, other K-quants, ...) comes back
+dequantized to fp32 by the ``gguf`` package.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from tokenmill.kernels.quant_format import QuantizedTensors
 
-LOSSLESS = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1)
+LOSSLESS = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K)
 """The block types repacked into quantized weights as they are."""
 
 
@@ -43,6 +47,8 @@ def gguf_weight(raw: np.ndarray, qtype: GGMLType, shape: tuple[int, int]) -> Qua
     if qtype not in LOSSLESS:
         return torch.from_numpy(np.ascontiguousarray(quants.dequantize(rows, qtype), dtype=np.float32)).reshape(n, k)
     blocks = rows.reshape(n, k // values_per_block, block_bytes)
+    if qtype == GGMLType.Q4_K:
+        return _q4_k(blocks)
     scale = _fp16(blocks[..., 0:2])
     if qtype == GGMLType.Q8_0:
         values = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
@@ -50,6 +56,25 @@ def gguf_weight(raw: np.ndarray, qtype: GGMLType, shape: tuple[int, int]) -> Qua
     low = _fp16(blocks[..., 2:4]) if qtype == GGMLType.Q4_1 else -8.0 * scale
     packed = blocks[..., 4:] if qtype == GGMLType.Q4_1 else blocks[..., 2:]
     return QuantizedTensors(torch.from_numpy(np.ascontiguousarray(packed).reshape(n, k // 2)), scale, low, 4, 32)
+
+
+def _q4_k(blocks: np.ndarray) -> QuantizedTensors:
+    """Q4_K super-blocks ``[N, K / 256, 144]`` as int4 groups of 32 (see the module docstring)."""
+    n, supers, _ = blocks.shape
+    d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
+    # 12 bytes a, b, c of 4: sc[0:4] = a's low 6 bits, m[0:4] = b's; sc[4:8] = c's low nibble with a's
+    # top 2 bits above it, m[4:8] = c's high nibble with b's top 2 bits above it.
+    a, b, c = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
+    sc = np.concatenate([a & 63, (c & 15) | (a >> 6 << 4)], axis=-1)
+    m = np.concatenate([b & 63, (c >> 4) | (b >> 6 << 4)], axis=-1)
+    scale = d[..., None] * torch.from_numpy(sc.astype(np.float32))
+    low = -dmin[..., None] * torch.from_numpy(m.astype(np.float32))
+    # Per 64 values, byte i < 32 holds value i (low nibble) and 32 + i (high): the run of values 0-31
+    # takes the low nibbles of bytes j and 16 + j, the run of 32-63 their high nibbles.
+    chunks = blocks[..., 16:].reshape(n, supers, 4, 2, 16)  # [64 values, bytes 0-15 | 16-31, j]
+    first, second = chunks[..., 0, :], chunks[..., 1, :]
+    runs = np.stack([(first & 15) | (second << 4), (first >> 4) | (second & 0xF0)], axis=-2)
+    return QuantizedTensors(torch.from_numpy(runs.reshape(n, -1)), scale.reshape(n, -1), low.reshape(n, -1), 4, 32)
 
 
 def _fp16(pairs: np.ndarray) -> torch.Tensor:
