@@ -57,15 +57,15 @@ def make_model(path: Path) -> Path:
     import transformers
 
     from tokenmill.bench.workload import DEFAULT_MODEL
-    from tokenmill.config import DEFAULT_MODEL_DIR
+    from tokenmill.default_model import TINY_MODEL_DIR
 
-    vocab = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((TINY_MODEL_DIR / "config.json").read_text())["vocab_size"]
     config = transformers.LlamaConfig(**{**DEFAULT_MODEL, "vocab_size": vocab}, tie_word_embeddings=False)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).float().save_pretrained(path, safe_serialization=True)
     for name in TOKENIZER_FILES:
-        if (DEFAULT_MODEL_DIR / name).is_file():
-            shutil.copy(DEFAULT_MODEL_DIR / name, path / name)
+        if (TINY_MODEL_DIR / name).is_file():
+            shutil.copy(TINY_MODEL_DIR / name, path / name)
     return path
 
 

@@ -37,7 +37,7 @@ import tokenmill.engine.sampler as sampler
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.stats import Timer
 from tokenmill.bench.workload import make_random_model, make_workload
-from tokenmill.config import DEFAULT_MODEL_DIR
+from tokenmill.default_model import TINY_MODEL_DIR
 from tokenmill.request import StructuredOutputsParams
 
 SCHEMA = {
@@ -59,7 +59,7 @@ def model_with_tokenizer(folder: Path) -> Path:
     for file in model.iterdir():
         (folder / file.name).symlink_to(file)
     for name in TOKENIZER_FILES:
-        shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)
+        shutil.copy(TINY_MODEL_DIR / name, folder / name)
     return folder
 
 

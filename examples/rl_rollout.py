@@ -16,12 +16,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import DEFAULT_MODEL_DIR
+from tokenmill.default_model import TINY_MODEL_DIR
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    parser.add_argument("--model", default=str(TINY_MODEL_DIR))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rollouts", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-4)

@@ -22,7 +22,7 @@ from tokenmill import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "tools"
-BUNDLED = ROOT / "tokenmill" / "assets" / "default-model"
+BUNDLED = ROOT / "tokenmill" / "assets" / "tiny-model"
 
 
 @pytest.fixture(scope="module")

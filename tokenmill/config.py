@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 
+from tokenmill.default_model import default_model
+from tokenmill.gguf_checkpoint import checkpoint_folder
 from tokenmill.hardware import native_bf16
 from tokenmill.request import RequestLimits
-
-DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default-model"
-"""The small model bundled with tokenmill, used when no model path is given."""
 
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 """Backends ``attention_backend`` may name besides "auto" (see ``attention/factory.py``)."""
@@ -52,7 +51,13 @@ class EngineConfig:
 
     model: str | None = option(
         None,
-        "Path to a Hugging Face checkpoint folder; None means the bundled default model.",
+        "A Hugging Face checkpoint folder, a GGUF file (or a folder holding one); None: the default model "
+        "(SmolLM2-135M-Instruct, or $TOKENMILL_DEFAULT_MODEL).",
+        section="model",
+    )
+    tokenizer: str | None = option(
+        None,
+        "A Hugging Face tokenizer folder to use instead of the model's own (e.g. a GGUF file's).",
         section="model",
     )
     dtype: str = option(
@@ -313,7 +318,14 @@ class EngineConfig:
         )
 
     def model_path(self) -> Path:
-        return Path(self.model) if self.model else DEFAULT_MODEL_DIR
+        """The checkpoint folder the engine reads (a GGUF file's converted folder, see
+        ``gguf_checkpoint.py``), converting a GGUF file on its first use."""
+        return checkpoint_folder(self.model or default_model())
+
+    def model_name(self) -> str:
+        """The model's name as the user gave it: a GGUF file's stem, else the folder's name."""
+        path = Path(self.model or default_model())
+        return path.stem if path.suffix == ".gguf" else path.name
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tokenmill.config import EngineConfig
 from tokenmill.model.quantization import fake_quantize_model, quantization_scheme
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "tokenmill" / "assets" / "default-model"
+TINY_MODEL_DIR = Path(__file__).resolve().parents[1] / "tokenmill" / "assets" / "tiny-model"
 
 
 @torch.no_grad()
@@ -83,7 +83,7 @@ def measure(
 def main() -> None:
     """Print validation perplexity of the model and of the unigram baseline."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--model-dir", type=Path, default=TINY_MODEL_DIR)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quantization", choices=("int8", "int4"), default=None)

@@ -1,7 +1,7 @@
 """Train tokenmill's bundled default model from the Python standard library sources.
 
 The model is a small ``transformers.LlamaForCausalLM`` trained from scratch with a plain PyTorch
-loop and saved with ``save_pretrained``, so the result in ``tokenmill/assets/default-model/``
+loop and saved with ``save_pretrained``, so the result in ``tokenmill/assets/tiny-model/``
 loads with ``transformers`` as well as with tokenmill.
 
 Usage: ``python tools/train_default_model.py`` (about 35 minutes on a busy two-core CPU).
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from corpus import VALIDATION_MODULUS, load_split, pack_stream, stream_windows
-from measure_perplexity import DEFAULT_MODEL_DIR, measure
+from measure_perplexity import TINY_MODEL_DIR, measure
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import Tensor
 from tqdm import tqdm
@@ -407,7 +407,7 @@ version reproduces the model up to floating-point differences between machines.
 def parse_args() -> argparse.Namespace:
     """Command-line options; the defaults fit a ~40 minute budget on a shared two-core CPU."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--output", type=Path, default=TINY_MODEL_DIR)
     parser.add_argument("--steps", type=int, default=480)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)

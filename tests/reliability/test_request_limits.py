@@ -17,7 +17,8 @@ import torch
 from tests.server.conftest import serve
 from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import Engine, SamplingParams
-from tokenmill.config import DEFAULT_MODEL_DIR, EngineConfig
+from tokenmill.config import EngineConfig
+from tokenmill.default_model import TINY_MODEL_DIR
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import EngineOverloadedError
 from tokenmill.engine.intake import Intake
@@ -38,7 +39,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def bundled() -> Tokenizer:
     """The bundled default model's byte-level BPE tokenizer."""
-    return Tokenizer(DEFAULT_MODEL_DIR)
+    return Tokenizer(TINY_MODEL_DIR)
 
 
 class CountingTokenizer(Tokenizer):

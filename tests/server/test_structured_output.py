@@ -28,7 +28,7 @@ from tokenmill.request import ParameterError
 from tokenmill.server.shared.tool_constraint import forced_call
 from tokenmill.server.shared.tool_parser import parse_tool_calls
 
-DEFAULT = "default-model"
+DEFAULT = "tiny-model"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"temperature": 0, "max_tokens": 200}
 

@@ -39,6 +39,7 @@ from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.thread_governor import engine_thread_governor
 from tokenmill.engine.weight_update import WeightsSource, apply_update, next_version, stage_update
+from tokenmill.gguf_checkpoint import read_index
 from tokenmill.model.parallel import SINGLE
 from tokenmill.model.prequantized import checkpoint_format
 from tokenmill.model.registry import load_model_config
@@ -62,8 +63,15 @@ class Engine(EngineLoop):
                 f"{path} is a pre-quantized checkpoint (quantization_config in config.json): it loads quantized "
                 f"as published; leave quantization unset (got {cfg.quantization!r})"
             )
+        if read_index(path) is not None and (
+            cfg.quantization is not None or cfg.tensor_parallel_size > 1 or self.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"{cfg.model} is a GGUF file: it loads as stored (quantization unset), on the CPU, without "
+                "tensor parallelism"
+            )
         self.dtype = cfg.resolved_dtype(mc.checkpoint_dtype)
-        self.tokenizer = None if cfg.skip_tokenizer_init else Tokenizer(path)
+        self.tokenizer = None if cfg.skip_tokenizer_init else Tokenizer(cfg.tokenizer or path)
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else set()
         self.eos_token_ids = tokenizer_eos | set(mc.eos_token_ids)
         self.step_time = 0.0  # wall seconds in steps that ran a forward

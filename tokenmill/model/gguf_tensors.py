@@ -45,7 +45,7 @@ def gguf_weight(raw: np.ndarray, qtype: GGMLType, shape: tuple[int, int]) -> Qua
         raise ValueError(f"a {n}x{k} {qtype.name} tensor is {expected} bytes, the file holds {data.size}")
     rows = data.reshape(n, -1)
     if qtype not in LOSSLESS:
-        return torch.from_numpy(np.ascontiguousarray(quants.dequantize(rows, qtype), dtype=np.float32)).reshape(n, k)
+        return torch.from_numpy(np.array(quants.dequantize(rows, qtype), dtype=np.float32)).reshape(n, k)
     blocks = rows.reshape(n, k // values_per_block, block_bytes)
     if qtype == GGMLType.Q4_K:
         return _q4_k(blocks)

@@ -8,7 +8,8 @@ so at most one checkpoint tensor is held beside the model; every expected tensor
 With tensor parallelism each rank reads only its parts of the tensors (safetensors ``get_slice``).
 A pre-quantized checkpoint (``quantization_config`` in config.json) keeps its quantized projections
 quantized: they are never allocated in full precision but read and repacked by ``prequantized.py``.
-Only safetensors are read: no pickle, no remote code.
+A converted GGUF folder (``gguf_checkpoint.py``) loads from its GGUF file instead (``gguf_loader.py``).
+Only safetensors and GGUF are read: no pickle, no remote code.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tokenmill.gguf_checkpoint import read_index
 from tokenmill.model import parallel
 from tokenmill.model.causal_lm import CausalLM
+from tokenmill.model.gguf_loader import load_gguf
 from tokenmill.model.huge_pages import materialize_on_huge_pages
 from tokenmill.model.prequantized import checkpoint_format, plan_prequantized
 from tokenmill.model.registry import load_model_config, model_class
@@ -106,6 +109,14 @@ def load_model(
     """Build the model described by ``path/config.json`` and load its safetensors weights (with
     tensor parallelism ``tp``: this rank's shards, read from the files part by part)."""
     config = load_model_config(path)
+    gguf_index = read_index(path)
+    if gguf_index is not None:
+        if tp.size > 1 or torch.device(device).type != "cpu":
+            raise ValueError("GGUF files load on the CPU, without tensor parallelism")
+        with torch.device("meta"):
+            model = model_class(config.architecture)(config).to(dtype)
+        load_gguf(model, gguf_index)
+        return model.eval()
     files = weight_files(path)  # fail on a missing checkpoint before allocating the model
     fmt = checkpoint_format(path)
     with torch.device("meta"), parallel.building(tp):

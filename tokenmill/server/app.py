@@ -39,7 +39,7 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
     roots and ``allow_special_tokens_in_content``; the listening and connection settings are the
     server's (:func:`~tokenmill.server.lifecycle.build_server`).
     """
-    name = config.served_model_name or engine.config.model_path().name
+    name = config.served_model_name or engine.config.model_name()
     app = FastAPI(title="tokenmill", version=__version__, openapi_url=None if config.api_key else "/openapi.json")
     app.add_middleware(BodyLimits, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_seconds)
     if config.api_key is not None:  # added last, so it runs first: before anything reads the body

@@ -1,5 +1,6 @@
-"""The bundled default model: loads offline in transformers, tokenmill's greedy output equals
-transformers', and its completions of Python prompts look more like Python than random tokens."""
+"""The tiny model (what the test suite runs when it names no model): loads offline in transformers,
+tokenmill's greedy output equals transformers', and its completions of Python prompts look more like Python
+than random tokens."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import DEFAULT_MODEL_DIR
+from tokenmill.default_model import TINY_MODEL_DIR
 
 PROMPTS = ["def fibonacci(", "import os\n\n\ndef ", "class Stack:\n    def __init__(self", "for i in range("]
 WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -20,19 +21,19 @@ WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    engine = LLM(dtype="float32", num_kv_slots=8192)  # no model: the bundled default
+    engine = LLM(dtype="float32", num_kv_slots=8192)  # no model: $TOKENMILL_DEFAULT_MODEL, the tiny model
     yield engine
     engine.shutdown()
 
 
-def test_bundled_model_is_the_default(llm: LLM) -> None:
-    assert llm.engine.config.model_path() == DEFAULT_MODEL_DIR
-    assert (DEFAULT_MODEL_DIR / "model.safetensors").stat().st_size <= 25 * 1024**2
+def test_the_tests_default_is_the_tiny_model(llm: LLM) -> None:
+    assert llm.engine.config.model_path() == TINY_MODEL_DIR
+    assert (TINY_MODEL_DIR / "model.safetensors").stat().st_size <= 25 * 1024**2
 
 
 def test_greedy_continuations_equal_transformers(llm: LLM) -> None:
-    hf_tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR, local_files_only=True)
-    hf_model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, local_files_only=True, dtype=torch.float32)
+    hf_tok = AutoTokenizer.from_pretrained(TINY_MODEL_DIR, local_files_only=True)
+    hf_model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, local_files_only=True, dtype=torch.float32)
     hf_model.generation_config.eos_token_id = None
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)

@@ -1,0 +1,157 @@
+"""A GGUF file as a checkpoint folder: its metadata converted once into the files tokenmill reads.
+
+:func:`checkpoint_folder` maps a model path to the folder the rest of tokenmill reads: a Hugging
+Face checkpoint folder as it is; a ``.gguf`` file (or a folder holding exactly one and no
+safetensors) to its converted folder under the cache (``$TOKENMILL_CACHE_DIR``, default
+``~/.cache/tokenmill``, then ``gguf/<file stem>-<key>``, the key a hash of the file's absolute path,
+size, modification time and :data:`CONVERTER_VERSION`). The converted folder holds:
+
+- ``config.json``: the architecture's config as ``transformers`` reads it from the metadata, with
+  ``architectures`` set and ``tie_word_embeddings`` false: a file without ``output.weight`` (tied
+  embeddings) gets its LM head loaded from ``token_embd.weight``, so a quantized embedding table
+  stays a quantized LM head;
+- the tokenizer (``transformers``' GGUF converter: BPE or SentencePiece, special tokens, chat template);
+- :data:`INDEX_FILE`: the GGUF file's path, its architecture, whether its output is tied to the
+  embeddings, and each tensor's name, ggml type,
+  torch-order shape and byte range (``model/gguf_loader.py`` memory-maps the file and reads each once).
+
+The folder is written beside its final name and renamed into place, so concurrent conversions and
+readers never see half a folder. Bad input is a :class:`GGUFError` naming the file and what is
+wrong (not a GGUF file, truncated, an unsupported architecture or tensor type), raised before any
+model or KV memory exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+CONVERTER_VERSION = 1
+"""Bump when the converted folder's contents change: old conversions are then redone."""
+
+INDEX_FILE = "gguf_tensors.json"
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+"""GGUF ``general.architecture`` -> the model class tokenmill runs it with."""
+
+
+class GGUFError(ValueError):
+    """A GGUF file tokenmill cannot run; the message names the file and what is wrong."""
+
+
+def gguf_file(path: str | Path) -> Path | None:
+    """The GGUF file ``path`` names (the file itself, or the one ``.gguf`` of a folder without
+    safetensors), or None for anything else. Raises GGUFError for a folder of several ``.gguf``."""
+    path = Path(path)
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    if not path.is_dir() or any(path.glob("*.safetensors*")):
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        raise GGUFError(f"{path} holds {len(found)} .gguf files ({', '.join(f.name for f in found)}): name one")
+    return found[0] if found else None
+
+
+def checkpoint_folder(path: str | Path) -> Path:
+    """The checkpoint folder tokenmill reads for the model ``path``: the GGUF file's converted folder
+    (converted now if it is not in the cache yet), else ``path`` itself."""
+    file = gguf_file(path)
+    if file is None:
+        return Path(path)
+    folder = _cache_root() / "gguf" / f"{file.stem}-{_key(file)}"
+    if not (folder / INDEX_FILE).is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+        try:
+            convert(file, staging)
+            try:
+                os.rename(staging, folder)
+            except OSError:  # another process converted it first
+                if not (folder / INDEX_FILE).is_file():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def read_index(folder: str | Path) -> dict | None:
+    """The tensor index of a converted folder (None: ``folder`` is not one)."""
+    index = Path(folder) / INDEX_FILE
+    return json.loads(index.read_text()) if index.is_file() else None
+
+
+def convert(file: Path, folder: Path) -> None:
+    """Write ``file``'s config, tokenizer and tensor index into ``folder`` (which exists)."""
+    from gguf import GGML_QUANT_SIZES, GGUFReader
+    from transformers import AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        reader = GGUFReader(file)
+    except Exception as exc:  # the gguf package raises ValueError, struct.error, IndexError... on bad bytes
+        raise GGUFError(f"{file} is not a readable GGUF file: {exc}") from None
+    arch = _field(reader, "general.architecture")
+    experts = _field(reader, f"{arch}.expert_count")
+    if arch not in ARCHITECTURES or experts:
+        kind = f"{arch!r} with {experts} experts (mixture-of-experts GGUF files)" if experts else repr(arch)
+        raise GGUFError(f"{file}: architecture {kind} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    size = file.stat().st_size
+    tensors = []
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in GGML_QUANT_SIZES:
+            raise GGUFError(f"{file}: tensor {tensor.name!r} has an unknown type {tensor.tensor_type!r}")
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size:
+            raise GGUFError(f"{file} is truncated: tensor {tensor.name!r} ends at byte {end}, the file has {size}")
+        shape = [int(d) for d in reversed(tensor.shape.tolist())]
+        tensors.append(
+            {
+                "name": tensor.name,
+                "type": int(tensor.tensor_type),
+                "shape": shape,
+                "offset": int(tensor.data_offset),
+                "bytes": int(tensor.n_bytes),
+            }
+        )
+    try:
+        config = load_gguf_checkpoint(str(file), return_tensors=False)["config"]
+        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    except Exception as exc:  # transformers' converter: KeyError, ValueError... on metadata it cannot map
+        raise GGUFError(f"{file}: cannot convert its metadata: {exc!r}") from None
+    tied = not any(t["name"] == "output.weight" for t in tensors)
+    config.update(architectures=[ARCHITECTURES[arch]], tie_word_embeddings=False)
+    config.pop("_model_name_or_path", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    tokenizer.save_pretrained(str(folder))
+    index = {"file": str(file.resolve()), "architecture": arch, "tied_output": tied, "tensors": tensors}
+    (folder / INDEX_FILE).write_text(json.dumps(index))
+
+
+def _field(reader, key: str):  # noqa: ANN001, ANN202 (gguf's reader types)
+    """A scalar or string metadata value (None when absent)."""
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _key(file: Path) -> str:
+    stat = file.stat()
+    text = f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("TOKENMILL_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "tokenmill"
