@@ -9,8 +9,8 @@ vLLM's server gets the environment of ``compare_vllm.py`` (a 2 GiB KV cache, Ope
 CPUs 0-1): with no ``VLLM_CPU_KVCACHE_SPACE`` it reserves 92% of the NUMA node's memory and refuses
 to start on these machines. Everything else is each server's default.
 
-The model is a random Llama of the default benchmark shape (~100M parameters) with the bundled
-model's tokenizer and vocabulary (8192), so that the client's random prompts and every sampled
+The model is a random Llama of the default benchmark shape (~100M parameters) with the tiny model's
+tokenizer and vocabulary (8192), so that the client's random prompts and every sampled
 token are real tokens of the tokenizer. The client sends ``--num-prompts`` random prompts of
 ``--input-len`` tokens asking ``--output-len`` tokens (``ignore_eos``) to ``/v1/completions`` at each
 ``--rates`` (requests/s; ``inf``: all at once) and reports median TTFT, median TPOT and output tok/s.
@@ -52,7 +52,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def make_model(path: Path) -> Path:
-    """The random benchmark Llama with the bundled model's tokenizer and vocabulary size."""
+    """The random benchmark Llama with the tiny model's tokenizer and vocabulary size."""
     import torch
     import transformers
 

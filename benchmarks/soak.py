@@ -19,7 +19,7 @@ per-request object may survive a garbage collection, the server may hold no conn
 growth over a second batch after a warm-up must stay bounded. The engine and uvicorn run in this
 process, so the RSS is the server's plus the client's.
 
-    python benchmarks/soak.py --requests 5000 --concurrency 32          # bundled default model
+    python benchmarks/soak.py --requests 5000 --concurrency 32          # the default model
     python benchmarks/soak.py --model path/to/checkpoint --requests 20000 --json
     python benchmarks/soak.py --attackers 8 --header-timeout-seconds 2 --body-timeout-seconds 2
 
@@ -449,7 +449,7 @@ def serving(engine: Engine, config: ServerConfig) -> Iterator[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the default model)")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=1000, help="requests before the first RSS reading")

@@ -2,7 +2,7 @@
 without, in one run on one engine.
 
 The model is the reference random Llama (``tokenmill bench throughput``'s default preset) given
-the bundled default model's tokenizer (8192 tokens; the model's other ids are never allowed by a
+the tiny model's tokenizer (8192 tokens; the model's other ids are never allowed by a
 grammar), and the prompts are the reference workload's, drawn from those 8192 ids. Both runs are
 greedy with ``ignore_eos``; under the schema a reply ends when its JSON is complete, so the runs
 compare output tokens per second, not elapsed time. Per-step grammar time is measured around the

@@ -4,7 +4,7 @@ and the new weights are pushed back into the running engine after every step.
 The reward is the fraction of generated tokens that belong to a small "target" set, so the
 policy should learn to emit them more often. Run:
 
-    python examples/rl_rollout.py                 # the bundled default model
+    python examples/rl_rollout.py                 # the tiny model
     python examples/rl_rollout.py --model PATH --steps 5
 """
 

@@ -20,7 +20,7 @@ Message = dict[str, Any]
 
 
 class LLM:
-    """Runs batches of prompts to completion. ``LLM(model=None)`` uses the bundled default model.
+    """Runs batches of prompts to completion. ``LLM(model=None)`` uses the default model (``default_model.py``).
 
     Keyword arguments are :class:`~tokenmill.config.EngineConfig` fields.
     """

@@ -1,4 +1,4 @@
-"""Measure the bundled default model's perplexity on its held-out stdlib files.
+"""Measure the tiny model's perplexity on its held-out stdlib files.
 
 Loads the model folder with ``transformers`` (local files only), scores every held-out
 token in non-overlapping windows, and compares against an add-one smoothed unigram

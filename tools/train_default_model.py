@@ -1,4 +1,4 @@
-"""Train tokenmill's bundled default model from the Python standard library sources.
+"""Train tokenmill's tiny model (tokenmill/assets/tiny-model) from the Python standard library sources.
 
 The model is a small ``transformers.LlamaForCausalLM`` trained from scratch with a plain PyTorch
 loop and saved with ``save_pretrained``, so the result in ``tokenmill/assets/tiny-model/``
@@ -291,12 +291,13 @@ def model_card(info: dict[str, Any]) -> str:
     ids = info["special_ids"]
     heads = f"{config.num_attention_heads} / {config.num_key_value_heads}"
     history = "\n".join(f"| {step} | {tr:.3f} | {val:.3f} |" for step, tr, val in info["history"])
-    return f"""# tokenmill default model
+    return f"""# tokenmill tiny model
 
-A small Llama-architecture causal language model that ships with tokenmill and is used
-when no `--model` is given. It is trained from scratch by `tools/train_default_model.py`
-on the Python standard library's own source code, so it writes Python-looking text and
-follows a minimal chat format. It is a test and demo model, not a useful assistant.
+A small Llama-architecture causal language model that ships with tokenmill; the test suite
+runs it when a test names no model (the default model is SmolLM2-135M-Instruct). It is
+trained from scratch by `tools/train_default_model.py` on the Python standard library's own
+source code, so it writes Python-looking text and follows a minimal chat format. It is a test
+and demo model, not a useful assistant.
 
 The folder uses the standard Hugging Face layout (`config.json`, `model.safetensors`,
 `tokenizer.json`, `tokenizer_config.json`, `generation_config.json`) and loads with

@@ -1,0 +1,208 @@
+"""tokenmill against llama.cpp on the same GGUF files: batch-1 decode, prefill, throughput, load time.
+
+Files: the default model's GGUF (SmolLM2-135M-Instruct, Q4_1 projections, Q8_0 embeddings; fetched
+by ``tokenmill fetch-default-model``) and a Q4_K_M file of the same model made from it by llama.cpp's
+own quantizer (``llama_model_quantize``, requantizing: the numbers are for speed, not quality).
+Both engines use the same threads (``--threads``) and greedy decoding, one after another, each run in
+a fresh process, never together. Per engine and file:
+
+- ``decode_ms_per_token``: a 16-token prompt then 128 tokens, EOS ignored; (time of 128 - time of
+  the prompt's first token) / 127, median of ``--repeats`` after a warm-up;
+- ``prefill_tok_s``: a 512-token prompt, one output token;
+- ``throughput_tok_s``: output tokens/s over the reference workload's lengths (``--requests``
+  requests, prompts 32-512 tokens, outputs 32-256; tokenmill: all submitted at once; llama.cpp,
+  whose Python binding serves one sequence at a time: one after another, its best setting here);
+- tokenmill only, ``load_to_first_token_s``: a fresh process from ``LLM(model=...)`` to the first
+  token of a short prompt, for the GGUF (conversion cached, and a first run with an empty cache) and
+  for the same model as a bf16 safetensors checkpoint (written once by transformers from the GGUF).
+
+Ratios: tokenmill / llama.cpp decode ms per token (the target is <= 0.9), tokenmill / llama.cpp
+throughput (target >= 3), GGUF / safetensors load (target <= 1.5).
+
+    python benchmarks/compare_llamacpp_gguf.py --json [--llama-python /work/llama-venv/bin/python]
+
+llama.cpp lives in its own venv (see ``compare_llamacpp.py`` for the build), reached only through a
+subprocess running this file with ``--worker``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+LLAMA_PYTHON = "/work/llama-venv/bin/python"
+DECODE_PROMPT, DECODE_TOKENS, PREFILL_TOKENS = 16, 128, 512
+Q4_K_M = 15  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M
+
+
+def workload(requests: int, vocab: int) -> tuple[list[list[int]], list[int]]:
+    from tokenmill.bench.workload import make_workload
+
+    work = make_workload(num_prompts=requests, vocab_size=vocab, seed=0)
+    return work.prompts, work.output_lens
+
+
+def tokenmill_task(spec: dict[str, Any]) -> dict[str, Any]:
+    from tokenmill import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model=spec["model"], cpu_threads=spec["threads"])
+    if spec["task"] == "load":
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
+        return {"load_to_first_token_s": time.perf_counter() - start}
+
+    def run(prompt: list[int], n: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        return time.perf_counter() - t
+
+    decode_prompt = list(range(100, 100 + DECODE_PROMPT))
+    run(decode_prompt, DECODE_TOKENS)  # warm-up
+    decode = [
+        (run(decode_prompt, DECODE_TOKENS) - run(decode_prompt, 1)) / (DECODE_TOKENS - 1)
+        for _ in range(spec["repeats"])
+    ]
+    prefill = [PREFILL_TOKENS / run(list(range(100, 100 + PREFILL_TOKENS)), 1) for _ in range(spec["repeats"])]
+    prompts, outs = workload(spec["requests"], spec["vocab"])
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs]
+    t = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return {
+        "decode_ms_per_token": 1000 * statistics.median(decode),
+        "prefill_tok_s": statistics.median(prefill),
+        "throughput_tok_s": sum(outs) / (time.perf_counter() - t),
+    }
+
+
+def llama_task(spec: dict[str, Any]) -> dict[str, Any]:
+    from llama_cpp import Llama
+
+    threads = spec["threads"]
+    llm = Llama(spec["model"], n_ctx=1024, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def run(prompt: list[int], n: int) -> float:
+        llm.reset()
+        t = time.perf_counter()
+        for i, _ in enumerate(llm.generate(prompt, temp=0, reset=True)):
+            if i + 1 == n:
+                break
+        return time.perf_counter() - t
+
+    decode_prompt = list(range(100, 100 + DECODE_PROMPT))
+    run(decode_prompt, DECODE_TOKENS)
+    decode = [
+        (run(decode_prompt, DECODE_TOKENS) - run(decode_prompt, 1)) / (DECODE_TOKENS - 1)
+        for _ in range(spec["repeats"])
+    ]
+    prefill = [PREFILL_TOKENS / run(list(range(100, 100 + PREFILL_TOKENS)), 1) for _ in range(spec["repeats"])]
+    prompts, outs = spec["prompts"], spec["outs"]
+    t = time.perf_counter()
+    for prompt, n in zip(prompts, outs):
+        run(prompt, n)
+    return {
+        "decode_ms_per_token": 1000 * statistics.median(decode),
+        "prefill_tok_s": statistics.median(prefill),
+        "throughput_tok_s": sum(outs) / (time.perf_counter() - t),
+    }
+
+
+def llama_quantize(spec: dict[str, Any]) -> dict[str, Any]:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = Q4_K_M
+    params.allow_requantize = True
+    params.nthread = spec["threads"]
+    code = llama_cpp.llama_model_quantize(spec["model"].encode(), spec["out"].encode(), params)
+    return {"rc": int(code)}
+
+
+def call(python: str, task: str, spec: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``task`` in a fresh process of ``python``; its one-line JSON answer."""
+    done = subprocess.run(
+        [python, __file__, "--worker", task, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{task} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def safetensors_copy(gguf: Path, out: Path) -> Path:
+    """The GGUF's model as a bf16 safetensors checkpoint (transformers dequantizes), written once."""
+    if not (out / "config.json").is_file():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+        model.save_pretrained(str(out))
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-python", default=LLAMA_PYTHON)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=64, help="throughput requests (default: %(default)s)")
+    parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "tokenmill-bench-gguf"))
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        task, spec = args.worker[0], json.loads(args.worker[1])
+        work = {"tokenmill": tokenmill_task, "llama": llama_task, "quantize": llama_quantize}[task]
+        print(json.dumps(work(spec)))
+        return
+
+    from tokenmill.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_FILE
+
+    work_dir = Path(args.work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    default = DEFAULT_MODEL_DIR / DEFAULT_MODEL_FILE
+    q4km = work_dir / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+    if not q4km.is_file():
+        call(args.llama_python, "quantize", {"model": str(default), "out": str(q4km), "threads": args.threads})
+    prompts, outs = workload(args.requests, 49152)
+    base = {"threads": args.threads, "repeats": args.repeats, "requests": args.requests, "vocab": 49152}
+    results: dict[str, Any] = {}
+    for name, path in (("Q4_1 (default model)", default), ("Q4_K_M", q4km)):
+        ours = call(sys.executable, "tokenmill", {**base, "model": str(path), "task": "bench"})
+        theirs = call(args.llama_python, "llama", {**base, "model": str(path), "prompts": prompts, "outs": outs})
+        results[name] = {
+            "tokenmill": ours,
+            "llama.cpp": theirs,
+            "decode_ratio": ours["decode_ms_per_token"] / theirs["decode_ms_per_token"],
+            "prefill_ratio": ours["prefill_tok_s"] / theirs["prefill_tok_s"],
+            "throughput_ratio": ours["throughput_tok_s"] / theirs["throughput_tok_s"],
+        }
+    folder = safetensors_copy(default, work_dir / "smollm2-135m-instruct-bf16")
+    loads = {}
+    for name, path, env in (
+        ("gguf, first run (empty cache)", default, {"TOKENMILL_CACHE_DIR": tempfile.mkdtemp(dir=work_dir)}),
+        ("gguf, converted", default, None),
+        ("safetensors bf16", folder, None),
+    ):
+        spec = {**base, "model": str(path), "task": "load"}
+        loads[name] = statistics.median(
+            call(sys.executable, "tokenmill", spec, env)["load_to_first_token_s"] for _ in range(args.repeats)
+        )
+    loads["ratio converted gguf / safetensors"] = loads["gguf, converted"] / loads["safetensors bf16"]
+    results["load_to_first_token_s"] = loads
+    print(json.dumps(results) if args.json else json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
