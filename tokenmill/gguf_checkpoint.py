@@ -29,6 +29,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 CONVERTER_VERSION = 1
 """Bump when the converted folder's contents change: old conversions are then redone."""
@@ -95,12 +96,17 @@ def read_index(folder: str | Path) -> dict | None:
 
 def convert(file: Path, folder: Path) -> None:
     """Write ``file``'s config, tokenizer and tensor index into ``folder`` (which exists)."""
-    from gguf import GGML_QUANT_SIZES, GGUFReader
+    from gguf import GGML_QUANT_SIZES
     from transformers import AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    size = file.stat().st_size
     try:
-        reader = GGUFReader(file)
+        reader = _reader(file)
+    except _Truncated as exc:
+        raise GGUFError(
+            f"{file} is truncated: it is {size} bytes long, its contents need at least {exc.args[0]}"
+        ) from None
     except Exception as exc:  # the gguf package raises ValueError, struct.error, IndexError... on bad bytes
         raise GGUFError(f"{file} is not a readable GGUF file: {exc}") from None
     arch = _field(reader, "general.architecture")
@@ -108,14 +114,10 @@ def convert(file: Path, folder: Path) -> None:
     if arch not in ARCHITECTURES or experts:
         kind = f"{arch!r} with {experts} experts (mixture-of-experts GGUF files)" if experts else repr(arch)
         raise GGUFError(f"{file}: architecture {kind} is not supported; supported: {', '.join(ARCHITECTURES)}")
-    size = file.stat().st_size
     tensors = []
     for tensor in reader.tensors:
         if tensor.tensor_type not in GGML_QUANT_SIZES:
             raise GGUFError(f"{file}: tensor {tensor.name!r} has an unknown type {tensor.tensor_type!r}")
-        end = int(tensor.data_offset) + int(tensor.n_bytes)
-        if end > size:
-            raise GGUFError(f"{file} is truncated: tensor {tensor.name!r} ends at byte {end}, the file has {size}")
         shape = [int(d) for d in reversed(tensor.shape.tolist())]
         tensors.append(
             {
@@ -138,6 +140,26 @@ def convert(file: Path, folder: Path) -> None:
     tokenizer.save_pretrained(str(folder))
     index = {"file": str(file.resolve()), "architecture": arch, "tied_output": tied, "tensors": tensors}
     (folder / INDEX_FILE).write_text(json.dumps(index))
+
+
+class _Truncated(Exception):
+    """A read past the end of the file; its argument: the byte the read needed the file to reach."""
+
+
+def _reader(file: Path) -> Any:  # a gguf.GGUFReader (gguf is imported on first use)
+    """``gguf.GGUFReader`` of ``file``, raising :class:`_Truncated` on a read past the end of the file
+    (gguf's own reader takes the short slice, then fails wherever it uses it, on array shapes)."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        def _get(self, offset: int, dtype: Any, count: int = 1, *args: Any, **kwargs: Any) -> Any:
+            end = offset + np.dtype(dtype).itemsize * int(count)
+            if end > self.data.size:
+                raise _Truncated(end)
+            return super()._get(offset, dtype, count, *args, **kwargs)
+
+    return Reader(file)
 
 
 def _field(reader, key: str):  # noqa: ANN001, ANN202 (gguf's reader types)

@@ -77,6 +77,12 @@ def load_gguf(model: CausalLM, index: dict) -> None:
             f"{tensors.file}: unexpected tensor {unexpected[0]!r} (not part of a {model.config.architecture})"
         )
     targets = checkpoint_targets(model)
+    for hf_name, target in targets.items():  # first: undoing the conversion and joining shards assume the shapes
+        gguf_name = names[hf_name]
+        shape = tuple(tensors.entries[gguf_name]["shape"])
+        if shape != target.shape and not model.skips_weight(hf_name):
+            where = f"{tensors.file}: tensor {gguf_name!r} (for {hf_name!r})"
+            raise WeightError(f"{where} has shape {shape}, expected {target.shape}")
     quantized = _quantized_projections(model, targets, names, tensors)
     for module, _ in quantized:
         del module.weight  # never allocated: the file's quantized data replaces it
