@@ -1,0 +1,287 @@
+"""GGUF files end to end: tiny random models written as llama.cpp's converter writes them
+(``tests/gguf_files.py``) run in tokenmill as transformers runs them (its own GGUF loader, which
+dequantizes, is the oracle), their tokenizer and chat template are transformers', and bad files are
+clear errors raised by ``LLM(model=...)``."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.gguf_files import F32, gguf_tensors, save_gguf, tiny_gguf_model, write_gguf
+from tests.model.test_parity import assert_counting_prompts_match
+from tests.tiny_models import hf_greedy
+from tokenmill import LLM, SamplingParams
+from tokenmill.default_model import TINY_MODEL_DIR
+from tokenmill.gguf_checkpoint import GGUFError, checkpoint_folder
+from tokenmill.model.loader import load_model
+from tokenmill.model.weights import WeightError
+
+Q = GGMLQuantizationType
+NAME = "tiny.gguf"
+ENGINE_PROMPTS = [[5, 6, 7], list(range(3, 30))]
+ENGINE_TOKENS = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Conversions go to a temporary cache, never ``~/.cache``."""
+    root = tmp_path_factory.mktemp("tokenmill-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TOKENMILL_CACHE_DIR", str(root))
+        yield root
+
+
+@pytest.fixture(scope="module")
+def llama_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An F32 Llama (GQA, untied) GGUF file, alone in its folder."""
+    path = tmp_path_factory.mktemp("llama") / NAME
+    save_gguf(path, "llama")
+    return path
+
+
+def transformers_model(path: Path) -> transformers.PreTrainedModel:
+    """transformers' model of the GGUF file ``path`` in fp32 (never stopping at EOS)."""
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+@contextmanager
+def running(model: Path) -> Iterator[LLM]:
+    """``LLM(model=...)`` in fp32, shut down on leaving."""
+    llm = LLM(model=str(model), dtype="float32")
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    """``llm``'s greedy tokens for ENGINE_PROMPTS."""
+    params = SamplingParams(max_tokens=ENGINE_TOKENS, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(ENGINE_PROMPTS, params, use_tqdm=False)]
+
+
+F32_CASES = {
+    "llama_gqa_untied": ("llama", dict(tie_word_embeddings=False)),
+    "llama_gqa_tied_head_dim": ("llama", dict(tie_word_embeddings=True, head_dim=24)),
+    "qwen2_qkv_bias_tied": ("qwen2", dict(tie_word_embeddings=True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(F32_CASES))
+def test_f32_file_matches_transformers(case: str, tmp_path: Path) -> None:
+    """An F32 file reads back in transformers as the model it was written from (the writer is
+    faithful), and tokenmill's prefill logits (to 1e-4) and greedy tokens, through the KV cache and
+    through ``LLM``, equal transformers' on it."""
+    kind, overrides = F32_CASES[case]
+    original = save_gguf(tmp_path / NAME, kind, **overrides)
+    reference = transformers_model(tmp_path / NAME)
+    written, read = original.state_dict(), reference.state_dict()
+    assert written.keys() == read.keys() and all(torch.equal(written[k], read[k]) for k in written)
+    model = load_model(checkpoint_folder(tmp_path / NAME), torch.float32, "cpu")
+    assert model.config.tie_word_embeddings is False  # the head loads from token_embd.weight when tied
+    assert_counting_prompts_match(model, reference)
+    with running(tmp_path / NAME) as llm:
+        assert greedy(llm) == [hf_greedy(reference, p, ENGINE_TOKENS) for p in ENGINE_PROMPTS]
+
+
+QUANTIZED_CASES = {
+    "q8_0_tied_q8_0_embeddings": (Q.Q8_0, Q.Q8_0, True),
+    "q4_0_untied": (Q.Q4_0, F32, False),
+    "q4_1_untied_q4_1_head": (Q.Q4_1, Q.Q4_1, False),
+    "q5_0_dequantized": (Q.Q5_0, F32, False),
+}
+"""Projection type, embedding (and untied head) type, tied embeddings."""
+
+
+@pytest.mark.parametrize("case", sorted(QUANTIZED_CASES))
+def test_quantized_file_matches_transformers_on_its_dequantized_weights(case: str, tmp_path: Path) -> None:
+    """A Llama with quantized projections: Q8_0/Q4_0/Q4_1 ones (and a Q8_0/Q4_1 LM head, tied or
+    not) stay quantized, Q5_0 ones are dequantized; either way tokenmill's logits (to 1e-4) and
+    greedy tokens equal transformers', which dequantizes every tensor."""
+    projection_type, embedding_type, tied = QUANTIZED_CASES[case]
+    save_gguf(tmp_path / NAME, "llama", projection_type, embedding_type, tie_word_embeddings=tied)
+    reference = transformers_model(tmp_path / NAME)
+    model = load_model(checkpoint_folder(tmp_path / NAME), torch.float32, "cpu")
+    bits = None if projection_type == Q.Q5_0 else 8 if projection_type == Q.Q8_0 else 4
+    for layer in model.model.layers:
+        for projection in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        ):
+            assert hasattr(projection, "weight") == (bits is None)
+            assert (projection.quantization and projection.quantization.bits) == bits
+    assert (model.lm_head.quantization is not None) == (embedding_type != F32)
+    assert_counting_prompts_match(model, reference)
+    with running(tmp_path / NAME) as llm:
+        assert greedy(llm) == [hf_greedy(reference, p, ENGINE_TOKENS) for p in ENGINE_PROMPTS]
+
+
+TEXTS = [
+    "def add(x, y):\n    return x + y\n",
+    "  héllo wörld 😀 ½",
+    "<|user|>hi<|end|>",
+    "",
+]
+CONVERSATION = [
+    {"role": "system", "content": "Write Python."},
+    {"role": "user", "content": "def f(x):"},
+    {"role": "assistant", "content": "    return x"},
+]
+
+
+def test_tokenizer_and_chat_template_are_transformers(tmp_path: Path) -> None:
+    """tokenmill's tokenizer of a GGUF file (the tiny tokenizer's whole vocabulary) encodes, decodes
+    and renders the chat template as transformers' tokenizer of the file does, which tokenizes as the
+    tokenizer the file was written from; ``LLM.chat`` prompts are those ids; the EOS id is the file's."""
+    source = AutoTokenizer.from_pretrained(str(TINY_MODEL_DIR))
+    save_gguf(tmp_path / NAME, "llama", vocab_size=len(source))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=NAME)
+    with running(tmp_path / NAME) as llm:
+        ours = llm.engine.tokenizer
+        assert len(ours.hf) == len(theirs) == len(source)
+        for text in TEXTS:
+            ids = ours.encode(text)
+            assert ids == theirs.encode(text) == source.encode(text)
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+        assert ours.decode(ours.encode(TEXTS[1])) == TEXTS[1]
+        rendered = theirs.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=False)
+        assert rendered == source.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=False)
+        expected = theirs.encode(rendered, add_special_tokens=False)
+        assert ours.apply_chat_template(CONVERSATION) == expected
+        (out,) = llm.chat(CONVERSATION, SamplingParams(max_tokens=1), use_tqdm=False)
+        assert out.prompt_token_ids == expected
+        # the file's control tokens are special: typed in a message, one is text, not a turn marker
+        end = theirs.convert_tokens_to_ids("<|end|>")
+        assert ours.apply_chat_template([{"role": "user", "content": "<|end|>"}]).count(end) == 1
+        assert llm.engine.eos_token_ids == {theirs.eos_token_id} == {0}
+
+
+def not_gguf(path: Path) -> None:
+    """Random bytes."""
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+
+
+def truncated(keep: Callable[[int], int]) -> Callable[[Path], None]:
+    """A writer of the tiny Llama cut to its first ``keep(size)`` bytes."""
+
+    def write(path: Path) -> None:
+        save_gguf(path, "llama")
+        data = path.read_bytes()
+        path.write_bytes(data[: keep(len(data))])
+
+    return write
+
+
+def architecture(name: str) -> Callable[[Path], None]:
+    """A writer of the tiny Llama's tensors and metadata as architecture ``name``."""
+
+    def write(path: Path) -> None:
+        hf_model = tiny_gguf_model("llama")
+        write_gguf(path, hf_model.config, gguf_tensors(hf_model, "llama"), name)
+
+    return write
+
+
+def edited(
+    edit: Callable[[dict[str, np.ndarray]], None], projection_type: GGMLQuantizationType = F32
+) -> Callable[[Path], None]:
+    """A writer of the tiny Llama with its GGUF tensors changed by ``edit`` first."""
+
+    def write(path: Path) -> None:
+        hf_model = tiny_gguf_model("llama")
+        tensors = gguf_tensors(hf_model, "llama")
+        edit(tensors)
+        write_gguf(path, hf_model.config, tensors, "llama", projection_type)
+
+    return write
+
+
+def cut(name: str, rows: int | None = None, columns: int | None = None) -> Callable[[dict[str, np.ndarray]], None]:
+    """An edit keeping tensor ``name``'s first ``rows`` rows and ``columns`` columns (None: all)."""
+
+    def edit(tensors: dict[str, np.ndarray]) -> None:
+        tensors[name] = tensors[name][:rows, :columns]
+
+    return edit
+
+
+BAD_FILES = {
+    "not_gguf": (not_gguf, GGUFError, "is not a readable GGUF file"),
+    "truncated_in_half": (truncated(lambda size: size // 2), GGUFError, r"is truncated: it is \d+ bytes long"),
+    "truncated_in_metadata": (truncated(lambda size: 1000), GGUFError, "is truncated: it is 1000 bytes long"),
+    "unknown_architecture_bloom": (architecture("bloom"), GGUFError, "architecture 'bloom' is not supported"),
+    "made_up_architecture": (architecture("frobnicator"), GGUFError, "architecture 'frobnicator' is not supported"),
+    "k_rows_not_head_count_kv": (
+        edited(cut("blk.0.attn_k.weight", rows=24)),
+        WeightError,
+        r"'blk\.0\.attn_k\.weight' \(for 'model\.layers\.0\.self_attn\.k_proj\.weight'\) has shape \(24, 64\), "
+        r"expected \(32, 64\)",
+    ),
+    "q_rows_not_whole_heads": (
+        edited(cut("blk.1.attn_q.weight", rows=60)),
+        WeightError,
+        r"'blk\.1\.attn_q\.weight' \(for 'model\.layers\.1\.self_attn\.q_proj\.weight'\) has shape \(60, 64\), "
+        r"expected \(64, 64\)",
+    ),
+    "quantized_columns_not_embedding_length": (
+        edited(cut("blk.1.ffn_up.weight", columns=32), Q.Q8_0),
+        WeightError,
+        r"'blk\.1\.ffn_up\.weight' \(for 'model\.layers\.1\.mlp\.up_proj\.weight'\) has shape \(96, 32\), "
+        r"expected \(96, 64\)",
+    ),
+    "missing_tensor": (
+        edited(lambda tensors: tensors.pop("blk.1.ffn_down.weight")),
+        WeightError,
+        r"no tensor for 'model\.layers\.1\.mlp\.down_proj\.weight' \(GGUF name 'blk\.1\.ffn_down\.weight'\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_bad_files_are_clear_errors_from_llm(case: str, tmp_path: Path, cache_dir: Path) -> None:
+    """Each bad file is an error naming the file and its problem, raised by ``LLM(model=...)``; a
+    conversion that fails leaves nothing in the cache."""
+    write, error, message = BAD_FILES[case]
+    path = tmp_path / f"{case}.gguf"
+    write(path)
+    before = set((cache_dir / "gguf").glob("*")) if (cache_dir / "gguf").is_dir() else set()
+    with pytest.raises(error, match=message) as raised:
+        LLM(model=str(path), dtype="float32")
+    assert str(path) in str(raised.value)
+    if error is GGUFError:
+        after = set((cache_dir / "gguf").glob("*")) if (cache_dir / "gguf").is_dir() else set()
+        assert after == before
+
+
+def test_a_folder_of_two_gguf_files_is_refused(llama_file: Path, tmp_path: Path) -> None:
+    """A folder with two ``.gguf`` files names both and asks for one."""
+    shutil.copy(llama_file, tmp_path / "a.gguf")
+    shutil.copy(llama_file, tmp_path / "b.gguf")
+    with pytest.raises(GGUFError, match=r"holds 2 \.gguf files \(a\.gguf, b\.gguf\): name one"):
+        LLM(model=str(tmp_path), dtype="float32")
+
+
+def test_a_folder_of_one_gguf_file_is_that_file(llama_file: Path) -> None:
+    """``LLM(model=folder)`` runs the folder's one GGUF file, from the same converted folder and
+    with the same tokens as ``LLM(model=file)``; the served name is the file's stem for a file path,
+    the folder's name for a folder."""
+    with running(llama_file) as by_file, running(llama_file.parent) as by_folder:
+        assert by_file.engine.config.model_name() == "tiny"
+        assert by_folder.engine.config.model_name() == llama_file.parent.name
+        assert by_folder.engine.config.model_path() == by_file.engine.config.model_path()
+        assert greedy(by_folder) == greedy(by_file)
