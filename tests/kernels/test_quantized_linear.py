@@ -148,11 +148,18 @@ def test_panels_put_a_panels_quad_in_one_vector_and_round_trip(bits: int) -> Non
         to_panels(quantize(torch.randn(40, 128), QuantScheme(bits, 32, symmetric=bits == 8)))
 
 
-def test_activation_quantization_rounds_each_block_to_127_steps_of_its_absmax() -> None:
-    x = torch.tensor([[0.0, 0.3, -2.54, 0.5, 0.0, 0.0, 0.0, 0.0]])
+def test_activation_quantization_keeps_each_block_to_a_508th_of_its_step() -> None:
+    """Two int8 passes: hi = round(x / s) with s = absmax / 127, then the residual in 254ths of s."""
+    x = torch.tensor([[0.0, 0.3, -2.54, 0.5, 0.0, 0.0, 0.0, 0.0], [0.31, 1.0, -0.004, 0.2, 0, 0, 0, 0]])
     step = 2.54 / 127
-    expected = torch.tensor([[0.0, 15 * step, -2.54, 25 * step, 0.0, 0.0, 0.0, 0.0]])  # 0.3 / step = 15.0
-    torch.testing.assert_close(fake_quantize_activations(x, 4), expected)
+    first_pass = torch.tensor([[0.0, 15 * step, -2.54, 25 * step]])  # 0.3 / step = 15.0: no residual
+    got = fake_quantize_activations(x, 4)
+    torch.testing.assert_close(got[:1, :4], first_pass)
+    absmax = torch.tensor([[2.54, 0.0], [1.0, 0.0]])  # per block of 4
+    fine = (absmax / 127 / 254).repeat_interleave(4, dim=1)
+    assert ((got - x).abs() <= fine / 2 + 1e-7).all()
+    hi_only = torch.round(x[1, :4] / (1.0 / 127)) * (1.0 / 127)
+    assert (got[1, :4] - x[1, :4]).abs().sum() < (hi_only - x[1, :4]).abs().sum() / 100
     assert activation_block(64, 256) == 64 and activation_block(256, 256) == 128 and activation_block(160, 160) == 32
 
 

@@ -143,13 +143,23 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([runs & 15, runs >> 4], dim=2).reshape(n, 2 * half)
 
 
+ACTIVATION_RESIDUAL_STEPS = 254
+"""The panels kernel's second int8 pass counts the first pass's rounding residual in this many
+parts of its step (the residual is at most half a step, so it fits in [-127, 127])."""
+
+
 def fake_quantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:
-    """``x [..., K]`` (float) as the panels layout's kernel sees it: each block of ``block`` values
-    of a row quantized to int8 (symmetric, scale = absmax / 127, ``torch.round``: half to even) and
-    dequantized, in fp32."""
+    """``x [..., K]`` (float) as the panels layout's kernel sees it, in fp32: each block of ``block``
+    values of a row has the step ``s = absmax / 127`` and two int8 passes, ``hi = round(x / s)`` and
+    ``lo = round((x - hi s) / (s / 254))`` (``torch.round``: half to even), dequantized as
+    ``hi s + lo s / 254``."""
     blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
     scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
-    return (torch.round(blocks / _nonzero(scale)) * scale).reshape(x.shape)
+    step = _nonzero(scale)
+    hi = torch.round(blocks / step)
+    fine = step / ACTIVATION_RESIDUAL_STEPS
+    lo = torch.round(torch.addcmul(blocks, hi, step, value=-1) / fine)
+    return (hi * scale + lo * (scale / ACTIVATION_RESIDUAL_STEPS)).reshape(x.shape)
 
 
 def to_panels(tensors: QuantizedTensors) -> QuantizedTensors:

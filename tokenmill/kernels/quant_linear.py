@@ -6,7 +6,8 @@ On CPU with the C++ kernels built (fp32 or bf16 input), ``quantized_linear`` of 
   oneDNN; either way the result is ``x @ dequantize(weight).T + bias``, the contract of ``F.linear``
   on the dequantized weight (to fp32 rounding: the kernel sums in its own order);
 - panels layout (made only where :func:`int8_dot_products`), any rows: each row of x is first
-  quantized to int8 per block of :func:`activation_block` values (``quant_format.fake_quantize_activations``)
+  quantized per block of :func:`activation_block` values to two int8 passes, the value and its
+  rounding residual (``quant_format.fake_quantize_activations``: to 1/508 of the block's int8 step),
   and multiplied in integers, streaming the packed weight: the result is ``F.linear`` of those
   dequantized activations on the dequantized weight (to fp32 rounding).
 Elsewhere (GPU, other dtypes, no compiler) the weight is dequantized in torch for each call (and

@@ -13,8 +13,8 @@ are then moved into one fresh huge-page mapping, which frees the full-precision 
 
 The layout (``quant_format``) is chosen per model: a bf16 model on a CPU with the int8 kernel
 (AVX512-VNNI) keeps the projections whose output width is a multiple of 16 in the panels layout
-(activations quantized to int8 per block, integer products); fp32 models, other CPUs and other
-widths keep the rows layout (fp32 products on the dequantized values).
+(activations quantized per block to two int8 passes, value and residual; integer products); fp32
+models, other CPUs and other widths keep the rows layout (fp32 products on the dequantized values).
 """
 
 from __future__ import annotations

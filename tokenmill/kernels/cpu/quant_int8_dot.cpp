@@ -1,18 +1,21 @@
 // Products with a panels-layout quantized weight whose activations are quantized to int8 first
 // (quant_packed.h's int8_dot_product). Each row of x is cut into blocks (a weight group, or 128
-// values of a per-channel int8 row), each block gets one fp32 scale. The weight is read a panel of
-// 16 rows at a time, one quad of K (4 values) per 16-lane vector, so one vpdpbusd multiplies the
-// panel's quad (unsigned bytes) by a row's 4 activation bytes broadcast (signed), summing into the
-// panel's 16 int32 outputs: no horizontal sums. An int4 byte is its value 0..15 as is; an int8
-// weight v is fed as the unsigned byte v + 128 and 128 x the block's sum of activation bytes is
-// taken off again, in int32. Once per block the integer sums are converted and scaled (an int4
-// group's min multiplies the block's dequantized activation sum). The integer sums are exact, so
-// the result is the fp32 product of the dequantized activations with the dequantized weight up to
-// summation order.
+// values of a per-channel int8 row), each block gets one fp32 scale s = absmax / 127 and two int8
+// passes: hi = round(x / s) and lo = round((x - hi s) / (s / 254)), the residual in 254ths of a step
+// (|lo| <= 127), so x is represented to s / 508 (about 15 bits of the block's range, finer than
+// bf16's 8). The weight is read a panel of 16 rows at a time, one quad of K (4 values) per 16-lane
+// vector, so one vpdpbusd multiplies the panel's quad (unsigned bytes) by a row's 4 activation bytes
+// broadcast (signed), summing into the panel's 16 int32 outputs: no horizontal sums; each quad
+// runs against both passes. An int4 byte is its value 0..15 as is; an int8 weight v is fed as the
+// unsigned byte v + 128 and 128 x the block's sum of activation bytes is taken off again, in int32.
+// Once per block the two sums are joined exactly in int32 (254 hi + lo), converted and scaled by
+// s / 254 (an int4 group's min multiplies the block's dequantized activation sum). The integer sums
+// are exact, so the result is the fp32 product of the dequantized activations with the dequantized
+// weight up to summation order.
 //   Work split: x is taken kChunkRows rows at a time (its int8 bytes stay in cache); for each chunk
-//   threads take pairs of panels (32 output columns), running the chunk's rows 6 at a time (the
-//   tile: 6 x 2 int32 and 6 x 2 fp32 accumulators in registers) against the pair's packed bytes,
-//   read from memory once per chunk and from cache for the further row tiles.
+//   threads take pairs of panels (32 output columns), running the chunk's rows 4 at a time (the
+//   tile: 4 x 2 x 2 int32 and 4 x 2 fp32 accumulators in registers) against the pair's packed
+//   bytes, read from memory once per chunk and from cache for the further row tiles.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -40,15 +43,18 @@ int64_t activation_block(int64_t group, int64_t k_dim) {
 
 namespace {
 
-constexpr int kTileRows = 6;  // rows of x per tile
+constexpr int kTileRows = 4;  // rows of x per tile
 constexpr int kTilePanels = 2;  // panels per tile (and per work item)
 constexpr int64_t kChunkRows = 192;  // rows of x per pass over the weight
 
-// x quantized per block: q int8 [M, K]; per block its scale and the sum of its bytes.
+constexpr float kResidualSteps = 254.f;  // lo's unit: a 254th of hi's step
+
+// x quantized per block: hi and lo int8 [M, K]; per block its scale, the sums of hi's and lo's
+// bytes, and the dequantized block's sum.
 struct QuantizedRows {
-  std::vector<int8_t> q;
-  std::vector<float> scale;
-  std::vector<int32_t> q_sum;
+  std::vector<int8_t> hi, lo;
+  std::vector<float> scale, x_sum;
+  std::vector<int32_t> hi_sum, lo_sum;
   int64_t block, blocks_per_row;
 };
 
@@ -57,25 +63,38 @@ QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t 
   QuantizedRows a;
   a.block = block;
   a.blocks_per_row = k_dim / block;
-  a.q.resize(m_rows * k_dim);
+  a.hi.resize(m_rows * k_dim);
+  a.lo.resize(m_rows * k_dim);
   a.scale.resize(m_rows * a.blocks_per_row);
-  a.q_sum.resize(a.scale.size());
+  a.x_sum.resize(a.scale.size());
+  a.hi_sum.resize(a.scale.size());
+  a.lo_sum.resize(a.scale.size());
   at::parallel_for(0, m_rows * a.blocks_per_row, 256, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const In* xb = x + b * block;  // rows are contiguous: block b of the whole [M, K]
       __m512 absmax = _mm512_setzero_ps();
       for (int64_t k = 0; k < block; k += 16) absmax = _mm512_max_ps(absmax, _mm512_abs_ps(tokenmill_simd::load16(xb + k)));
       const float scale = _mm512_reduce_max_ps(absmax) / 127.f;
-      const __m512 divisor = _mm512_set1_ps(scale == 0.f ? 1.f : scale);
-      __m512i q_total = _mm512_setzero_si512();
+      const float step = scale == 0.f ? 1.f : scale;
+      const __m512 divisor = _mm512_set1_ps(step), lo_divisor = _mm512_set1_ps(step / kResidualSteps);
+      __m512i hi_total = _mm512_setzero_si512(), lo_total = _mm512_setzero_si512();
       for (int64_t k = 0; k < block; k += 16) {
-        // IEEE division and the default rounding (to nearest, ties to even), as torch.round(x / scale)
-        const __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(tokenmill_simd::load16(xb + k), divisor));
-        q_total = _mm512_add_epi32(q_total, q);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + b * block + k), _mm512_cvtepi32_epi8(q));
+        // IEEE division and the default rounding (to nearest, ties to even), as torch.round(x / scale);
+        // the residual x - hi s exactly (one rounding, fma)
+        const __m512 xv = tokenmill_simd::load16(xb + k);
+        const __m512 hi_f = _mm512_roundscale_ps(_mm512_div_ps(xv, divisor), _MM_FROUND_TO_NEAREST_INT);
+        const __m512 residual = _mm512_fnmadd_ps(hi_f, divisor, xv);
+        const __m512i hi = _mm512_cvtps_epi32(hi_f);
+        const __m512i lo = _mm512_cvtps_epi32(_mm512_div_ps(residual, lo_divisor));
+        hi_total = _mm512_add_epi32(hi_total, hi);
+        lo_total = _mm512_add_epi32(lo_total, lo);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(a.hi.data() + b * block + k), _mm512_cvtepi32_epi8(hi));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(a.lo.data() + b * block + k), _mm512_cvtepi32_epi8(lo));
       }
       a.scale[b] = scale;
-      a.q_sum[b] = _mm512_reduce_add_epi32(q_total);
+      a.hi_sum[b] = _mm512_reduce_add_epi32(hi_total);
+      a.lo_sum[b] = _mm512_reduce_add_epi32(lo_total);
+      a.x_sum[b] = scale * static_cast<float>(a.hi_sum[b]) + scale / kResidualSteps * static_cast<float>(a.lo_sum[b]);
     }
   });
   return a;
@@ -98,19 +117,24 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
     for (int j = 0; j < kPanels; ++j) acc[m][j] = _mm512_setzero_ps();
   }
   const int64_t quads_per_row = p.k_dim / 4, quads_per_block = a.block / 4, blocks_per_group = p.group / a.block;
-  const int32_t* x_quads = reinterpret_cast<const int32_t*>(a.q.data());  // a row's 4 bytes of one quad
+  const int32_t* hi_quads = reinterpret_cast<const int32_t*>(a.hi.data());  // a row's 4 bytes of one quad
+  const int32_t* lo_quads = reinterpret_cast<const int32_t*>(a.lo.data());
   for (int64_t b = 0; b < a.blocks_per_row; ++b) {
-    __m512i dots[kRows][kPanels];
+    __m512i hi_dots[kRows][kPanels], lo_dots[kRows][kPanels];
     for (int m = 0; m < kRows; ++m) {
-      for (int j = 0; j < kPanels; ++j) dots[m][j] = _mm512_setzero_si512();
+      for (int j = 0; j < kPanels; ++j) hi_dots[m][j] = lo_dots[m][j] = _mm512_setzero_si512();
     }
     for (int64_t t = b * quads_per_block; t < (b + 1) * quads_per_block; ++t) {
       __m512i w[kPanels];
       for (int j = 0; j < kPanels; ++j) w[j] = panel_quad(p, panel0 + j, t);
-#pragma GCC unroll 6
+#pragma GCC unroll 4
       for (int m = 0; m < kRows; ++m) {
-        const __m512i x = _mm512_set1_epi32(x_quads[(m0 + m) * quads_per_row + t]);
-        for (int j = 0; j < kPanels; ++j) dots[m][j] = _mm512_dpbusd_epi32(dots[m][j], w[j], x);
+        const __m512i hi = _mm512_set1_epi32(hi_quads[(m0 + m) * quads_per_row + t]);
+        const __m512i lo = _mm512_set1_epi32(lo_quads[(m0 + m) * quads_per_row + t]);
+        for (int j = 0; j < kPanels; ++j) {
+          hi_dots[m][j] = _mm512_dpbusd_epi32(hi_dots[m][j], w[j], hi);
+          lo_dots[m][j] = _mm512_dpbusd_epi32(lo_dots[m][j], w[j], lo);
+        }
       }
     }
     const int64_t g = p.groups_per_row == 1 ? 0 : b / blocks_per_group;
@@ -120,19 +144,21 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
       w_scale[j] = _mm512_loadu_ps(p.scale + at);
       if (p.min != nullptr) w_min[j] = _mm512_loadu_ps(p.min + at);
     }
-#pragma GCC unroll 6
+    const __m512i residual_steps = _mm512_set1_epi32(static_cast<int32_t>(kResidualSteps));
+#pragma GCC unroll 4
     for (int m = 0; m < kRows; ++m) {
       const int64_t ab = (m0 + m) * a.blocks_per_row + b;
-      const __m512 x_scale = _mm512_set1_ps(a.scale[ab]);
+      const __m512 x_scale = _mm512_set1_ps(a.scale[ab] / kResidualSteps);
       for (int j = 0; j < kPanels; ++j) {
         const __m512 scale = _mm512_mul_ps(w_scale[j], x_scale);
-        if (p.min != nullptr) {  // + min * the block's dequantized activation sum
-          acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[m][j]), scale, acc[m][j]);
-          acc[m][j] = _mm512_fmadd_ps(w_min[j], _mm512_set1_ps(a.scale[ab] * static_cast<float>(a.q_sum[ab])), acc[m][j]);
-        } else {  // int8: the bytes were v + 128
-          const __m512i exact = _mm512_sub_epi32(dots[m][j], _mm512_set1_epi32(128 * a.q_sum[ab]));
-          acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[m][j]);
+        __m512i hi = hi_dots[m][j], lo = lo_dots[m][j];
+        if (p.min == nullptr) {  // int8: the bytes were v + 128
+          hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(128 * a.hi_sum[ab]));
+          lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(128 * a.lo_sum[ab]));
         }
+        const __m512i joined = _mm512_add_epi32(_mm512_mullo_epi32(hi, residual_steps), lo);  // exact: < 2^30
+        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(joined), scale, acc[m][j]);
+        if (p.min != nullptr) acc[m][j] = _mm512_fmadd_ps(w_min[j], _mm512_set1_ps(a.x_sum[ab]), acc[m][j]);
       }
     }
   }
@@ -150,8 +176,6 @@ void panel_rows(const Packed& p, const QuantizedRows& a, const float* bias, int6
   int64_t m0 = m_begin;
   for (; m0 + kTileRows <= m_end; m0 += kTileRows) panel_tile<kTileRows, kPanels>(p, a, bias, m0, panel0, y);
   switch (m_end - m0) {
-    case 5: panel_tile<5, kPanels>(p, a, bias, m0, panel0, y); break;
-    case 4: panel_tile<4, kPanels>(p, a, bias, m0, panel0, y); break;
     case 3: panel_tile<3, kPanels>(p, a, bias, m0, panel0, y); break;
     case 2: panel_tile<2, kPanels>(p, a, bias, m0, panel0, y); break;
     case 1: panel_tile<1, kPanels>(p, a, bias, m0, panel0, y); break;
