@@ -8,7 +8,7 @@ a fresh process, never together. Per engine and file:
 
 - ``decode_ms_per_token``: a 16-token prompt then 128 tokens, EOS ignored; (time of 128 - time of
   the prompt's first token) / 127, median of ``--repeats`` after a warm-up;
-- ``prefill_tok_s``: a 512-token prompt, one output token;
+- ``prefill_tok_s``: a 512-token prompt (a new one each repeat), one output token;
 - ``throughput_tok_s``: output tokens/s over the reference workload's lengths (``--requests``
   requests, prompts 32-512 tokens, outputs 32-256; tokenmill: all submitted at once; llama.cpp,
   whose Python binding serves one sequence at a time: one after another, its best setting here);
@@ -50,6 +50,11 @@ def workload(requests: int, vocab: int) -> tuple[list[list[int]], list[int]]:
     return work.prompts, work.output_lens
 
 
+def fresh_prompt(repeat: int) -> list[int]:
+    """A 512-token prompt of its own per repeat (no prefix-cache hit between them)."""
+    return [1000 + repeat * PREFILL_TOKENS + i for i in range(PREFILL_TOKENS)]
+
+
 def tokenmill_task(spec: dict[str, Any]) -> dict[str, Any]:
     from tokenmill import LLM, SamplingParams
 
@@ -71,7 +76,7 @@ def tokenmill_task(spec: dict[str, Any]) -> dict[str, Any]:
         (run(decode_prompt, DECODE_TOKENS) - run(decode_prompt, 1)) / (DECODE_TOKENS - 1)
         for _ in range(spec["repeats"])
     ]
-    prefill = [PREFILL_TOKENS / run(list(range(100, 100 + PREFILL_TOKENS)), 1) for _ in range(spec["repeats"])]
+    prefill = [PREFILL_TOKENS / run(fresh_prompt(r), 1) for r in range(spec["repeats"])]
     prompts, outs = workload(spec["requests"], spec["vocab"])
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs]
     t = time.perf_counter()
@@ -103,7 +108,7 @@ def llama_task(spec: dict[str, Any]) -> dict[str, Any]:
         (run(decode_prompt, DECODE_TOKENS) - run(decode_prompt, 1)) / (DECODE_TOKENS - 1)
         for _ in range(spec["repeats"])
     ]
-    prefill = [PREFILL_TOKENS / run(list(range(100, 100 + PREFILL_TOKENS)), 1) for _ in range(spec["repeats"])]
+    prefill = [PREFILL_TOKENS / run(fresh_prompt(r), 1) for r in range(spec["repeats"])]
     prompts, outs = spec["prompts"], spec["outs"]
     t = time.perf_counter()
     for prompt, n in zip(prompts, outs):
@@ -141,12 +146,21 @@ def call(python: str, task: str, spec: dict[str, Any], env: dict[str, str] | Non
 
 def safetensors_copy(gguf: Path, out: Path) -> Path:
     """The GGUF's model as a bf16 safetensors checkpoint (transformers dequantizes), written once."""
-    if not (out / "config.json").is_file():
+    if not (out / "model.safetensors").is_file():
         import torch
+        from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
-        model.save_pretrained(str(out))
+        out.mkdir(parents=True, exist_ok=True)
+        config = model.config.to_dict()  # (save_pretrained refuses a model loaded from GGUF)
+        config.pop("quantization_config", None)  # the saved weights are plain bf16
+        config["architectures"] = [type(model).__name__]
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+        tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if config.get("tie_word_embeddings"):
+            del tensors["lm_head.weight"]  # the embedding table's copy
+        save_file(tensors, str(out / "model.safetensors"))
         AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
     return out
 
@@ -158,6 +172,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=64, help="throughput requests (default: %(default)s)")
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "tokenmill-bench-gguf"))
+    parser.add_argument("--parts", nargs="+", choices=["engines", "load"], default=["engines", "load"])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -178,7 +193,7 @@ def main() -> None:
     prompts, outs = workload(args.requests, 49152)
     base = {"threads": args.threads, "repeats": args.repeats, "requests": args.requests, "vocab": 49152}
     results: dict[str, Any] = {}
-    for name, path in (("Q4_1 (default model)", default), ("Q4_K_M", q4km)):
+    for name, path in (("Q4_1 (default model)", default), ("Q4_K_M", q4km)) if "engines" in args.parts else ():
         ours = call(sys.executable, "tokenmill", {**base, "model": str(path), "task": "bench"})
         theirs = call(args.llama_python, "llama", {**base, "model": str(path), "prompts": prompts, "outs": outs})
         results[name] = {
@@ -188,20 +203,29 @@ def main() -> None:
             "prefill_ratio": ours["prefill_tok_s"] / theirs["prefill_tok_s"],
             "throughput_ratio": ours["throughput_tok_s"] / theirs["throughput_tok_s"],
         }
+        print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)  # progress: a run takes minutes
+    if "load" in args.parts:
+        results["load_to_first_token_s"] = load_times(default, work_dir, base, args.repeats)
+    print(json.dumps(results) if args.json else json.dumps(results, indent=1))
+
+
+def load_times(default: Path, work_dir: Path, base: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Seconds from a fresh process's ``LLM(model=...)`` to its first token, median of ``repeats``."""
     folder = safetensors_copy(default, work_dir / "smollm2-135m-instruct-bf16")
     loads = {}
-    for name, path, env in (
-        ("gguf, first run (empty cache)", default, {"TOKENMILL_CACHE_DIR": tempfile.mkdtemp(dir=work_dir)}),
-        ("gguf, converted", default, None),
-        ("safetensors bf16", folder, None),
+    for name, path, fresh_cache in (
+        ("gguf, first run (empty cache)", default, True),
+        ("gguf, converted", default, False),
+        ("safetensors bf16", folder, False),
     ):
         spec = {**base, "model": str(path), "task": "load"}
-        loads[name] = statistics.median(
-            call(sys.executable, "tokenmill", spec, env)["load_to_first_token_s"] for _ in range(args.repeats)
-        )
+        times = []
+        for _ in range(repeats):
+            env = {"TOKENMILL_CACHE_DIR": tempfile.mkdtemp(dir=work_dir)} if fresh_cache else None
+            times.append(call(sys.executable, "tokenmill", spec, env)["load_to_first_token_s"])
+        loads[name] = statistics.median(times)
     loads["ratio converted gguf / safetensors"] = loads["gguf, converted"] / loads["safetensors bf16"]
-    results["load_to_first_token_s"] = loads
-    print(json.dumps(results) if args.json else json.dumps(results, indent=1))
+    return loads
 
 
 if __name__ == "__main__":

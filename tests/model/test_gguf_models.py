@@ -100,21 +100,22 @@ QUANTIZED_CASES = {
     "q8_0_tied_q8_0_embeddings": (Q.Q8_0, Q.Q8_0, True),
     "q4_0_untied": (Q.Q4_0, F32, False),
     "q4_1_untied_q4_1_head": (Q.Q4_1, Q.Q4_1, False),
-    "q5_0_dequantized": (Q.Q5_0, F32, False),
+    "q5_0_as_int8": (Q.Q5_0, F32, False),
+    "q5_1_dequantized": (Q.Q5_1, F32, False),
 }
 """Projection type, embedding (and untied head) type, tied embeddings."""
 
 
 @pytest.mark.parametrize("case", sorted(QUANTIZED_CASES))
 def test_quantized_file_matches_transformers_on_its_dequantized_weights(case: str, tmp_path: Path) -> None:
-    """A Llama with quantized projections: Q8_0/Q4_0/Q4_1 ones (and a Q8_0/Q4_1 LM head, tied or
-    not) stay quantized, Q5_0 ones are dequantized; either way tokenmill's logits (to 1e-4) and
+    """A Llama with quantized projections: Q8_0/Q5_0/Q4_0/Q4_1 ones (and a Q8_0/Q4_1 LM head, tied or
+    not) stay quantized (Q5_0 as int8), Q5_1 ones are dequantized; either way tokenmill's logits (to 1e-4) and
     greedy tokens equal transformers', which dequantizes every tensor."""
     projection_type, embedding_type, tied = QUANTIZED_CASES[case]
     save_gguf(tmp_path / NAME, "llama", projection_type, embedding_type, tie_word_embeddings=tied)
     reference = transformers_model(tmp_path / NAME)
     model = load_model(checkpoint_folder(tmp_path / NAME), torch.float32, "cpu")
-    bits = None if projection_type == Q.Q5_0 else 8 if projection_type == Q.Q8_0 else 4
+    bits = {Q.Q5_1: None, Q.Q8_0: 8, Q.Q5_0: 8}.get(projection_type, 4)
     for layer in model.model.layers:
         for projection in (
             layer.self_attn.qkv_proj,

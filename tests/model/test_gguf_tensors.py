@@ -1,4 +1,4 @@
-"""GGUF tensor data as tokenmill weights: Q8_0/Q4_0/Q4_1/Q4_K repacked losslessly (their dequantized
+"""GGUF tensor data as tokenmill weights: Q8_0/Q5_0/Q4_0/Q4_1/Q4_K repacked losslessly (their dequantized
 values equal the ``gguf`` package's, bit for bit), other types dequantized by it; a file written with
 ``gguf``'s writer reads back through its reader; bad sizes are refused. ``gguf`` cannot quantize
 K-quants, so their blocks are random bytes valid by the format's definition."""
@@ -60,7 +60,7 @@ def test_lossless_types_dequantize_as_gguf_does_and_multiply_like_it(qtype: GGML
     torch.testing.assert_close(quantized_linear(x, ours), F.linear(x, theirs), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.F16, Q.Q6_K, Q.Q5_K, Q.Q3_K, Q.Q2_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q5_1, Q.F16, Q.Q6_K, Q.Q5_K, Q.Q3_K, Q.Q2_K], ids=lambda t: t.name)
 def test_other_types_come_back_dequantized(qtype: GGMLQuantizationType) -> None:
     raw, shape = (weights(7).astype(np.float16), (N, K)) if qtype == Q.F16 else stored(qtype, 7)
     ours = gguf_weight(raw, qtype, shape)

@@ -8,7 +8,7 @@ architecture: rows of each head reordered from halves to interleaved pairs; a ro
 quantized rows are permuted as they are) and Gemma's ``1 +`` folded into its norm weights.
 
 A decoder-layer projection whose tensors are all of a type the quantized kernels run exactly
-(``gguf_tensors.LOSSLESS``), with one bit width, keeps its quantized data (groups of 32; the panels
+(``gguf_tensors.LOSSLESS_BITS``), with one bit width, keeps its quantized data (groups of 32; the panels
 layout where ``quantization.keeps_panels`` says so); so does an untied LM head; every other tensor is
 dequantized to the model's dtype, and the start-up log says how many. Every expected tensor must be
 in the file, with the expected shape; a missing, unexpected or misshapen one is a WeightError.
@@ -27,7 +27,7 @@ from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, get_tensor_name_map
 from tokenmill.kernels.linear import Linear
 from tokenmill.kernels.quant_format import QuantizedTensors, QuantScheme, dequantize
 from tokenmill.model.causal_lm import CausalLM
-from tokenmill.model.gguf_tensors import LOSSLESS, gguf_weight
+from tokenmill.model.gguf_tensors import LOSSLESS_BITS, gguf_weight
 from tokenmill.model.huge_pages import materialize_on_huge_pages, move_to_huge_pages
 from tokenmill.model.quantization import ROUTER_NAME, keeps_panels, kernels_per_shape
 from tokenmill.model.weights import WeightError, WeightTarget, check_tensor, checkpoint_targets
@@ -159,8 +159,7 @@ def _quantized_projections(
     plans = []
     for key, parts in shards.items():
         types = {tensors.qtype(names[hf]) for hf, _ in parts}
-        bits = {8 if t == GGMLQuantizationType.Q8_0 else 4 for t in types}
-        if types <= set(LOSSLESS) and len(bits) == 1:
+        if types <= LOSSLESS_BITS.keys() and len({LOSSLESS_BITS[t] for t in types}) == 1:
             parts.sort(key=lambda part: part[1].index[0].start if part[1].index else 0)
             plans.append((modules[key], parts))
     return plans

@@ -5,6 +5,8 @@ in sub-blocks of 32, for K-quants). The block types the quantized kernels run ex
 losslessly into ``kernels/quant_format``'s rows layout, groups of 32:
 
 - Q8_0 (fp16 ``d``, 32 int8 ``q``; ``w = q d``): int8, ``scale = d``;
+- Q5_0 (fp16 ``d``, 4 bytes of fifth bits, 16 bytes of nibbles; ``w = (q - 16) d``): int8 ``q - 16``,
+  ``scale = d`` (a 5-bit value fits int8 as it is);
 - Q4_0 (fp16 ``d``, 16 bytes; ``w = (q - 8) d``): int4, ``scale = d``, ``min = -8 d``;
 - Q4_1 (fp16 ``d``, fp16 ``m``, 16 bytes; ``w = q d + m``): int4, ``scale = d``, ``min = m``;
 - Q4_K (fp16 ``d``, fp16 ``dmin``, 12 bytes of 6-bit ``sc`` and ``m`` per sub-block, 128 bytes;
@@ -13,7 +15,7 @@ losslessly into ``kernels/quant_format``'s rows layout, groups of 32:
 A Q4_0/Q4_1 block's 16 bytes hold value ``j`` in byte ``j``'s low nibble and value ``16 + j`` in its
 high one, which is tokenmill's int4 run layout already: the bytes are copied as they are. Q4_K holds
 each 64 values in 32 bytes, values 0-31 in the low nibbles and 32-63 in the high ones: its nibbles
-are reshuffled into runs. Every other type (F32, F16, BF16, Q5_*, other K-quants, ...) comes back
+are reshuffled into runs. Every other type (F32, F16, BF16, Q5_1, other K-quants, ...) comes back
 dequantized to fp32 by the ``gguf`` package.
 """
 
@@ -26,8 +28,9 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from tokenmill.kernels.quant_format import QuantizedTensors
 
-LOSSLESS = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K)
-"""The block types repacked into quantized weights as they are."""
+LOSSLESS_BITS = {GGMLType.Q8_0: 8, GGMLType.Q5_0: 8, GGMLType.Q4_0: 4, GGMLType.Q4_1: 4, GGMLType.Q4_K: 4}
+"""The block types repacked into quantized weights as they are -> the bit width they become."""
+LOSSLESS = tuple(LOSSLESS_BITS)
 
 
 def gguf_weight(raw: np.ndarray, qtype: GGMLType, shape: tuple[int, int]) -> QuantizedTensors | torch.Tensor:
@@ -50,12 +53,25 @@ def gguf_weight(raw: np.ndarray, qtype: GGMLType, shape: tuple[int, int]) -> Qua
     if qtype == GGMLType.Q4_K:
         return _q4_k(blocks)
     scale = _fp16(blocks[..., 0:2])
+    if qtype == GGMLType.Q5_0:
+        return QuantizedTensors(torch.from_numpy(_q5_0_values(blocks).reshape(n, k)), scale, None, 8, 32)
     if qtype == GGMLType.Q8_0:
         values = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
         return QuantizedTensors(torch.from_numpy(values), scale, None, 8, values_per_block)
     low = _fp16(blocks[..., 2:4]) if qtype == GGMLType.Q4_1 else -8.0 * scale
     packed = blocks[..., 4:] if qtype == GGMLType.Q4_1 else blocks[..., 2:]
     return QuantizedTensors(torch.from_numpy(np.ascontiguousarray(packed).reshape(n, k // 2)), scale, low, 4, 32)
+
+
+def _q5_0_values(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks ``[..., 22]`` as their int8 values ``q - 16`` ``[..., 32]``: value ``j < 16`` is
+    byte ``j``'s low nibble, value ``16 + j`` its high one, each with bit ``j`` (``16 + j``) of the
+    little-endian 32-bit ``qh`` as its fifth bit."""
+    qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [..., 1]
+    nibbles = blocks[..., 6:22]
+    low = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.int16)
+    fifth = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)
+    return ((low | (fifth << 4)) - 16).astype(np.int8)
 
 
 def _q4_k(blocks: np.ndarray) -> QuantizedTensors:
