@@ -68,6 +68,67 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+MAX_SCHEMA_NESTING = 64
+"""The deepest a JSON schema may nest (dicts and lists), given as a dict or as text."""
+
+
+def _json_nesting(value: Any) -> int:
+    """The nesting depth of a parsed JSON value (dicts and lists), measured level by level (no recursion)."""
+    depth, level = 0, [value]
+    while containers := [item for item in level if isinstance(item, (dict, list))]:
+        depth += 1
+        level = [child for item in containers for child in (item.values() if isinstance(item, dict) else item)]
+    return depth
+
+
+UNENFORCED_SCHEMA_KEYWORDS = {
+    "not": "not is not enforced",
+    "contains": "contains is not enforced",
+    "minContains": "minContains is not enforced",
+    "maxContains": "maxContains is not enforced",
+}
+"""JSON Schema keywords the grammar engine accepts but does not enforce: refused (as OpenAI's strict mode)."""
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "if", "then", "else", "propertyNames", "unevaluatedProperties")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+
+
+def unenforced_schema_part(schema: Any) -> str | None:
+    """Why ``schema`` (a parsed JSON schema) cannot be enforced as written, or None. Refused: the
+    keywords of :data:`UNENFORCED_SCHEMA_KEYWORDS`; ``oneOf`` without a ``discriminator`` (enforced
+    only as ``anyOf``: overlapping branches would match more than one); a ``$ref`` outside the
+    document; a length or count bound that is not a non-negative integer. Walks every subschema,
+    iteratively (depth is capped elsewhere)."""
+    pending = [schema]
+    while pending:
+        node = pending.pop()
+        if not isinstance(node, dict):
+            continue
+        for keyword, why in UNENFORCED_SCHEMA_KEYWORDS.items():
+            if keyword in node:
+                return why
+        if "oneOf" in node and "discriminator" not in node:
+            return "oneOf is enforced only with a discriminator (else as anyOf); use anyOf"
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            return f"$ref {ref[:100]!r} points outside the schema (only '#...' references are resolved)"
+        for name in _COUNTS:
+            if name in node and not (_is_int(node[name]) and node[name] >= 0):
+                return f"{name} must be a non-negative integer, got {node[name]!r}"
+        for name in _SCHEMA_MAPS:
+            if isinstance(node.get(name), dict):
+                pending.extend(node[name].values())
+        for name in _SCHEMA_LISTS:
+            if isinstance(node.get(name), list):
+                pending.extend(node[name])
+        for name in _SCHEMA_VALUES:
+            pending.append(node.get(name))
+        if isinstance(node.get("items"), list):
+            pending.extend(node["items"])
+    return None
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on the output (vLLM's names); exactly one field must be set.
@@ -100,7 +161,9 @@ class StructuredOutputsParams:
 
     def validate(self, max_chars: int | None) -> None:
         """Raise ParameterError("structured_outputs") unless exactly one field is set, with the right
-        type, and the spec holds at most ``max_chars`` characters (None: no cap). Whether the schema,
+        type, the spec holds at most ``max_chars`` characters (None: no cap), and a JSON schema (dict
+        or text) parses, nests at most :data:`MAX_SCHEMA_NESTING` levels and has no part
+        :func:`unenforced_schema_part` refuses. Whether the schema,
         regex or grammar compiles is checked when it is compiled, at intake."""
         param = "structured_outputs"
         _require(isinstance(self.json_object, bool), param, f"json_object must be a boolean, got {self.json_object!r}")
@@ -122,6 +185,21 @@ class StructuredOutputsParams:
         _require(
             max_chars is None or chars <= max_chars, param, f"may hold at most {max_chars} characters, got {chars}"
         )
+        if self.json is not None:
+            try:
+                schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+                depth = _json_nesting(schema)
+            except RecursionError:  # deeper than Python's decoder goes: far over the limit
+                depth = MAX_SCHEMA_NESTING + 1
+            except ValueError as exc:
+                raise ParameterError(param, f"json is invalid: {exc}") from None
+            _require(
+                depth <= MAX_SCHEMA_NESTING,
+                param,
+                f"the json schema nests deeper than the limit of {MAX_SCHEMA_NESTING} levels",
+            )
+            why = unenforced_schema_part(schema)
+            _require(why is None, param, f"the json schema cannot be enforced: {why}")
 
     def size(self) -> int:
         """Characters in the spec (a dict schema counts as its compact JSON text)."""

@@ -138,7 +138,8 @@ def test_concurrent_generation_and_twenty_updates(checkpoint: Path, tmp_path: Pa
     [
         (("model.layers.0.mlp.rogue.weight", torch.zeros(3)), "unexpected tensor 'model.layers.0.mlp.rogue.weight'"),
         (("model.layers.1.self_attn.v_proj.weight", torch.zeros(5, 64)), r"has shape \(5, 64\), expected \(32, 64\)"),
-        (("model.norm.weight", torch.ones(64, dtype=torch.int32)), "has dtype torch.int32"),
+        (("model.norm.weight", torch.ones(64, dtype=torch.int32)), "has dtype int32, expected one of float32"),
+        (("model.norm.weight", torch.ones(64).to(torch.float8_e4m3fn)), "has dtype float8_e4m3fn, expected one of"),
     ],
 )
 def test_invalid_update_changes_nothing(checkpoint: Path, bad: tuple, message: str) -> None:

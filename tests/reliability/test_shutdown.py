@@ -150,7 +150,7 @@ def test_signal_drains_then_aborts_and_exits_0(checkpoint: Path, tmp_path: Path,
 
 
 def test_a_closed_gate_answers_503_in_the_routes_error_shape() -> None:
-    gate = DrainGate(FastAPI())
+    gate = DrainGate(FastAPI(), max_in_flight=8)
 
     async def run() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gate), base_url="http://test") as client:

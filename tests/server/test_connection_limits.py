@@ -91,10 +91,14 @@ def post_head(path: str, content_length: int | None, auth: str = AUTH) -> bytes:
 
 # ------------------------------------------------------------------------------------------ settings
 def test_limits_come_from_the_command_line_and_bad_ones_are_refused() -> None:
-    args = build_parser().parse_args(["serve", "--header-timeout-seconds", "2.5", "--max-connections", "7"])
-    assert config_from_args(ServerConfig, args) == ServerConfig(header_timeout_seconds=2.5, max_connections=7)
+    args = build_parser().parse_args(["serve", "--header-timeout-seconds", "2.5", "--max-requests-in-progress", "7"])
+    assert config_from_args(ServerConfig, args) == ServerConfig(header_timeout_seconds=2.5, max_requests_in_progress=7)
     assert config_from_args(ServerConfig, build_parser().parse_args(["serve"])) == ServerConfig()
-    for bad in ({"body_timeout_seconds": 0}, {"keep_alive_timeout_seconds": float("inf")}, {"max_connections": 1.5}):
+    for bad in (
+        {"body_timeout_seconds": 0},
+        {"keep_alive_timeout_seconds": float("inf")},
+        {"max_requests_in_progress": 1.5},
+    ):
         with pytest.raises(ParameterError) as refused:
             ServerConfig(**bad)
         assert refused.value.param == next(iter(bad))
@@ -185,16 +189,31 @@ def test_a_chunked_body_over_the_cap_is_refused_while_it_streams(guarded: Server
 
 
 # ------------------------------------------------------------------------------------ connection cap
-def test_a_request_over_the_connection_cap_gets_503(checkpoint: Path) -> None:
-    with serve(tiny_engine(checkpoint), max_connections=2) as server:
-        with connect(server) as first, connect(server) as second:
-            second.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
-            assert read_response(second)[0] == 200  # two open connections: at the cap, not over it
-            with connect(server) as third:
-                third.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
-                assert read_response(third)[0] == 503
-            first.close()
-        assert httpx.get(f"{server.url}/health").status_code == 200
+def test_idle_connections_do_not_count_and_health_always_answers(checkpoint: Path) -> None:
+    """Idle connections (no byte sent) never fill the cap; a request beyond the requests in progress
+    gets 503 in the API's error shape; /health answers even then."""
+    with serve(tiny_engine(checkpoint), max_requests_in_progress=2) as server:
+        idle = [connect(server) for _ in range(6)]
+        try:
+            assert httpx.get(f"{server.url}/health").status_code == 200
+            assert httpx.get(f"{server.url}/v1/models").status_code == 200  # six idle connections: no request
+            holders = [connect(server) for _ in range(2)]
+            for sock in holders:  # two requests in progress: their bodies never finish arriving
+                sock.sendall(post_head("/v1/completions", 100, auth="") + b'{"model": ')
+            time.sleep(0.3)
+            over = httpx.get(f"{server.url}/v1/models")
+            assert over.status_code == 503 and over.headers["retry-after"]
+            assert over.json()["error"]["code"] == "server_overloaded"
+            assert httpx.get(f"{server.url}/health").status_code == 200
+            for sock in holders:
+                sock.close()
+        finally:
+            for sock in idle:
+                sock.close()
+        deadline = time.monotonic() + WAIT_S
+        while httpx.get(f"{server.url}/v1/models").status_code != 200:  # the held requests end with their sockets
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
 
 
 # ------------------------------------------------------------------------------------------ shutdown

@@ -37,6 +37,16 @@ MAX_CONCURRENT_COMPILES = 2
 _XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
+MATCH_BUDGET_S = 0.05
+"""The most CPU time one token's matching (accept it, compute the next mask) may take: a grammar whose cost
+grows with its output (a nested quantifier such as ``(a*)*b`` fed "a" after "a") would otherwise
+slow every step of the engine, whose thread does this work."""
+
+
+class GrammarBudgetError(RuntimeError):
+    """A sequence's grammar took longer than :data:`MATCH_BUDGET_S` to match one token."""
+
+
 class SequenceGrammar:
     """The grammar state of one sequence: a matcher plus the bitmask of the tokens allowed next."""
 
@@ -51,13 +61,21 @@ class SequenceGrammar:
     def advance(self, token: int) -> None:
         """Accept the sequence's next output token; ``finished`` then says whether the grammar is
         done (a stop token accepted, or nothing but a stop token allowed next). Raises RuntimeError
-        for a token the bitmask did not allow."""
+        for a token the bitmask did not allow, :class:`GrammarBudgetError` when matching it took
+        longer than :data:`MATCH_BUDGET_S` (the sequence should end: its next tokens cost more)."""
+        started = time.thread_time()  # CPU time: a descheduled engine thread does not count
         if not self._matcher.accept_token(token):
             raise RuntimeError(f"the grammar rejected token {token}, which its mask did not allow")
         if self._matcher.is_terminated():
             self.finished = True
         else:
             self._fill()
+        took = time.thread_time() - started
+        if took > MATCH_BUDGET_S:
+            raise GrammarBudgetError(
+                f"structured output: matching one token took {1000 * took:.0f} ms (limit {1000 * MATCH_BUDGET_S:.0f} "
+                "ms) and grows with the output; simplify the constraint (nested quantifiers such as (a*)*)"
+            )
 
     def _fill(self) -> None:
         self._matcher.fill_next_token_bitmask(self.bitmask)
@@ -118,10 +136,10 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar of a validated spec; ParameterError("structured_outputs") when it
-        does not compile, takes longer than the timeout, or matches only the empty output;
-        EngineOverloadedError when no compile slot frees within the timeout."""
+        does not compile, takes longer than the timeout once it has a compile slot, or matches only
+        the empty output or no output at all; EngineOverloadedError when no compile slot frees
+        within the timeout."""
         compiler = self._xgrammar_compiler()
-        deadline = time.monotonic() + self._timeout
         if not self._slots.acquire(timeout=self._timeout):
             raise EngineOverloadedError(
                 f"all {MAX_CONCURRENT_COMPILES} grammar-compile slots stayed busy for {self._timeout:g}s; retry later"
@@ -138,15 +156,18 @@ class GrammarCompiler:
 
         threading.Thread(target=run, name="tokenmill-grammar-compile", daemon=True).start()
         try:
-            compiled = done.result(max(0.0, deadline - time.monotonic()))
+            compiled = done.result(self._timeout)  # the compile's own time, from when it has a slot
         except FutureTimeout:
             raise ParameterError(
                 PARAM, f"{spec.kind} took longer than {self._timeout:g}s to compile; simplify it"
             ) from None
         except Exception as exc:
             raise ParameterError(PARAM, f"{spec.kind} is invalid: {xgrammar_message(exc)}") from exc
-        if self.new_sequence_grammar(compiled).finished:
+        start = self.new_sequence_grammar(compiled)
+        if start.finished:
             raise ParameterError(PARAM, f"{spec.kind} matches only the empty output")
+        if not bool(start.bitmask.any()):
+            raise ParameterError(PARAM, f"{spec.kind} matches no output at all (no token can start it)")
         return compiled
 
     def new_sequence_grammar(self, compiled: xgr.CompiledGrammar) -> SequenceGrammar:

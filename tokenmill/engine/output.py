@@ -15,8 +15,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from tokenmill.engine.grammar import GrammarBudgetError
 from tokenmill.engine.request_state import RequestState
 from tokenmill.engine.request_table import RequestTable
+from tokenmill.engine.sampler import NO_ALLOWED_TOKEN
 from tokenmill.engine.sequence import SeqStatus, Sequence
 from tokenmill.request import CompletionOutput, FinishReason, RequestOutput, now
 
@@ -53,6 +55,8 @@ class OutputProcessor:
             try:
                 self.append(seq, token, token_logprobs)
                 touched[seq.group.request_id] = seq.group
+            except GrammarBudgetError as exc:  # the token is in; the sequence ends here
+                self.fail([seq], str(exc))
             except Exception as exc:
                 logger.error("finishing a token failed:\n%s", traceback.format_exc())
                 self.fail([seq], f"internal error after sampling: {type(exc).__name__}: {exc}")
@@ -66,9 +70,13 @@ class OutputProcessor:
                 self.fail(state.seqs, f"internal error while emitting output: {type(exc).__name__}: {exc}")
 
     def append(self, seq: Sequence, token: int, logprobs: Any) -> None:
-        """Add a sampled token (and its logprobs) to ``seq`` and apply the stop rules."""
+        """Add a sampled token (and its logprobs) to ``seq`` and apply the stop rules; a grammar dead
+        end (``NO_ALLOWED_TOKEN``) ends it with "stop" and what it produced so far."""
         state = seq.group
         assert state is not None, "a sequence the engine runs belongs to a request"
+        if token == NO_ALLOWED_TOKEN:
+            self.finish(seq, FinishReason.STOP.value)
+            return
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now()
         seq.output_token_ids.append(token)

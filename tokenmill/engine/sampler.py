@@ -17,6 +17,9 @@ Logprobs come from ``log_softmax`` of the raw model logits, before any of the ab
 A sequence with a grammar (structured output) first has every token its grammar does not allow
 set to ``-inf``, in every sampling mode; its logprobs then come from these masked logits (the
 distribution it samples from, before the transforms above). Rows without a grammar pay nothing.
+A grammar sequence left with no allowed token once every mask is applied (a dead end of its
+grammar, or its only tokens banned by ``min_tokens`` / ``logit_bias``) gets :data:`NO_ALLOWED_TOKEN`
+instead of a token (and no logprobs): the output stage ends it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ import torch
 from tokenmill.engine.grammar import apply_grammar_masks
 from tokenmill.engine.sequence import Sequence
 from tokenmill.request import LOGPROB_FLOOR, Logprob
+
+NO_ALLOWED_TOKEN = -1
+"""The "token" of a grammar sequence that no token may follow (see the module docstring)."""
 
 
 @dataclass
@@ -130,7 +136,12 @@ class Sampler:
             and not wants_logprobs
         ):
             # max's indices: the first maximal entry, as argmax; in fp32, where CPU reductions are fastest
-            return SampleResult(logits.float().max(dim=-1).indices.tolist(), [None] * len(seqs))
+            best = logits.float().max(dim=-1)
+            token_ids = best.indices.tolist()
+            for i in grammar_rows:
+                if best.values[i] == float("-inf"):
+                    token_ids[i] = NO_ALLOWED_TOKEN
+            return SampleResult(token_ids, [None] * len(seqs))
 
         work = logits.to(dtype=torch.float32, copy=True)
         self._apply_bias_and_bans(work, seqs, banned)
@@ -145,6 +156,9 @@ class Sampler:
         if penalized:
             self._count_chosen(seqs, token_ids)
         logprobs = _logprobs(logits, seqs, token_ids) if wants_logprobs else [None] * len(seqs)
+        for i in grammar_rows:
+            if not torch.isfinite(work[i]).any():  # a dead end: its count and logprobs are dropped with it
+                token_ids[i], logprobs[i] = NO_ALLOWED_TOKEN, None
         return SampleResult(token_ids, logprobs)
 
     def sample_isolating_failures(

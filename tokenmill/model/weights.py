@@ -24,6 +24,9 @@ from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.moe import CheckpointShards
 from tokenmill.model.parallel import CheckpointPart, checkpoint_part, param_rows
 
+CHECKABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""The dtypes a checkpoint tensor or weight update may have (float8 and others: no finiteness check, refused)."""
+
 
 class WeightError(ValueError):
     """A checkpoint tensor that is missing, unexpected, or not a valid value for its parameter."""
@@ -118,7 +121,7 @@ def check_tensor(
     naming ``source`` and the tensor unless the name is expected and ``tensor`` holds readable data
     in the plain layout (dense and strided: not sparse, quantized, nested or on the meta device; on
     the CPU or the parameter's kind of device), has exactly the target's shape (no broadcasting;
-    the whole shape and the part's), a floating-point dtype, and finite values only.
+    the whole shape and the part's), a dtype of :data:`CHECKABLE_DTYPES`, and finite values only.
     """
     if model.skips_weight(name):
         return None
@@ -136,8 +139,9 @@ def check_tensor(
         raise WeightError(f"{where} has shape {shape}, expected {target.shape}")
     if whole_shape is not None and tuple(tensor.shape) != target.part_shape:
         raise WeightError(f"{where}: its part has shape {tuple(tensor.shape)}, expected {target.part_shape}")
-    if not tensor.is_floating_point():
-        raise WeightError(f"{where} has dtype {tensor.dtype}, expected a floating-point dtype")
+    if tensor.dtype not in CHECKABLE_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in CHECKABLE_DTYPES)
+        raise WeightError(f"{where} has dtype {str(tensor.dtype).removeprefix('torch.')}, expected one of {names}")
     check_finite(tensor, where)
     return target
 

@@ -17,7 +17,7 @@ _POSITIVE_LIMITS = (
     "header_timeout_seconds",
     "body_timeout_seconds",
     "keep_alive_timeout_seconds",
-    "max_connections",
+    "max_requests_in_progress",
     "max_header_bytes",
 )
 
@@ -87,8 +87,10 @@ class ServerConfig:
     keep_alive_timeout_seconds: float = option(
         5.0, "an idle connection between requests is closed after this", section="connection limits"
     )
-    max_connections: int = option(
-        512, "a request on a connection beyond this many open ones gets 503", section="connection limits"
+    max_requests_in_progress: int = option(
+        512,
+        "a request beyond this many in progress gets 503 (idle connections do not count; /health is always answered)",
+        section="connection limits",
     )
     max_header_bytes: int = option(
         16 * 1024, "a request line plus headers larger than this gets 400", section="connection limits"

@@ -34,7 +34,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine, EngineDeadError
 from tokenmill.server.app import create_app
 from tokenmill.server.config import ServerConfig
-from tokenmill.server.http.errors import APIError, error_response
+from tokenmill.server.http.errors import OVERLOADED_RETRY_AFTER_S, APIError, error_response
 from tokenmill.server.http.header_deadline import HeaderDeadlineH11Protocol
 from tokenmill.server.http.log_throttle import install_log_throttle
 
@@ -44,16 +44,23 @@ SHUTDOWN_BACKSTOP_S = 5.0  # after the grace period and the aborts, uvicorn canc
 ABORT_POLL_S = 0.1
 
 
+UNLIMITED_PATHS = frozenset({"/health"})
+"""Paths answered however many requests are in progress (load balancers' and operators' probes)."""
+
+
 class DrainGate:
-    """ASGI wrapper that counts HTTP requests in flight and, once ``closed``, answers new ones 503.
+    """ASGI wrapper that counts HTTP requests in flight; answers 503 (in the API's error shape, with
+    ``Retry-After``) to a request beyond ``max_in_flight`` of them, except ``/health``, and once
+    ``closed`` to every new one. Idle connections are not requests: they never count.
 
     A request whose body is still arriving counts as in flight. Once ``body_reads_cut`` is set
     (at the end of the grace period), reading the rest of such a body raises ``HTTPException(503)``
     at once, so a half-sent body cannot hold a shutdown.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, max_in_flight: int) -> None:
         self.app = app
+        self.max_in_flight = max_in_flight
         self.closed = False
         self.in_flight = 0
         self.idle = asyncio.Event()  # set while no request is in flight
@@ -69,6 +76,15 @@ class DrainGate:
             response = error_response(Request(scope), error)
             response.headers["connection"] = "close"
             await response(scope, receive, send)
+            return
+        if self.in_flight >= self.max_in_flight and scope.get("path") not in UNLIMITED_PATHS:
+            error = APIError(
+                503,
+                f"the server has {self.in_flight} requests in progress, its limit; retry later",
+                code="server_overloaded",
+                headers={"retry-after": str(OVERLOADED_RETRY_AFTER_S)},
+            )
+            await error_response(Request(scope), error)(scope, receive, send)
             return
         self.in_flight += 1
         self.idle.clear()
@@ -165,7 +181,7 @@ def _exit_signals_consumed() -> Iterator[None]:
 def build_server(engine: Engine, config: ServerConfig = ServerConfig(), log_level: str | None = None) -> GracefulServer:
     """The server for ``engine`` as ``config`` says, with every connection limit and the graceful drain;
     ``.run()`` serves. ``log_level``: uvicorn's (None: its default configuration)."""
-    gate = DrainGate(create_app(engine, config))
+    gate = DrainGate(create_app(engine, config), config.max_requests_in_progress)
     uvicorn_config = uvicorn.Config(
         gate,
         host=config.host,
@@ -173,7 +189,7 @@ def build_server(engine: Engine, config: ServerConfig = ServerConfig(), log_leve
         http=functools.partial(HeaderDeadlineH11Protocol, header_timeout_s=config.header_timeout_seconds),
         ws="none",
         timeout_keep_alive=config.keep_alive_timeout_seconds,  # type: ignore[arg-type]  # a float works
-        limit_concurrency=config.max_connections + 1,  # uvicorn counts the asking connection too
+        limit_concurrency=None,  # uvicorn's cap counts idle connections too: the gate counts requests
         h11_max_incomplete_event_size=config.max_header_bytes,
         timeout_graceful_shutdown=int(config.shutdown_grace_seconds + SHUTDOWN_BACKSTOP_S),
         log_level=log_level,

@@ -29,6 +29,7 @@ from tokenmill.request import CompletionOutput, FinishReason, RequestOutput
 from tokenmill.server.anthropic.content import ContentBlockStream, ToolUse, content_blocks, template_messages, tool_use
 from tokenmill.server.anthropic.protocol import MessagesPromptRequest, MessagesRequest
 from tokenmill.server.http.errors import APIError, engine_errors
+from tokenmill.server.http.json_body import json_response
 from tokenmill.server.http.sse import SSEResponse, sse_event
 from tokenmill.server.http.state import State
 from tokenmill.server.shared.generation import Generation, until_disconnected
@@ -65,7 +66,7 @@ async def messages(body: MessagesRequest, request: Request, state: State) -> Res
     message["content"], calls = content_blocks(out.text, tools.names)
     message.update(_stop(out, calls))
     message["usage"]["output_tokens"] = len(out.token_ids)
-    return JSONResponse(message)
+    return await json_response(message)
 
 
 @router.post("/v1/messages/count_tokens")

@@ -66,9 +66,12 @@ class ServerState:
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """Token ids of ``messages`` through the chat template; invalid Unicode or a template that
-        refuses them -> 400 naming ``param`` (the route's name for its messages)."""
+        refuses them -> 400 naming ``param`` (the route's name for its messages); messages whose
+        text is too long for the context whatever its tokens -> 400 before the template runs."""
         check_unicode(messages, param)
         check_unicode(tools, "tools")
+        with engine_errors({}):
+            self.engine.check_text_fits("".join(_message_texts(messages)))
         try:
             special = self.allow_special_tokens_in_content
             return await self.async_engine.run_tokenizer(
@@ -87,6 +90,18 @@ class ServerState:
             )
             self._token_strings.update(zip(missing, texts))
         return {t: self._token_strings[t] for t in ids}
+
+
+def _message_texts(messages: list[dict[str, Any]]) -> list[str]:
+    """The text contents of chat ``messages`` (strings, and the ``text`` of content parts)."""
+    texts: list[str] = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return texts
 
 
 def check_unicode(value: Any, param: str) -> None:

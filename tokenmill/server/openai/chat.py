@@ -17,10 +17,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tokenmill.request import CompletionOutput, Logprob, RequestOutput
 from tokenmill.server.http.errors import APIError, engine_errors
+from tokenmill.server.http.json_body import json_response
 from tokenmill.server.http.sse import SSEResponse, sse_event
 from tokenmill.server.http.state import ServerState, State
 from tokenmill.server.openai.output import (
@@ -74,7 +75,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         (output,) = await until_disconnected(request, generation.collect())
     finally:
         generation.close()
-    return JSONResponse(await chat.response(output))
+    return await json_response(await chat.response(output))
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:

@@ -22,10 +22,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tokenmill.request import CompletionOutput, Logprob, RequestOutput
 from tokenmill.server.http.errors import APIError, engine_errors
+from tokenmill.server.http.json_body import json_response
 from tokenmill.server.http.sse import SSEResponse, sse_event
 from tokenmill.server.http.state import ServerState, State
 from tokenmill.server.openai.output import (
@@ -54,8 +55,17 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
         raise APIError(400, "suffix is not supported", param="suffix")
     with engine_errors({}):
         constraint = structured_outputs(body)
-    prompts = await _completion_prompts(state, body.prompt)
     config = state.engine.config
+    many = isinstance(body.prompt, list) and bool(body.prompt) and isinstance(body.prompt[0], (str, list))
+    n_prompts = len(body.prompt) if many else 1
+    if n_prompts > max(1, config.max_waiting_requests):  # could never all be queued: refused before tokenizing
+        raise APIError(
+            400,
+            f"prompt holds {n_prompts} prompts; one call may hold at most {config.max_waiting_requests} "
+            "(the server's max_waiting_requests)",
+            param="prompt",
+        )
+    prompts = await _completion_prompts(state, body.prompt)
     max_tokens = body.max_tokens
     if max_tokens is None:
         max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, config.max_tokens_cap or COMPLETION_DEFAULT_MAX_TOKENS)
@@ -76,7 +86,7 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
         outputs = await until_disconnected(request, generation.collect())
     finally:
         generation.close()
-    return JSONResponse(await completion.response(outputs))
+    return await json_response(await completion.response(outputs))
 
 
 async def _completion_prompts(

@@ -30,10 +30,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tokenmill.request import FinishReason, RequestOutput, StructuredOutputsParams, accumulate
 from tokenmill.server.http.errors import APIError, engine_errors
+from tokenmill.server.http.json_body import json_response
 from tokenmill.server.http.sse import SSEResponse, sse_event
 from tokenmill.server.http.state import State
 from tokenmill.server.openai.output import raise_on_error
@@ -87,7 +88,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
         (output,) = await until_disconnected(request, generation.collect())
     finally:
         generation.close()
-    return JSONResponse(reply.whole(output))
+    return await json_response(reply.whole(output))
 
 
 def _text_format(body: ResponsesRequest) -> OutputConstraint | None:

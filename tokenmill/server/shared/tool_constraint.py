@@ -21,7 +21,7 @@ from typing import Any
 import xgrammar as xgr
 
 from tokenmill.engine.grammar import xgrammar_message
-from tokenmill.request import ParameterError, StructuredOutputsParams
+from tokenmill.request import ParameterError, StructuredOutputsParams, unenforced_schema_part
 from tokenmill.server.shared.params import OutputConstraint
 from tokenmill.server.shared.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
@@ -58,6 +58,9 @@ def forced_call(tools: list[dict[str, Any]], names: Collection[str], chat_templa
     schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if defs:
         schema = {**schema, "$defs": defs}
+    why = unenforced_schema_part(schema)
+    if why is not None:
+        raise ParameterError("tools", f"hold a parameters schema that cannot be enforced: {why}")
     if TOOL_CALL_OPEN not in str(chat_template or ""):
         return StructuredOutputsParams(json=schema)
     try:
