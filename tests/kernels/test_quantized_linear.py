@@ -19,7 +19,13 @@ from tokenmill.kernels.quant_format import (
     to_panels,
     unpack_int4,
 )
-from tokenmill.kernels.quant_linear import STREAM_MAX_ROWS, activation_block, int8_dot_products, quantized_linear
+from tokenmill.kernels.quant_linear import (
+    PANELS_MAX_ROWS,
+    STREAM_MAX_ROWS,
+    activation_block,
+    int8_dot_products,
+    quantized_linear,
+)
 
 SCHEMES = [
     QuantScheme(8),
@@ -185,3 +191,13 @@ def test_panels_kernel_equals_linear_on_the_dequantized_activations_and_weight(
     assert got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance * 4)
+
+
+@needs_int8_dots
+@pytest.mark.parametrize("bits", [8, 4])
+def test_panels_beyond_the_kernels_rows_are_linear_on_the_dequantized_weight(bits: int) -> None:
+    """More rows than PANELS_MAX_ROWS: the weight is dequantized for oneDNN, activations as they are."""
+    w, x = torch.randn(32, 64), torch.randn(PANELS_MAX_ROWS + 3, 64).bfloat16()
+    tensors = to_panels(quantize(w, QuantScheme(bits, 32, symmetric=bits == 8)))
+    expected = F.linear(x, dequantize(tensors, torch.bfloat16))
+    assert torch.equal(quantized_linear(x, tensors), expected)

@@ -5,11 +5,12 @@ On CPU with the C++ kernels built (fp32 or bf16 input), ``quantized_linear`` of 
   dequantized whole), beyond it dequantizes the weight into a temporary in the input's dtype for
   oneDNN; either way the result is ``x @ dequantize(weight).T + bias``, the contract of ``F.linear``
   on the dequantized weight (to fp32 rounding: the kernel sums in its own order);
-- panels layout (made only where :func:`int8_dot_products`), any rows: each row of x is first
-  quantized per block of :func:`activation_block` values to two int8 passes, the value and its
-  rounding residual (``quant_format.fake_quantize_activations``: to 1/508 of the block's int8 step),
-  and multiplied in integers, streaming the packed weight: the result is ``F.linear`` of those
-  dequantized activations on the dequantized weight (to fp32 rounding).
+- panels layout (made only where :func:`int8_dot_products`), up to ``PANELS_MAX_ROWS`` rows: each
+  row of x is first quantized per block of :func:`activation_block` values to two int8 passes, the
+  value and its rounding residual (``quant_format.fake_quantize_activations``: to 1/508 of the
+  block's int8 step), and multiplied in integers, streaming the packed weight: the result is
+  ``F.linear`` of those dequantized activations on the dequantized weight (to fp32 rounding); more
+  rows: the weight is dequantized into a temporary in the input's dtype for oneDNN, as above.
 Elsewhere (GPU, other dtypes, no compiler) the weight is dequantized in torch for each call (and
 the activations are not quantized).
 """
@@ -25,6 +26,12 @@ from tokenmill.kernels.quant_format import GROUP_SIZES, QuantizedTensors, dequan
 STREAM_MAX_ROWS = 6
 """Most rows of x for which the rows layout's fp32 kernel streams the packed weight (more:
 dequantize, then oneDNN); where the two cross over in the README's measurements."""
+
+
+PANELS_MAX_ROWS = 512
+"""Most rows of x for which a panels-layout weight runs the int8 kernel (two activation passes: its
+integer work doubles, and with many rows that work is the cost); more rows dequantize the weight to
+x's dtype for oneDNN, which is faster beyond about this many rows (README's measurements)."""
 
 
 def int8_dot_products() -> bool:
@@ -48,6 +55,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedTensors, bias: torch.Tens
         kernels = load_cpu_kernels()
         if kernels is not None:
             rows = x.reshape(-1, k).contiguous()
+            if weight.panels and rows.shape[0] > PANELS_MAX_ROWS:
+                w = kernels.dequantize_weight(
+                    weight.qweight, weight.scale, weight.min, weight.bits, weight.group, x.dtype
+                )
+                return F.linear(x, w, bias)
             out = kernels.quantized_linear(
                 rows, weight.qweight, weight.scale, weight.min, weight.bits, weight.group, bias, STREAM_MAX_ROWS
             )

@@ -2,14 +2,14 @@
 //
 // quantized_linear: y [M, N] = x [M, K] @ w^T (+ bias), x and y fp32 or bf16; the packed weight is
 // never dequantized whole, except for many rows of the rows layout.
-//   Panels layout, any rows: x is quantized to int8 per block and multiplied in integers
-//   (quant_int8_dot.cpp).
+//   Panels layout, any rows: x is quantized per block to two int8 passes (value and residual) and
+//   multiplied in integers (quant_int8_dot.cpp).
 //   Rows layout, few rows (M <= stream_max_rows), in fp32: threads split the output columns in
 //   blocks of 4 weight rows, each 32-value run dequantized (times its scale) into registers and
 //   multiplied against up to 4 rows of x at a time; an int4 group's min is added once per group as
 //   min * sum(x over the group). More rows: the weight is dequantized to x's dtype (a temporary
 //   freed after the call) and multiplied by at::linear (oneDNN), whose cost then dominates.
-// dequantize_weight: a rows-layout weight whole in `dtype` (fp32 or bf16), for that path and for tests.
+// dequantize_weight: a weight (either layout) whole in `dtype` (fp32 or bf16), for those paths and tests.
 // int8_dot_products: whether this build has the panels layout's int8 path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -168,6 +168,36 @@ void dequantize_into(const Packed& p, T* out) {
 }
 
 
+// A panels-layout weight whole into row-major `out` [N, K]: per panel, each row's values 16 at a time
+// (four quads: lane r's 4 bytes of each), scaled (and shifted by the min) per group.
+template <typename T>
+void dequantize_panels_into(const Packed& p, T* out) {
+  const int64_t quads = p.k_dim / 4;
+  at::parallel_for(0, p.n_out / tokenmill_quant::kPanel, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float values[16];
+    for (int64_t panel = begin; panel < end; ++panel) {
+      for (int64_t r = 0; r < tokenmill_quant::kPanel; ++r) {
+        T* row = out + (panel * tokenmill_quant::kPanel + r) * p.k_dim;
+        for (int64_t t0 = 0; t0 < quads; t0 += 4) {
+          for (int64_t j = 0; j < 4; ++j) {
+            const uint8_t* q = tokenmill_quant::quad_bytes(p, panel, t0 + j);
+            for (int64_t i = 0; i < 4; ++i) {
+              values[4 * j + i] = p.bits == 8 ? static_cast<float>(static_cast<int8_t>(q[4 * r + i]))
+                                  : r < 8     ? static_cast<float>(q[4 * r + i] & 15)
+                                              : static_cast<float>(q[4 * (r - 8) + i] >> 4);
+            }
+          }
+          const int64_t at = (panel * p.groups_per_row + 4 * t0 / p.group) * tokenmill_quant::kPanel + r;
+          vec16 v = load16(values) * p.scale[at];
+          if (p.min != nullptr) v += p.min[at];
+          store16(row + 4 * t0, v);
+        }
+      }
+    }
+  });
+}
+
+
 // y [M, N] = x [M, K] @ w^T in fp32, streaming the packed weight (the header's few-rows fp32 path).
 void fp32_product(const Packed& p, const float* xp, int64_t m_rows, float* y) {
   std::vector<float> xsum;  // int4: each row of x summed over each group (the min terms)
@@ -227,9 +257,12 @@ at::Tensor dequantize_weight(const at::Tensor& qweight, const at::Tensor& scale,
                              int64_t bits, int64_t group, at::ScalarType dtype) {
   const Packed p = tokenmill_quant::packed_operands(qweight, scale, min, bits, group);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to fp32 or bf16");
-  TORCH_CHECK(!p.panels, "dequantize_weight reads the rows layout");
   at::Tensor out = at::empty({p.n_out, p.k_dim}, qweight.options().dtype(dtype));
-  if (dtype == at::kFloat) {
+  if (p.panels && dtype == at::kFloat) {
+    dequantize_panels_into(p, out.data_ptr<float>());
+  } else if (p.panels) {
+    dequantize_panels_into(p, reinterpret_cast<bf16_t*>(out.data_ptr()));
+  } else if (dtype == at::kFloat) {
     dequantize_into(p, out.data_ptr<float>());
   } else {
     dequantize_into(p, reinterpret_cast<bf16_t*>(out.data_ptr()));

@@ -9,7 +9,7 @@
 //     high nibble that of lane 8 + b / 4, same k); scale/min [N / 16, K / group, 16] (a panel's
 //     scales group after group).
 // Shared by quant_linear.cpp (fp32 products on the rows layout, dequantization, the op) and
-// quant_int8_dot.cpp (products on the panels layout with activations quantized to int8).
+// quant_int8_dot.cpp (products on the panels layout with activations quantized to two int8 passes).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -57,11 +57,12 @@ bool int8_dot_available();
 int64_t activation_block(int64_t group, int64_t k_dim);
 
 // y [M, N] = x [M, K] @ w^T (+ bias [N], if not null) for a panels-layout weight, x and y fp32 or
-// both bf16, with x first quantized to int8 per block of activation_block values of a row
-// (symmetric: scale = absmax / 127, q = round-half-even(x / scale), an all-zero block has scale
-// 0), then integer dot products per block scaled in fp32: the fp32 product of the dequantized x
-// with the dequantized weight, up to summation order, plus the bias, rounded once to y's dtype
-// (bf16: to nearest even). Only where int8_dot_available().
+// both bf16, with x first quantized per block of activation_block values of a row to two int8
+// passes (step s = absmax / 127, hi = round-half-even(x / s), lo = round-half-even((x - hi s) /
+// (s / 254)); an all-zero block has s = 0), then integer dot products per block scaled in fp32:
+// the fp32 product of the dequantized x (hi s + lo s / 254) with the dequantized weight, up to
+// summation order, plus the bias, rounded once to y's dtype (bf16: to nearest even). Only where
+// int8_dot_available().
 void int8_dot_product(const Packed& p, const float* x, int64_t m_rows, const float* bias, float* y);
 void int8_dot_product(const Packed& p, const tokenmill_simd::bf16_t* x, int64_t m_rows, const float* bias,
                       tokenmill_simd::bf16_t* y);
