@@ -6,7 +6,9 @@ safetensors) to its converted folder under the cache (``$TOKENMILL_CACHE_DIR``, 
 ``~/.cache/tokenmill``, then ``gguf/<file stem>-<key>``, the key a hash of the file's absolute path,
 size, modification time and :data:`CONVERTER_VERSION`). The converted folder holds:
 
-- ``config.json``: the architecture's config as ``transformers`` reads it from the metadata, with
+- ``config.json``: the config ``transformers`` runs the file with: its config class built from what
+  it reads in the metadata, so what the file does not say is that class's default, as in
+  transformers (Qwen3's ``head_dim`` 128, Gemma's ``query_pre_attn_scalar`` 256), with
   ``architectures`` set and ``tie_word_embeddings`` false: a file without ``output.weight`` (tied
   embeddings) gets its LM head loaded from ``token_embd.weight``, so a quantized embedding table
   stays a quantized LM head;
@@ -31,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 """Bump when the converted folder's contents change: old conversions are then redone."""
 
 INDEX_FILE = "gguf_tensors.json"
@@ -97,7 +99,7 @@ def read_index(folder: str | Path) -> dict | None:
 def convert(file: Path, folder: Path) -> None:
     """Write ``file``'s config, tokenizer and tensor index into ``folder`` (which exists)."""
     from gguf import GGML_QUANT_SIZES
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     size = file.stat().st_size
@@ -129,7 +131,7 @@ def convert(file: Path, folder: Path) -> None:
             }
         )
     try:
-        config = load_gguf_checkpoint(str(file), return_tensors=False)["config"]
+        config = AutoConfig.for_model(**load_gguf_checkpoint(str(file), return_tensors=False)["config"]).to_dict()
         tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     except Exception as exc:  # transformers' converter: KeyError, ValueError... on metadata it cannot map
         raise GGUFError(f"{file}: cannot convert its metadata: {exc!r}") from None
