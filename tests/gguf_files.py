@@ -1,8 +1,9 @@
 """GGUF files written from tiny random transformers models the way llama.cpp's ``convert_hf_to_gguf.py``
-writes them: its metadata keys, the tiny model's byte-level BPE as the GGUF tokenizer, tensors renamed
-by the ``gguf`` package's name table (the Q and K rows of "llama" permuted for llama.cpp's rotary
-layout), 1-D tensors in F32, the others in a chosen ggml type (quantized by ``gguf.quants``), and no
-``output.weight`` when the embeddings are tied."""
+writes them: its metadata keys per architecture, the tiny model's byte-level BPE as the GGUF tokenizer,
+tensors renamed by the ``gguf`` package's name table (the Q and K rows of "llama" permuted for
+llama.cpp's rotary layout, Gemma's norm weights stored as ``1 + w``, Phi-3's fused ``qkv_proj`` and
+``gate_up_proj`` as they are, under ``attn_qkv`` and ``ffn_up``), 1-D tensors in F32, the others in a
+chosen ggml type (quantized by ``gguf.quants``), and no ``output.weight`` when the embeddings are tied."""
 
 from __future__ import annotations
 
@@ -29,22 +30,40 @@ F32 = GGMLQuantizationType.F32
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 """The GGUF names of a decoder layer's projections (``blk.<i>.<name>.weight``)."""
 
+GGUF_ARCHITECTURES = {"mistral": "llama"}
+"""Model kinds llama.cpp's converter writes as another GGUF architecture (``LlamaModel`` converts
+``MistralForCausalLM``); every other kind is its own."""
+
+NORM_OFFSET_ARCHITECTURES = ("gemma2", "gemma3")
+"""GGUF architectures whose norm weights llama.cpp stores as ``1 + w`` (Gemma's RMSNorm scales by it)."""
+
 SMALL_VOCAB = 512
 """The vocabulary size of the models here unless a test asks for another: the tiny tokenizer's first
 512 tokens and the merges among them (reading all 8192 tokens' metadata takes the ``gguf`` package
 and transformers seconds per file)."""
 
 
+def gguf_architecture(kind: str) -> str:
+    """The GGUF architecture llama.cpp's converter writes a model of ``kind`` as."""
+    return GGUF_ARCHITECTURES.get(kind, kind)
+
+
+def norm_offset(arch: str, name: str) -> float:
+    """What llama.cpp's converter adds to the checkpoint tensor ``name`` of architecture ``arch``."""
+    return 1.0 if arch in NORM_OFFSET_ARCHITECTURES and name.endswith("norm.weight") else 0.0
+
+
 def gguf_tensors(hf_model: transformers.PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
     """``hf_model``'s weights in fp32 under their GGUF names, in torch order, as llama.cpp's converter
-    stores them: Q and K rows permuted for arch "llama", no ``output.weight`` for tied embeddings."""
+    stores them: Q and K rows permuted for arch "llama", Gemma's norms plus one, no ``output.weight``
+    for tied embeddings."""
     config = hf_model.config
     table = get_tensor_name_map(next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch), config.num_hidden_layers)
     tensors = {}
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        data = tensor.detach().float().numpy()
+        data = tensor.detach().float().numpy() + np.float32(norm_offset(arch, name))
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             data = permute_for_llama_cpp(data, heads)
@@ -74,21 +93,7 @@ def write_gguf(
     everything else in F32."""
     writer = GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim != config.hidden_size // config.num_attention_heads:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    if arch == "llama":
-        writer.add_rope_dimension_count(head_dim)
+    _add_hyperparameters(writer, config, arch)
     writer.add_file_type(
         LlamaFileType.ALL_F32 if projection_type == F32 else LlamaFileType[f"MOSTLY_{projection_type.name}"]
     )
@@ -121,10 +126,53 @@ def save_gguf(
     seed: int = 0,
     **overrides: Any,
 ) -> transformers.PreTrainedModel:
-    """A tiny random model of ``kind`` ("llama", "qwen2") written as the GGUF file ``path``; returns the model."""
+    """A tiny random model of ``kind`` (``tests.tiny_models``' kinds but the mixtures of experts) written
+    as the GGUF file ``path``; returns the model."""
     hf_model = tiny_gguf_model(kind, seed, **overrides)
-    write_gguf(path, hf_model.config, gguf_tensors(hf_model, kind), kind, projection_type, embedding_type)
+    arch = gguf_architecture(kind)
+    write_gguf(path, hf_model.config, gguf_tensors(hf_model, arch), arch, projection_type, embedding_type)
     return hf_model
+
+
+def _add_hyperparameters(writer: GGUFWriter, config: transformers.PretrainedConfig, arch: str) -> None:
+    """``config``'s hyperparameters as llama.cpp's ``set_gguf_parameters`` writes them for ``arch``:
+    ``TextModel``'s (key/value lengths when the config has a ``head_dim``), then what ``LlamaModel``
+    adds (the vocabulary size, the rotary dims), or ``Phi3MiniModel``'s (rotary dims, longrope's
+    original context, the window, 0 for none, no key length), ``Gemma2Model``'s (no rope base: 10000;
+    the soft-caps and the window) or ``Gemma3Model``'s (the global layers' rope base, the window, the
+    final soft-cap when set). Nothing says which layers slide, nor Gemma's ``query_pre_attn_scalar``
+    (llama.cpp scales by ``head_dim ** -0.5``, transformers by ``256 ** -0.5``), nor Gemma 3's local
+    rope base (10000 in both)."""
+    head_dim = config.to_dict().get("head_dim")
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch != "gemma2":
+        writer.add_rope_freq_base(rope["rope_theta"])
+    if arch != "phi3" and head_dim is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch == "llama":
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(head_dim or config.hidden_size // config.num_attention_heads)
+    elif arch == "phi3":
+        rotary = int(rope.get("partial_rotary_factor", 1.0) * config.hidden_size) // config.num_attention_heads
+        writer.add_rope_dimension_count(rotary)
+        writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        writer.add_sliding_window(config.sliding_window or 0)
+    elif arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
+    elif arch == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
+        if config.final_logit_softcapping:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
 
 
 def _add_tokenizer(writer: GGUFWriter, vocab_size: int) -> None:

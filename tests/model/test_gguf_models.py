@@ -17,8 +17,16 @@ import transformers
 from gguf import GGMLQuantizationType
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.gguf_files import F32, gguf_tensors, save_gguf, tiny_gguf_model, write_gguf
-from tests.model.test_parity import assert_counting_prompts_match
+from tests.gguf_files import (
+    F32,
+    gguf_architecture,
+    gguf_tensors,
+    norm_offset,
+    save_gguf,
+    tiny_gguf_model,
+    write_gguf,
+)
+from tests.model.test_parity import PROMPT_LENS, assert_counting_prompts_match
 from tests.tiny_models import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.default_model import TINY_MODEL_DIR
@@ -72,23 +80,56 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(ENGINE_PROMPTS, params, use_tqdm=False)]
 
 
+GEMMA_SCALE = dict(head_dim=256)
+"""Gemma files say nothing of ``query_pre_attn_scalar``: transformers takes 256, llama.cpp ``head_dim``
+(but for the 27B models); with ``head_dim`` 256, as in Gemma 2 2B/9B and Gemma 3 1B-12B, both agree."""
+
 F32_CASES = {
     "llama_gqa_untied": ("llama", dict(tie_word_embeddings=False)),
     "llama_gqa_tied_head_dim": ("llama", dict(tie_word_embeddings=True, head_dim=24)),
     "qwen2_qkv_bias_tied": ("qwen2", dict(tie_word_embeddings=True)),
+    # transformers reads no head_dim from a qwen3 file (its key_length): Qwen3Config's 128, as in Qwen3
+    "qwen3_qk_norm_tied_head_dim_128": ("qwen3", dict(tie_word_embeddings=True, head_dim=128)),
+    # llama.cpp converts Mistral with LlamaModel: architecture "llama", Q/K permuted, no window written
+    "mistral_as_llama_untied": ("mistral", dict(tie_word_embeddings=False)),
+    "phi3_fused_qkv_gate_up_untied": ("phi3", dict(tie_word_embeddings=False)),
+    # windows of 8, crossed by the longer prompts; Gemma 2's soft-caps are the defaults, which
+    # transformers takes (it reads neither from the file); no rope base in a gemma2 file (10000)
+    "gemma2_window_softcaps_tied": ("gemma2", dict(GEMMA_SCALE, sliding_window=8)),
+    # six layers for a global one: nothing in the file says which layers slide (five of six in
+    # llama.cpp and transformers); the global layers' rope base is the file's, the local ones' 10000
+    "gemma3_window_qk_norm_tied": (
+        "gemma3",
+        dict(
+            GEMMA_SCALE,
+            num_hidden_layers=6,
+            sliding_window=8,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 50000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(F32_CASES))
 def test_f32_file_matches_transformers(case: str, tmp_path: Path) -> None:
     """An F32 file reads back in transformers as the model it was written from (the writer is
-    faithful), and tokenmill's prefill logits (to 1e-4) and greedy tokens, through the KV cache and
-    through ``LLM``, equal transformers' on it."""
+    faithful): its weights (Gemma's norms as ``(1 + w) - 1`` in fp32, which Gemma's ``1 + w`` turns
+    back into the same scale) and its logits on a prompt past every window; and tokenmill's prefill
+    logits (to 1e-4) and greedy tokens, through the KV cache and through ``LLM``, equal transformers'
+    on it."""
     kind, overrides = F32_CASES[case]
     original = save_gguf(tmp_path / NAME, kind, **overrides)
     reference = transformers_model(tmp_path / NAME)
     written, read = original.state_dict(), reference.state_dict()
-    assert written.keys() == read.keys() and all(torch.equal(written[k], read[k]) for k in written)
+    offsets = {k: norm_offset(gguf_architecture(kind), k) for k in written}
+    assert written.keys() == read.keys()
+    assert all(torch.equal(read[k], written[k] + offsets[k] - offsets[k]) for k in written)
+    prompt = torch.tensor([list(range(3, 3 + max(PROMPT_LENS)))])
+    with torch.no_grad():
+        torch.testing.assert_close(reference(prompt).logits, original(prompt).logits)
     model = load_model(checkpoint_folder(tmp_path / NAME), torch.float32, "cpu")
     assert model.config.tie_word_embeddings is False  # the head loads from token_embd.weight when tied
     assert_counting_prompts_match(model, reference)
