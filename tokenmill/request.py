@@ -72,7 +72,7 @@ MAX_SCHEMA_NESTING = 64
 """The deepest a JSON schema may nest (dicts and lists), given as a dict or as text."""
 
 
-def _json_nesting(value: Any) -> int:
+def json_nesting(value: Any) -> int:
     """The nesting depth of a parsed JSON value (dicts and lists), measured level by level (no recursion)."""
     depth, level = 0, [value]
     while containers := [item for item in level if isinstance(item, (dict, list))]:
@@ -188,7 +188,7 @@ class StructuredOutputsParams:
         if self.json is not None:
             try:
                 schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-                depth = _json_nesting(schema)
+                depth = json_nesting(schema)
             except RecursionError:  # deeper than Python's decoder goes: far over the limit
                 depth = MAX_SCHEMA_NESTING + 1
             except ValueError as exc:

@@ -2,8 +2,9 @@
 
 Python's ``json``, pydantic's validation of recursive models, jinja's rendering and the chat
 helpers all recurse once per level, and fail (``RecursionError``) or misreport somewhere between a
-few hundred and a thousand levels. The server therefore measures depth without recursing and
-refuses anything deeper than :data:`MAX_NESTING_DEPTH` before any of them sees it.
+few hundred and a thousand levels. The server therefore measures depth without recursing (parsed
+values with ``request.json_nesting``, text with :func:`text_depth`) and refuses anything deeper
+than :data:`MAX_NESTING_DEPTH` before any of them sees it.
 
 Depth counts containers: a scalar is depth 0, ``[]`` and ``{}`` depth 1, ``{"a": [1]}`` depth 2.
 """
@@ -12,18 +13,8 @@ from __future__ import annotations
 
 import re
 from itertools import accumulate
-from typing import Any
 
 MAX_NESTING_DEPTH = 64
-
-
-def value_depth(value: Any) -> int:
-    """The nesting depth of a parsed JSON value (dicts and lists), measured level by level."""
-    depth, level = 0, [value]
-    while containers := [item for item in level if isinstance(item, (dict, list))]:
-        depth += 1
-        level = [child for item in containers for child in (item.values() if isinstance(item, dict) else item)]
-    return depth
 
 
 def text_depth(text: str) -> int:

@@ -17,7 +17,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
 
-from tokenmill.server.http.nesting import MAX_NESTING_DEPTH, too_deep_message, value_depth
+from tokenmill.request import json_nesting
+from tokenmill.server.http.nesting import MAX_NESTING_DEPTH, too_deep_message
 
 MAX_DEPTH_ERROR = "nesting_too_deep"
 
@@ -32,7 +33,7 @@ class RequestBody(Body):
     @model_validator(mode="before")
     @classmethod
     def _shallow_enough(cls, data: Any) -> Any:
-        if value_depth(data) > MAX_NESTING_DEPTH:
+        if json_nesting(data) > MAX_NESTING_DEPTH:
             raise PydanticCustomError(MAX_DEPTH_ERROR, too_deep_message("the JSON"))
         return data
 
