@@ -75,7 +75,7 @@ def checkpoint_folder(path: str | Path) -> Path:
     if file is None:
         return Path(path)
     folder = _cache_root() / "gguf" / f"{file.stem}-{_key(file)}"
-    if not (folder / INDEX_FILE).is_file():
+    if not is_converted(folder):
         folder.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
         try:
@@ -83,17 +83,21 @@ def checkpoint_folder(path: str | Path) -> Path:
             try:
                 os.rename(staging, folder)
             except OSError:  # another process converted it first
-                if not (folder / INDEX_FILE).is_file():
+                if not is_converted(folder):
                     raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return folder
 
 
+def is_converted(folder: str | Path) -> bool:
+    """Whether ``folder`` is a converted GGUF folder (without reading its index)."""
+    return (Path(folder) / INDEX_FILE).is_file()
+
+
 def read_index(folder: str | Path) -> dict | None:
     """The tensor index of a converted folder (None: ``folder`` is not one)."""
-    index = Path(folder) / INDEX_FILE
-    return json.loads(index.read_text()) if index.is_file() else None
+    return json.loads((Path(folder) / INDEX_FILE).read_text()) if is_converted(folder) else None
 
 
 def convert(file: Path, folder: Path) -> None:

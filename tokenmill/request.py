@@ -81,12 +81,7 @@ def json_nesting(value: Any) -> int:
     return depth
 
 
-UNENFORCED_SCHEMA_KEYWORDS = {
-    "not": "not is not enforced",
-    "contains": "contains is not enforced",
-    "minContains": "minContains is not enforced",
-    "maxContains": "maxContains is not enforced",
-}
+UNENFORCED_SCHEMA_KEYWORDS = ("not", "contains", "minContains", "maxContains")
 """JSON Schema keywords the grammar engine accepts but does not enforce: refused (as OpenAI's strict mode)."""
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -105,9 +100,9 @@ def unenforced_schema_part(schema: Any) -> str | None:
         node = pending.pop()
         if not isinstance(node, dict):
             continue
-        for keyword, why in UNENFORCED_SCHEMA_KEYWORDS.items():
+        for keyword in UNENFORCED_SCHEMA_KEYWORDS:
             if keyword in node:
-                return why
+                return f"{keyword} is not enforced"
         if "oneOf" in node and "discriminator" not in node:
             return "oneOf is enforced only with a discriminator (else as anyOf); use anyOf"
         ref = node.get("$ref")

@@ -39,7 +39,7 @@ from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.thread_governor import engine_thread_governor
 from tokenmill.engine.weight_update import WeightsSource, apply_update, next_version, stage_update
-from tokenmill.gguf_checkpoint import read_index
+from tokenmill.gguf_checkpoint import is_converted
 from tokenmill.model.parallel import SINGLE
 from tokenmill.model.prequantized import checkpoint_format
 from tokenmill.model.registry import load_model_config
@@ -63,7 +63,7 @@ class Engine(EngineLoop):
                 f"{path} is a pre-quantized checkpoint (quantization_config in config.json): it loads quantized "
                 f"as published; leave quantization unset (got {cfg.quantization!r})"
             )
-        if read_index(path) is not None and (
+        if is_converted(path) and (
             cfg.quantization is not None or cfg.tensor_parallel_size > 1 or self.device.type != "cpu"
         ):
             raise ValueError(

@@ -138,9 +138,8 @@ class Sampler:
             # max's indices: the first maximal entry, as argmax; in fp32, where CPU reductions are fastest
             best = logits.float().max(dim=-1)
             token_ids = best.indices.tolist()
-            for i in grammar_rows:
-                if best.values[i] == float("-inf"):
-                    token_ids[i] = NO_ALLOWED_TOKEN
+            dead = best.values[grammar_rows] == float("-inf") if grammar_rows else None
+            _mark_dead_ends(token_ids, grammar_rows, dead, [None] * len(seqs))
             return SampleResult(token_ids, [None] * len(seqs))
 
         work = logits.to(dtype=torch.float32, copy=True)
@@ -156,9 +155,9 @@ class Sampler:
         if penalized:
             self._count_chosen(seqs, token_ids)
         logprobs = _logprobs(logits, seqs, token_ids) if wants_logprobs else [None] * len(seqs)
-        for i in grammar_rows:
-            if not torch.isfinite(work[i]).any():  # a dead end: its count and logprobs are dropped with it
-                token_ids[i], logprobs[i] = NO_ALLOWED_TOKEN, None
+        if grammar_rows:  # a dead end's count and logprobs are dropped with it
+            dead = ~torch.isfinite(work[grammar_rows]).any(dim=-1)
+            _mark_dead_ends(token_ids, grammar_rows, dead, logprobs)
         return SampleResult(token_ids, logprobs)
 
     def sample_isolating_failures(
@@ -306,6 +305,16 @@ def _banned_ids(seq: Sequence, eos_token_ids: set[int]) -> set[int]:
     if not params.ignore_eos:
         banned |= eos_token_ids
     return banned
+
+
+def _mark_dead_ends(token_ids: list[int], grammar_rows: list[int], dead: torch.Tensor | None, logprobs: list) -> None:
+    """``NO_ALLOWED_TOKEN`` (and no logprobs) for each of ``grammar_rows`` whose entry of ``dead``
+    (bool, one per grammar row; None: no grammar rows) is true."""
+    if dead is None:
+        return
+    for i, is_dead in zip(grammar_rows, dead.tolist()):
+        if is_dead:
+            token_ids[i], logprobs[i] = NO_ALLOWED_TOKEN, None
 
 
 def _logprobs(raw_logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list[dict[int, Logprob] | None]:
