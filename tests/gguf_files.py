@@ -8,6 +8,7 @@ chosen ggml type (quantized by ``gguf.quants``), and no ``output.weight`` when t
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,11 +87,12 @@ def write_gguf(
     arch: str,
     projection_type: GGMLQuantizationType = F32,
     embedding_type: GGMLQuantizationType = F32,
+    projection_types: Mapping[str, GGMLQuantizationType] | None = None,
 ) -> Path:
     """Write a GGUF file of architecture ``arch`` at ``path``: ``config``'s hyperparameters, the tiny
     tokenizer's first ``config.vocab_size`` tokens, and ``tensors`` (GGUF names, fp32, torch order):
-    decoder projections in ``projection_type``, ``token_embd``/``output`` in ``embedding_type``,
-    everything else in F32."""
+    decoder projections in ``projection_type`` (but those ``projection_types`` names, e.g.
+    ``{"attn_v": Q6_K}``), ``token_embd``/``output`` in ``embedding_type``, everything else in F32."""
     writer = GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
     _add_hyperparameters(writer, config, arch)
@@ -101,15 +103,40 @@ def write_gguf(
     for name, data in tensors.items():
         kind = name.split(".")[-2]
         qtype = F32 if data.ndim == 1 else projection_type if kind in PROJECTIONS else embedding_type
+        qtype = (projection_types or {}).get(kind, qtype)
         if qtype == F32:
             writer.add_tensor(name, data.astype(np.float32))
         else:  # rows of blocks [N, bytes]: the writer takes the shape from the bytes and the type
-            writer.add_tensor(name, quants.quantize(data, qtype), raw_dtype=qtype)
+            blocks = quantize_q6_k(data) if qtype == GGMLQuantizationType.Q6_K else quants.quantize(data, qtype)
+            writer.add_tensor(name, blocks, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def quantize_q6_k(weight: np.ndarray) -> np.ndarray:
+    """``weight [N, K]`` (K a multiple of 256) as Q6_K blocks, rows of bytes ``[N, K / 256 * 210]``
+    (the ``gguf`` package cannot quantize K-quants): per sub-block of 16 the step ``absmax / 31``,
+    stored as ``d * sc`` (``d`` fp16 per 256 values, ``sc`` int8), and ``q = round(w / (d sc)) + 32``
+    in 0..63, its low nibble in ``ql`` and its top two bits in ``qh`` as ggml lays them out."""
+    n, k = weight.shape
+    values = weight.astype(np.float32).reshape(n, k // 256, 16, 16)
+    steps = np.abs(values).max(axis=-1) / 31  # [n, supers, 16]
+    d = (steps.max(axis=-1, keepdims=True) / 127).astype(np.float16)
+    d = np.where(d == 0, np.float16(1), d)
+    sc = np.clip(np.round(steps / d.astype(np.float32)), 1, 127).astype(np.int8)
+    unit = d.astype(np.float32) * sc.astype(np.float32)
+    q = (np.clip(np.round(values / unit[..., None]), -32, 31) + 32).astype(np.uint8)
+    q = q.reshape(n, k // 256, 2, 4, 32)  # per half of 128 values: 4 runs of 32
+    low = q & 15
+    ql = np.concatenate([low[..., 0, :] | low[..., 2, :] << 4, low[..., 1, :] | low[..., 3, :] << 4], axis=-1)
+    qh = sum((q[..., i, :] >> 4) << (2 * i) for i in range(4)).astype(np.uint8)
+    blocks = np.concatenate(
+        [ql.reshape(n, k // 256, 128), qh.reshape(n, k // 256, 64), sc.view(np.uint8), d.view(np.uint8)], axis=-1
+    )
+    return blocks.reshape(n, -1)
 
 
 def tiny_gguf_model(kind: str, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
@@ -124,13 +151,15 @@ def save_gguf(
     projection_type: GGMLQuantizationType = F32,
     embedding_type: GGMLQuantizationType = F32,
     seed: int = 0,
+    projection_types: Mapping[str, GGMLQuantizationType] | None = None,
     **overrides: Any,
 ) -> transformers.PreTrainedModel:
     """A tiny random model of ``kind`` (``tests.tiny_models``' kinds but the mixtures of experts) written
-    as the GGUF file ``path``; returns the model."""
+    as the GGUF file ``path`` (types as :func:`write_gguf` takes them); returns the model."""
     hf_model = tiny_gguf_model(kind, seed, **overrides)
     arch = gguf_architecture(kind)
-    write_gguf(path, hf_model.config, gguf_tensors(hf_model, arch), arch, projection_type, embedding_type)
+    tensors = gguf_tensors(hf_model, arch)
+    write_gguf(path, hf_model.config, tensors, arch, projection_type, embedding_type, projection_types)
     return hf_model
 
 

@@ -26,11 +26,13 @@ from tests.gguf_files import (
     tiny_gguf_model,
     write_gguf,
 )
-from tests.model.test_parity import PROMPT_LENS, assert_counting_prompts_match
+from tests.model.test_parity import PROMPT_LENS, assert_counting_prompts_match, greedy_through_cache, hf_reference
 from tests.tiny_models import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.default_model import TINY_MODEL_DIR
 from tokenmill.gguf_checkpoint import GGUFError, checkpoint_folder
+from tokenmill.kernels.quant_format import fake_quantize_activations
+from tokenmill.kernels.quant_linear import int8_dot_products
 from tokenmill.model.loader import load_model
 from tokenmill.model.weights import WeightError
 
@@ -170,6 +172,65 @@ def test_quantized_file_matches_transformers_on_its_dequantized_weights(case: st
     assert_counting_prompts_match(model, reference)
     with running(tmp_path / NAME) as llm:
         assert greedy(llm) == [hf_greedy(reference, p, ENGINE_TOKENS) for p in ENGINE_PROMPTS]
+
+
+Q6_K_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+"""A Llama whose projections' widths are whole Q6_K super-blocks (256 values)."""
+Q4_K_M_LIKE = {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}
+"""Q4_K_M's Q6_K tensors (the rest Q8_0 here: ``gguf`` cannot quantize Q4_K)."""
+
+
+def q6_k_file(path: Path) -> transformers.PreTrainedModel:
+    """A Llama file with Q8_0 projections but Q6_K ``attn_v`` and ``ffn_down``, F32 embeddings; returns
+    transformers' model of it (fp32, the file's weights dequantized)."""
+    save_gguf(path, "llama", Q.Q8_0, F32, projection_types=Q4_K_M_LIKE, **Q6_K_SHAPE)
+    return transformers_model(path)
+
+
+def test_q6_k_projections_are_dequantized_where_the_panels_layout_is_not_kept(tmp_path: Path) -> None:
+    """In fp32 (no panels layout) a projection with a Q6_K tensor is dequantized (its groups of 16
+    need the panels layout), the Q8_0 ones stay int8; logits (to 1e-4) and greedy tokens are
+    transformers'."""
+    reference = q6_k_file(tmp_path / NAME)
+    model = load_model(checkpoint_folder(tmp_path / NAME), torch.float32, "cpu")
+    for layer in model.model.layers:
+        assert hasattr(layer.self_attn.qkv_proj, "weight") and hasattr(layer.mlp.down_proj, "weight")
+        assert layer.self_attn.o_proj.quantization.bits == layer.mlp.gate_up_proj.quantization.bits == 8
+    assert_counting_prompts_match(model, reference)
+    with running(tmp_path / NAME) as llm:
+        assert greedy(llm) == [hf_greedy(reference, p, ENGINE_TOKENS) for p in ENGINE_PROMPTS]
+
+
+@pytest.mark.skipif(not int8_dot_products(), reason="needs AVX512-VNNI (the panels layout's int8 kernel)")
+def test_q6_k_projections_stay_quantized_in_the_panels_layout(tmp_path: Path) -> None:
+    """A bf16 model on a VNNI CPU keeps Q6_K projections as int8 groups of 16 in the panels layout
+    (``qkv_proj`` joins Q8_0 q/k, groups of 32, with a Q6_K v at 16): the oracle is transformers in
+    fp32 on the file's weights with each projection's input quantized as the kernel does (blocks of
+    its group), and our bf16 error stays within twice transformers' own bf16 error."""
+    truth_model = q6_k_file(tmp_path / NAME)
+    model = load_model(checkpoint_folder(tmp_path / NAME), torch.bfloat16, "cpu")
+    for layer in model.model.layers:
+        for projection, group in [
+            (layer.self_attn.qkv_proj, 16),
+            (layer.mlp.down_proj, 16),
+            (layer.self_attn.o_proj, 32),
+            (layer.mlp.gate_up_proj, 32),
+        ]:
+            assert projection.qweight.dim() == 3 and projection.quantized_weight().group == group
+    bf16_model = transformers_model(tmp_path / NAME).to(torch.bfloat16)
+    for layer in truth_model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        blocks = {attention.q_proj: 16, attention.k_proj: 16, attention.v_proj: 16, mlp.down_proj: 16}
+        blocks |= {attention.o_proj: 32, mlp.gate_proj: 32, mlp.up_proj: 32}
+        for module, block in blocks.items():
+            module.register_forward_pre_hook(lambda _, args, b=block: (fake_quantize_activations(args[0], b),))
+    prompts = [list(range(3, 3 + n)) for n in PROMPT_LENS]
+    logits, _ = greedy_through_cache(model, prompts)
+    for prompt, ours in zip(prompts, logits):
+        truth, _ = hf_reference(truth_model, prompt)
+        theirs, _ = hf_reference(bf16_model, prompt)
+        their_error, our_error = (theirs.float() - truth).abs().max(), (ours.float() - truth).abs().max()
+        assert 0 < their_error and our_error <= 2 * their_error + 1e-2, (our_error, their_error)
 
 
 TEXTS = [

@@ -1,4 +1,4 @@
-"""GGUF tensor data as tokenmill weights: Q8_0/Q5_0/Q4_0/Q4_1/Q4_K repacked losslessly (their dequantized
+"""GGUF tensor data as tokenmill weights: Q8_0/Q5_0/Q4_0/Q4_1/Q4_K/Q6_K repacked losslessly (their dequantized
 values equal the ``gguf`` package's, bit for bit), other types dequantized by it; a file written with
 ``gguf``'s writer reads back through its reader; bad sizes are refused. ``gguf`` cannot quantize
 K-quants, so their blocks are random bytes valid by the format's definition."""
@@ -13,9 +13,17 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
-from tokenmill.kernels.quant_format import QuantizedTensors, dequantize
-from tokenmill.kernels.quant_linear import quantized_linear
-from tokenmill.model.gguf_tensors import LOSSLESS, gguf_weight
+from tokenmill.kernels.linear import Linear
+from tokenmill.kernels.quant_format import (
+    PANELS_INT8_GROUP,
+    QuantizedTensors,
+    QuantScheme,
+    dequantize,
+    fake_quantize_activations,
+    to_panels,
+)
+from tokenmill.kernels.quant_linear import int8_dot_products, quantized_linear
+from tokenmill.model.gguf_tensors import LOSSLESS, PANELS_ONLY, gguf_weight
 
 N, K = 48, 96
 K_QUANT_K = 512  # two super-blocks a row
@@ -52,15 +60,28 @@ def stored(qtype: GGMLQuantizationType, seed: int) -> tuple[np.ndarray, tuple[in
 def test_lossless_types_dequantize_as_gguf_does_and_multiply_like_it(qtype: GGMLQuantizationType) -> None:
     raw, (n, k) = stored(qtype, int(qtype))
     ours = gguf_weight(raw, qtype, (n, k))
-    assert isinstance(ours, QuantizedTensors) and ours.shape == (n, k) and ours.group == 32
+    group = PANELS_INT8_GROUP if qtype in PANELS_ONLY else 32
+    assert isinstance(ours, QuantizedTensors) and ours.shape == (n, k) and ours.group == group
     theirs = torch.from_numpy(quants.dequantize(raw, qtype))
     assert torch.equal(dequantize(ours), theirs)
     assert ours.qweight.numel() * ours.qweight.element_size() == n * k * ours.bits // 8  # the packed bytes as stored
     x = torch.randn(3, k)
-    torch.testing.assert_close(quantized_linear(x, ours), F.linear(x, theirs), rtol=1e-5, atol=1e-4)
+    if qtype not in PANELS_ONLY:
+        torch.testing.assert_close(quantized_linear(x, ours), F.linear(x, theirs), rtol=1e-5, atol=1e-4)
+    elif int8_dot_products():  # the panels layout's kernel quantizes x (to 1/508 of a block's step)
+        expected = F.linear(fake_quantize_activations(x, group), theirs)
+        torch.testing.assert_close(quantized_linear(x, to_panels(ours)), expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_1, Q.F16, Q.Q6_K, Q.Q5_K, Q.Q3_K, Q.Q2_K], ids=lambda t: t.name)
+def test_groups_of_16_are_refused_outside_the_panels_layout() -> None:
+    raw, (n, k) = stored(Q.Q6_K, 3)
+    layer = Linear(k, n, bias=False)
+    with pytest.raises(ValueError, match="groups of 16 are kept in the panels layout only"):
+        layer.load_quantized_(gguf_weight(raw, Q.Q6_K, (n, k)), QuantScheme(8, PANELS_INT8_GROUP))
+    assert layer.quantization is None and layer.weight.shape == (n, k)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_1, Q.F16, Q.Q5_K, Q.Q3_K, Q.Q2_K], ids=lambda t: t.name)
 def test_other_types_come_back_dequantized(qtype: GGMLQuantizationType) -> None:
     raw, shape = (weights(7).astype(np.float16), (N, K)) if qtype == Q.F16 else stored(qtype, 7)
     ours = gguf_weight(raw, qtype, shape)

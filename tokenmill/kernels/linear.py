@@ -24,7 +24,7 @@ from torch import nn
 
 from tokenmill.hardware import avx512, avx512_bf16, native_bf16
 from tokenmill.kernels.cpu import load_cpu_kernels
-from tokenmill.kernels.quant_format import QuantizedTensors, QuantScheme, quantize, to_panels
+from tokenmill.kernels.quant_format import PANELS_INT8_GROUP, QuantizedTensors, QuantScheme, quantize, to_panels
 from tokenmill.kernels.quant_linear import quantized_linear
 
 SKINNY_MAX_ROWS = 8
@@ -150,12 +150,15 @@ class Linear(nn.Linear):
         """Keep ``tensors`` (rows layout, already quantized with ``scheme``, e.g. repacked from a
         pre-quantized checkpoint) as this layer's weight from now on, in the rows layout or
         (``panels``) the panels layout: the ``weight`` parameter, if the layer still has one, is
-        dropped. Raises ValueError, changing nothing, unless their shape is the layer's and fits the layout."""
+        dropped. Raises ValueError, changing nothing, unless their shape is the layer's and fits the
+        layout (groups of :data:`PANELS_INT8_GROUP` only in the panels layout)."""
         if tensors.shape != (self.out_features, self.in_features) or tensors.bits != scheme.bits:
             raise ValueError(
                 f"int{tensors.bits} weight of shape {tensors.shape} does not fit a layer of "
                 f"{(self.out_features, self.in_features)} quantized {scheme.name}"
             )
+        if tensors.group == PANELS_INT8_GROUP and not panels:
+            raise ValueError(f"groups of {PANELS_INT8_GROUP} are kept in the panels layout only")
         if panels:
             tensors = to_panels(tensors)
         if "weight" in self._parameters:

@@ -1,7 +1,8 @@
 """The in-memory format of weights kept quantized: int8 and int4, weight-only, grouped along K.
 
 A weight ``W [N, K]`` becomes, per group of ``group_size`` consecutive values of a row (a multiple
-of 32 that divides K; ``group_size = K`` is one scale per output channel):
+of 32 that divides K; ``group_size = K`` is one scale per output channel; int8 in the panels layout
+may also have groups of 16, :data:`PANELS_INT8_GROUP`):
 
 - int8, symmetric: ``qweight`` int8 ``[N, K]``, ``W ~= q * scale`` with ``q`` in -127..127;
 - int4: ``qweight`` uint8 ``[N, K / 2]``, ``W ~= q * scale + min`` with ``q`` in 0..15 (asymmetric:
@@ -32,13 +33,16 @@ RUN = 32
 PANEL = 16
 """Weight rows per panel of the panels layout."""
 GROUP_SIZES = (32, 64, 128)
+PANELS_INT8_GROUP = 16
+"""A group size only int8 weights in the panels layout have (a GGUF Q6_K sub-block: the rows
+layout's kernels read whole runs of 32)."""
 
 
 @dataclass(frozen=True)
 class QuantScheme:
     """How a weight is quantized: ``bits`` 8 or 4, ``group_size`` (None: int8 has one group per output
-    channel, i.e. the whole row; int4 the largest of 128, 64, 32 that divides the layer's K),
-    ``symmetric`` (int8 always is)."""
+    channel, i.e. the whole row; int4 the largest of 128, 64, 32 that divides the layer's K; int8
+    may have :data:`PANELS_INT8_GROUP`, panels layout only), ``symmetric`` (int8 always is)."""
 
     bits: int
     group_size: int | None = None
@@ -47,8 +51,9 @@ class QuantScheme:
     def __post_init__(self) -> None:
         if self.bits not in (8, 4):
             raise ValueError(f"quantized weights have 8 or 4 bits, not {self.bits}")
-        if self.group_size is not None and self.group_size not in GROUP_SIZES:
-            raise ValueError(f"group size must be one of {GROUP_SIZES} or None (per channel), not {self.group_size}")
+        allowed = (*GROUP_SIZES, PANELS_INT8_GROUP) if self.bits == 8 else GROUP_SIZES
+        if self.group_size is not None and self.group_size not in allowed:
+            raise ValueError(f"group size must be one of {allowed} or None (per channel), not {self.group_size}")
         if self.bits == 8 and not self.symmetric:
             raise ValueError("int8 weights are symmetric")
 
@@ -58,7 +63,7 @@ class QuantScheme:
             group = next((g for g in reversed(GROUP_SIZES) if in_features % g == 0), RUN)
         else:
             group = self.group_size or in_features
-        if in_features % group or group % RUN:
+        if in_features % group or (group % RUN and group != PANELS_INT8_GROUP):
             raise ValueError(
                 f"a weight with {in_features} input features cannot be quantized in groups of {group} "
                 f"(the group must divide K and be a multiple of {RUN})"

@@ -8,9 +8,10 @@ architecture: rows of each head reordered from halves to interleaved pairs; a ro
 quantized rows are permuted as they are) and Gemma's ``1 +`` folded into its norm weights.
 
 A decoder-layer projection whose tensors are all of a type the quantized kernels run exactly
-(``gguf_tensors.LOSSLESS_BITS``), with one bit width, keeps its quantized data (groups of 32; the panels
-layout where ``quantization.keeps_panels`` says so); so does an untied LM head; every other tensor is
-dequantized to the model's dtype, and the start-up log says how many. Every expected tensor must be
+(``gguf_tensors.LOSSLESS_BITS``), with one bit width, keeps its quantized data (the panels layout
+where ``quantization.keeps_panels`` says so; Q6_K's groups of 16 only there; int8 shards with groups
+of 16 and of 32 joined at 16); so does an untied LM head; every other tensor is dequantized to the
+model's dtype, and the start-up log says how many. Every expected tensor must be
 in the file, with the expected shape; a missing, unexpected or misshapen one is a WeightError.
 """
 
@@ -27,7 +28,7 @@ from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, get_tensor_name_map
 from tokenmill.kernels.linear import Linear
 from tokenmill.kernels.quant_format import QuantizedTensors, QuantScheme, dequantize
 from tokenmill.model.causal_lm import CausalLM
-from tokenmill.model.gguf_tensors import LOSSLESS_BITS, gguf_weight
+from tokenmill.model.gguf_tensors import LOSSLESS_BITS, PANELS_ONLY, gguf_weight
 from tokenmill.model.huge_pages import materialize_on_huge_pages, move_to_huge_pages
 from tokenmill.model.quantization import ROUTER_NAME, keeps_panels, kernels_per_shape
 from tokenmill.model.weights import WeightError, WeightTarget, check_tensor, checkpoint_targets
@@ -101,13 +102,7 @@ def load_gguf(model: CausalLM, index: dict) -> None:
         target.load(weight)
     for module, shards in quantized:
         parts = [_undo_conversion(tensors.read(names[hf]), hf, model, tensors.architecture) for hf, _ in shards]
-        whole = QuantizedTensors(
-            torch.cat([p.qweight for p in parts]),
-            torch.cat([p.scale for p in parts]),
-            None if parts[0].min is None else torch.cat([p.min for p in parts]),
-            parts[0].bits,
-            parts[0].group,
-        )
+        whole = _joined([p for p in parts if isinstance(p, QuantizedTensors)])
         scheme = QuantScheme(whole.bits, whole.group, symmetric=whole.min is None)
         module.load_quantized_(whole, scheme, keeps_panels(model, module))
     modules = [module for module, _ in quantized]
@@ -159,10 +154,26 @@ def _quantized_projections(
     plans = []
     for key, parts in shards.items():
         types = {tensors.qtype(names[hf]) for hf, _ in parts}
+        if types & PANELS_ONLY and not keeps_panels(model, modules[key], torch.device("cpu")):  # it loads on CPU
+            continue
         if types <= LOSSLESS_BITS.keys() and len({LOSSLESS_BITS[t] for t in types}) == 1:
             parts.sort(key=lambda part: part[1].index[0].start if part[1].index else 0)
             plans.append((modules[key], parts))
     return plans
+
+
+def _joined(parts: list[QuantizedTensors]) -> QuantizedTensors:
+    """Quantized shards of one bit width stacked in row order; int8 shards in groups of different
+    sizes (16 and 32) are joined at the smallest, each scale repeated over its group's halves."""
+    group = min(p.group for p in parts)
+    scales = [p.scale.repeat_interleave(p.group // group, dim=1) for p in parts]
+    return QuantizedTensors(
+        torch.cat([p.qweight for p in parts]),
+        torch.cat(scales),
+        None if parts[0].min is None else torch.cat([p.min for p in parts]),
+        parts[0].bits,
+        group,
+    )
 
 
 def _undo_conversion(

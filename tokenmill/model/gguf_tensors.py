@@ -10,13 +10,17 @@ losslessly into ``kernels/quant_format``'s rows layout, groups of 32:
 - Q4_0 (fp16 ``d``, 16 bytes; ``w = (q - 8) d``): int4, ``scale = d``, ``min = -8 d``;
 - Q4_1 (fp16 ``d``, fp16 ``m``, 16 bytes; ``w = q d + m``): int4, ``scale = d``, ``min = m``;
 - Q4_K (fp16 ``d``, fp16 ``dmin``, 12 bytes of 6-bit ``sc`` and ``m`` per sub-block, 128 bytes;
-  ``w = q d sc - dmin m``): int4, ``scale = d sc``, ``min = -dmin m`` (both exact in fp32).
+  ``w = q d sc - dmin m``): int4, ``scale = d sc``, ``min = -dmin m`` (both exact in fp32);
+- Q6_K (128 bytes of low nibbles, 64 of high bit pairs, 16 int8 ``sc``, fp16 ``d``; sub-blocks of
+  16; ``w = (q - 32) d sc``): int8 ``q - 32`` in groups of 16 (``quant_format.PANELS_INT8_GROUP``),
+  ``scale = d sc``, which only the panels layout holds (:data:`PANELS_ONLY`).
 
 A Q4_0/Q4_1 block's 16 bytes hold value ``j`` in byte ``j``'s low nibble and value ``16 + j`` in its
 high one, which is tokenmill's int4 run layout already: the bytes are copied as they are. Q4_K holds
 each 64 values in 32 bytes, values 0-31 in the low nibbles and 32-63 in the high ones: its nibbles
-are reshuffled into runs. Every other type (F32, F16, BF16, Q5_1, other K-quants, ...) comes back
-dequantized to fp32 by the ``gguf`` package.
+are reshuffled into runs; Q6_K's 6-bit values are put together from their two parts. Every other
+type (F32, F16, BF16, Q5_1, other K-quants, ...) comes back dequantized to fp32 by the ``gguf``
+package.
 """
 
 from __future__ import annotations
@@ -28,9 +32,18 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from tokenmill.kernels.quant_format import QuantizedTensors
 
-LOSSLESS_BITS = {GGMLType.Q8_0: 8, GGMLType.Q5_0: 8, GGMLType.Q4_0: 4, GGMLType.Q4_1: 4, GGMLType.Q4_K: 4}
+LOSSLESS_BITS = {
+    GGMLType.Q8_0: 8,
+    GGMLType.Q5_0: 8,
+    GGMLType.Q4_0: 4,
+    GGMLType.Q4_1: 4,
+    GGMLType.Q4_K: 4,
+    GGMLType.Q6_K: 8,
+}
 """The block types repacked into quantized weights as they are -> the bit width they become."""
 LOSSLESS = tuple(LOSSLESS_BITS)
+PANELS_ONLY = frozenset({GGMLType.Q6_K})
+"""The lossless types whose groups (16 values) only the panels layout holds."""
 
 
 def gguf_weight(raw: np.ndarray, qtype: GGMLType, shape: tuple[int, int]) -> QuantizedTensors | torch.Tensor:
@@ -52,6 +65,8 @@ def gguf_weight(raw: np.ndarray, qtype: GGMLType, shape: tuple[int, int]) -> Qua
     blocks = rows.reshape(n, k // values_per_block, block_bytes)
     if qtype == GGMLType.Q4_K:
         return _q4_k(blocks)
+    if qtype == GGMLType.Q6_K:
+        return _q6_k(blocks)
     scale = _fp16(blocks[..., 0:2])
     if qtype == GGMLType.Q5_0:
         return QuantizedTensors(torch.from_numpy(_q5_0_values(blocks).reshape(n, k)), scale, None, 8, 32)
@@ -91,6 +106,22 @@ def _q4_k(blocks: np.ndarray) -> QuantizedTensors:
     first, second = chunks[..., 0, :], chunks[..., 1, :]
     runs = np.stack([(first & 15) | (second << 4), (first >> 4) | (second & 0xF0)], axis=-2)
     return QuantizedTensors(torch.from_numpy(runs.reshape(n, -1)), scale.reshape(n, -1), low.reshape(n, -1), 4, 32)
+
+
+def _q6_k(blocks: np.ndarray) -> QuantizedTensors:
+    """Q6_K super-blocks ``[N, K / 256, 210]`` as int8 groups of 16 (see the module docstring)."""
+    n, supers, _ = blocks.shape
+    # Per half of 128 values: 64 bytes ql, 32 bytes qh. Value 32 i + j (i < 4, j < 32) has as low
+    # nibble that of ql byte j (i even) or 32 + j (i odd), low for i < 2 and high above, and as its
+    # top two bits bits 2 i, 2 i + 1 of qh byte j.
+    ql = blocks[..., :128].reshape(n, supers, 2, 64)
+    qh = blocks[..., 128:192].reshape(n, supers, 2, 1, 32)
+    low = np.stack([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-2)
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    values = ((low | (high << 4)).astype(np.int8) - 32).reshape(n, -1)
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+    scale = _fp16(blocks[..., 208:210])[..., None] * torch.from_numpy(sc)
+    return QuantizedTensors(torch.from_numpy(values), scale.reshape(n, -1), None, 8, 16)
 
 
 def _fp16(pairs: np.ndarray) -> torch.Tensor:

@@ -99,11 +99,12 @@ def _quantizable_head(head: LinearT | None) -> LinearT | None:
     return head
 
 
-def keeps_panels(model: CausalLM, module: Linear) -> bool:
-    """Whether ``module`` of ``model`` (on its device and in its dtype) is kept in the panels layout:
-    a bf16 model on a CPU with the int8 kernel, an output width that is a multiple of 16."""
+def keeps_panels(model: CausalLM, module: Linear, device: torch.device | None = None) -> bool:
+    """Whether ``module`` of ``model`` (in its dtype, on ``device``: by default its parameters')
+    is kept in the panels layout: a bf16 model on a CPU with the int8 kernel, an output width that
+    is a multiple of 16."""
     parameter = next(model.parameters())
-    on_cpu_in_bf16 = parameter.device.type == "cpu" and parameter.dtype == torch.bfloat16
+    on_cpu_in_bf16 = (device or parameter.device).type == "cpu" and parameter.dtype == torch.bfloat16
     return on_cpu_in_bf16 and module.out_features % PANEL == 0 and int8_dot_products()
 
 

@@ -233,8 +233,9 @@ Packed packed_operands(const at::Tensor& qweight, const at::Tensor& scale, const
   }
   const int64_t n_out = panels ? qweight.size(0) * kPanel : qweight.size(0);
   const int64_t k_dim = panels ? 4 * qweight.size(1) : bits == 8 ? qweight.size(1) : 2 * qweight.size(1);
-  TORCH_CHECK(group % kRun == 0 && group > 0 && k_dim % group == 0, "group ", group, " must be a multiple of 32 "
-              "dividing K=", k_dim);
+  const bool panel_int8_group = panels && bits == 8 && group == tokenmill_quant::kPanelInt8Group;
+  TORCH_CHECK((group % kRun == 0 || panel_int8_group) && group > 0 && k_dim % group == 0, "group ", group,
+              " must be a multiple of 32 (16: int8 in the panels layout) dividing K=", k_dim);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n_out * (k_dim / group), "scale: fp32, one per "
               "group");
   const bool has_min = min.has_value() && min->defined();

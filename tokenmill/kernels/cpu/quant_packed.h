@@ -1,5 +1,6 @@
 // A quantized weight as the CPU kernels read it (kernels/quant_format.py's layouts), fp32 scale
-// (and int4 min) per group of `group` values along K (a multiple of 32 that divides K):
+// (and int4 min) per group of `group` values along K (a multiple of 32 that divides K; int8 in the
+// panels layout may also have groups of kPanelInt8Group):
 //   rows layout, qweight 2-D: int8 [N, K] (w = q * scale) or uint8 [N, K / 2] (int4: w = q * scale
 //     + min, q in 0..15; the 16 bytes of each run of 32 values along K hold value j in byte j's low
 //     nibble and value 16 + j in its high one); scale/min [N, K / group].
@@ -23,6 +24,7 @@ namespace tokenmill_quant {
 constexpr int64_t kRun = 32;  // values per packed run (and the smallest group)
 constexpr int64_t kBlock = 4;  // weight rows per work item of the rows layout
 constexpr int64_t kPanel = 16;  // weight rows per panel
+constexpr int64_t kPanelInt8Group = 16;  // the group below kRun an int8 panels-layout weight may have
 
 struct Packed {
   const void* q;
@@ -53,7 +55,7 @@ inline const uint8_t* quad_bytes(const Packed& p, int64_t panel, int64_t t) {
 bool int8_dot_available();
 
 // The activation block of int8_dot_product for a weight of K values in groups of `group`: the
-// group when it is at most 128, else the largest of 128, 64, 32 dividing K.
+// group when it is at most 128 (16 included), else the largest of 128, 64, 32 dividing K.
 int64_t activation_block(int64_t group, int64_t k_dim);
 
 // y [M, N] = x [M, K] @ w^T (+ bias [N], if not null) for a panels-layout weight, x and y fp32 or
