@@ -1,7 +1,7 @@
 """Mixture-of-experts families (Mixtral, Qwen3-MoE) through the engine, against transformers:
 greedy tokens under chunked prefill, preemption and prefix-cache hits on the CPU and torch
 backends; weight updates of one expert by its checkpoint name; the expert computation batched by
-expert; config errors named."""
+expert, and the same once unstacked into per-expert layers; config errors named."""
 
 from __future__ import annotations
 
@@ -121,6 +121,23 @@ def test_experts_are_computed_per_expert_not_per_token(monkeypatch: pytest.Monke
             gate, up = (experts.gate_up_proj[e] @ x[t]).chunk(2)
             expected[t] += weights[t, k] * (experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
     assert torch.allclose(out, expected, atol=1e-5)
+
+
+def test_unstacked_experts_load_by_the_same_names_and_compute_the_same() -> None:
+    """Unstacked, each expert's projections are layers holding its slices of the stacks, listed
+    under the same checkpoint names; the output is unchanged."""
+    torch.manual_seed(0)
+    experts = Experts(num_experts=5, hidden=8, intermediate=6, names=ExpertNames("g", "u", "d"))
+    torch.nn.init.normal_(experts.gate_up_proj)
+    torch.nn.init.normal_(experts.down_proj)
+    x, expert_ids, weights = torch.randn(40, 8), torch.randint(0, 5, (40, 2)), torch.rand(40, 2)
+    stacked = experts(x, expert_ids, weights)
+    before = {name: param[index].clone() for name, param, index, _ in experts.checkpoint_shards()}
+    experts.unstack_()
+    after = {name: param[index] for name, param, index, _ in experts.checkpoint_shards()}
+    assert not hasattr(experts, "gate_up_proj") and len(experts.layers) == 5
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    torch.testing.assert_close(experts(x, expert_ids, weights), stacked)
 
 
 @pytest.mark.parametrize(

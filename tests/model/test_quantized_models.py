@@ -38,7 +38,8 @@ def test_quantized_model_matches_transformers_on_the_dequantized_weights(case, s
     model = load_model(tmp_path, torch.float32, "cpu")
     n_quantized = quantize_model(model, scheme)
     assert n_quantized > 0 and model.quantization == scheme
-    assert all(m.quantized is not None for m in model.modules() if isinstance(m, Experts))  # MoE experts too
+    stacks = [m for m in model.modules() if isinstance(m, Experts)]
+    assert all(layer.quantization == scheme for m in stacks for pair in m.layers for layer in pair)  # MoE experts too
     head = model.lm_head  # untied heads are kept int8 whatever the scheme; a tied one is the embedding table
     assert head is None if hf_model.config.tie_word_embeddings else head.quantization == LM_HEAD_SCHEME
     fake_quantize_model(hf_model, scheme)

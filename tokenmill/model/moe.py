@@ -11,8 +11,10 @@ tokens.
 
 The experts' weights are stacked (``gate_up_proj`` ``[E, 2I, hidden]``, gate rows first;
 ``down_proj`` ``[E, hidden, I]``) and load from per-expert checkpoint tensors, whose names the
-family gives (:class:`ExpertNames`) and :meth:`Experts.checkpoint_shards` lists. Quantizing them
-(:meth:`Experts.quantize_`) replaces the stacks by one quantized ``Linear`` per expert projection.
+family gives (:class:`ExpertNames`) and :meth:`Experts.checkpoint_shards` lists. Unstacking them
+(:meth:`Experts.unstack_`) replaces the stacks by one ``Linear`` per expert projection, each of which
+may then be quantized on its own: :meth:`Experts.quantize_` quantizes them all, the GGUF loader
+keeps those stored in a quantized type quantized.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch import nn
 
 from tokenmill.kernels.fused import silu_and_mul
 from tokenmill.kernels.linear import BlockedCopy, Linear, blocked_linear
-from tokenmill.kernels.quant_format import QuantScheme, quantize
+from tokenmill.kernels.quant_format import QuantScheme
 from tokenmill.model import parallel
 from tokenmill.model.config import ModelConfigError, MoEConfig
 
@@ -52,7 +54,8 @@ class ExpertNames(NamedTuple):
 
 
 class Experts(nn.Module, CheckpointShards):
-    """``num_experts`` SwiGLU experts, stacked; expert ``e`` loads from ``<e>.<names.gate>.weight`` ...
+    """``num_experts`` SwiGLU experts, stacked until :meth:`unstack_`; expert ``e`` loads from
+    ``<e>.<names.gate>.weight`` ...
 
     With tensor parallelism every rank holds its block of each expert's width (see ``parallel.py``):
     the sum over ranks of :meth:`forward` is the experts' output."""
@@ -72,7 +75,7 @@ class Experts(nn.Module, CheckpointShards):
         self.intermediate = intermediate
         self.names = names
         self._blocked = [(BlockedCopy(), BlockedCopy()) for _ in range(num_experts)]  # gate_up, down
-        self.quantized: nn.ModuleList | None = None  # per expert: its gate/up and down Linear, once quantized
+        self.layers: nn.ModuleList | None = None  # per expert: its gate/up and down Linear, once unstacked
 
     @property
     def shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -80,42 +83,67 @@ class Experts(nn.Module, CheckpointShards):
         width = self.width.stop - self.width.start
         return (2 * width, self.hidden), (self.hidden, width)
 
-    def quantize_(self, scheme: QuantScheme, panels: Callable[[Linear], bool]) -> list[Linear]:
-        """Keep every expert's projections quantized with ``scheme`` from now on, each as a quantized
-        :class:`Linear` (in the panels layout where ``panels`` says so); the stacked parameters are
-        dropped. Returns the new layers. Raises ValueError, changing nothing, unless the scheme's
-        groups fit both projections' K (see ``QuantScheme.group_for``)."""
-        for _, k in self.shapes:
-            scheme.group_for(k)
-        experts = nn.ModuleList()
+    def unstack_(self) -> None:
+        """Replace the stacked parameters by one :class:`Linear` per expert and projection (gate/up
+        ``[2I, hidden]``, down ``[hidden, I]``; :attr:`layers`) whose weight is the expert's slice of
+        the stack (a view: nothing is copied, and the stack's memory goes with the last view). From
+        then on the products use those layers, and :meth:`checkpoint_shards` lists the weights they
+        still have (a quantized layer has none)."""
+        layers = nn.ModuleList()
         for e in range(self.num_experts):
             pair = nn.ModuleList()
             for stacked in (self.gate_up_proj, self.down_proj):
                 n, k = stacked.shape[1:]
                 with torch.device("meta"):
                     layer = Linear(k, n, bias=False)
-                layer.load_quantized_(quantize(stacked[e], scheme), scheme, panels(layer))
+                layer.weight = nn.Parameter(stacked[e].detach(), requires_grad=stacked.requires_grad)
                 pair.append(layer)
-            experts.append(pair)
+            layers.append(pair)
         del self.gate_up_proj, self.down_proj
         self._blocked = []
-        self.quantized = experts
-        return [layer for pair in experts for layer in pair]
+        self.layers = layers
+
+    def quantize_(self, scheme: QuantScheme, panels: Callable[[Linear], bool]) -> list[Linear]:
+        """Keep every expert's projections quantized with ``scheme`` from now on (unstacked first:
+        :meth:`unstack_`), in the panels layout where ``panels`` says so. Returns the layers it
+        quantized (those not quantized yet). Raises ValueError, changing nothing, unless the scheme's
+        groups fit both projections' K (see ``QuantScheme.group_for``)."""
+        for _, k in self.shapes:
+            scheme.group_for(k)
+        if self.layers is None:
+            self.unstack_()
+        assert self.layers is not None
+        quantized = []
+        for layer in (layer for pair in self.layers for layer in pair):
+            if layer.quantization is None:
+                layer.quantize_(scheme, panels(layer))
+                quantized.append(layer)
+        return quantized
 
     def checkpoint_shards(self) -> list[CheckpointShard]:
-        n_experts, two_i, _ = self.gate_up_proj.shape
-        half = two_i // 2
-        full, hidden = self.intermediate, self.down_proj.shape[1]
+        width = self.width.stop - self.width.start
+        full, hidden = self.intermediate, self.hidden
         rows = parallel.CheckpointPart((full, hidden), (self.width,)) if self.sharded else None
         cols = parallel.CheckpointPart((hidden, full), (slice(None), self.width)) if self.sharded else None
         shards: list[CheckpointShard] = []
-        for e in range(n_experts):
-            shards += [
-                (f"{e}.{self.names.gate}.weight", self.gate_up_proj, (e, slice(0, half)), rows),
-                (f"{e}.{self.names.up}.weight", self.gate_up_proj, (e, slice(half, two_i)), rows),
-                (f"{e}.{self.names.down}.weight", self.down_proj, (e,), cols),
-            ]
+        for e in range(self.num_experts):
+            gate_up, down = self._weights(e)
+            if gate_up is not None:
+                param, at = gate_up
+                shards += [
+                    (f"{e}.{self.names.gate}.weight", param, (*at, slice(0, width)), rows),
+                    (f"{e}.{self.names.up}.weight", param, (*at, slice(width, 2 * width)), rows),
+                ]
+            if down is not None:
+                shards.append((f"{e}.{self.names.down}.weight", *down, cols))
         return shards
+
+    def _weights(self, e: int) -> tuple[tuple[nn.Parameter, tuple[int, ...]] | None, ...]:
+        """Expert ``e``'s gate/up and down weights, each as ``(parameter, index of the expert's
+        matrix in it)``; None for a layer without a weight parameter (quantized)."""
+        if self.layers is None:
+            return (self.gate_up_proj, (e,)), (self.down_proj, (e,))
+        return tuple((layer.weight, ()) if "weight" in layer._parameters else None for layer in self.layers[e])
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, hidden]``; ``expert_ids``/``weights`` ``[T, k]``: each token's experts and their
@@ -138,8 +166,8 @@ class Experts(nn.Module, CheckpointShards):
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s SwiGLU MLP on its tokens ``x``."""
-        if self.quantized is not None:
-            gate_up, down = self.quantized[e]
+        if self.layers is not None:
+            gate_up, down = self.layers[e]
             return down(silu_and_mul(gate_up(x)))
         gate_up_copy, down_copy = self._blocked[e]
         hidden = silu_and_mul(blocked_linear(x, self.gate_up_proj[e], None, gate_up_copy))
