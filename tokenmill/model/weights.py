@@ -4,7 +4,8 @@ The mapping is derived, never written by hand: every parameter loads from its ow
 name, except the shards of a :class:`~tokenmill.model.blocks.PackedLinear`, which load from the
 names the family's ``packed_modules`` gives them (``q_proj`` -> shard 0 of ``qkv_proj``, ...),
 into the rows the packed module reports, and the parameters of a module that lists its own
-checkpoint tensors (``checkpoint_shards``: stacked experts, one tensor per expert and projection).
+checkpoint tensors (``checkpoint_shards``: experts, one tensor per expert and projection), its
+submodules' included.
 With tensor parallelism a target holds its rank's part of the tensor (``parallel.CheckpointPart``):
 the loader reads only that part from the file, a weight update stages only that part.
 A family whose checkpoint names a module differently (Mixtral's ``block_sparse_moe`` for ``mlp``)
@@ -80,10 +81,14 @@ def checkpoint_targets(model: CausalLM) -> dict[str, WeightTarget]:
         shards.setdefault(packed, []).append((shard, name))
     renamed = model.checkpoint_module_names
     targets: dict[str, WeightTarget] = {}
-    for module_name, module in model.named_modules():
-        module_name = ".".join(renamed.get(part, part) for part in module_name.split(".")) if module_name else ""
+    listed: tuple[str, ...] = ()  # prefixes of the modules that list their own tensors, submodules' included
+    for path, module in model.named_modules():
+        if path.startswith(listed):
+            continue
+        module_name = ".".join(renamed.get(part, part) for part in path.split(".")) if path else ""
         parent, _, local = module_name.rpartition(".")
         if isinstance(module, CheckpointShards):
+            listed += (f"{path}.",)
             for name, param, index, part in module.checkpoint_shards():
                 targets[_join(module_name, name)] = WeightTarget(param, index, part)
             continue
