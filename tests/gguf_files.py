@@ -2,8 +2,10 @@
 writes them: its metadata keys per architecture, the tiny model's byte-level BPE as the GGUF tokenizer,
 tensors renamed by the ``gguf`` package's name table (the Q and K rows of "llama" permuted for
 llama.cpp's rotary layout, Gemma's norm weights stored as ``1 + w``, Phi-3's fused ``qkv_proj`` and
-``gate_up_proj`` as they are, under ``attn_qkv`` and ``ffn_up``), 1-D tensors in F32, the others in a
-chosen ggml type (quantized by ``gguf.quants``), and no ``output.weight`` when the embeddings are tied."""
+``gate_up_proj`` as they are, under ``attn_qkv`` and ``ffn_up``, MoE experts stacked per projection
+as ``ffn_gate_exps``/``ffn_up_exps``/``ffn_down_exps`` ``[E, N, K]``), 1-D tensors and MoE routers in
+F32, the others in a chosen ggml type (quantized by ``gguf.quants``), and no ``output.weight`` when
+the embeddings are tied."""
 
 from __future__ import annotations
 
@@ -28,12 +30,17 @@ from tests.tiny_models import make_hf_model
 from tokenmill.default_model import TINY_MODEL_DIR
 
 F32 = GGMLQuantizationType.F32
-PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-"""The GGUF names of a decoder layer's projections (``blk.<i>.<name>.weight``)."""
+PROJECTIONS = (
+    *("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"),
+    *("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
+)
+"""The GGUF names of a decoder layer's projections (``blk.<i>.<name>.weight``), stacked experts included."""
+ROUTER = "ffn_gate_inp"
+"""The GGUF name of an MoE router, which llama.cpp's converter keeps in F32."""
 
-GGUF_ARCHITECTURES = {"mistral": "llama"}
+GGUF_ARCHITECTURES = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe"}
 """Model kinds llama.cpp's converter writes as another GGUF architecture (``LlamaModel`` converts
-``MistralForCausalLM``); every other kind is its own."""
+``MistralForCausalLM`` and ``MixtralForCausalLM``); every other kind is its own."""
 
 NORM_OFFSET_ARCHITECTURES = ("gemma2", "gemma3")
 """GGUF architectures whose norm weights llama.cpp stores as ``1 + w`` (Gemma's RMSNorm scales by it)."""
@@ -56,8 +63,8 @@ def norm_offset(arch: str, name: str) -> float:
 
 def gguf_tensors(hf_model: transformers.PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
     """``hf_model``'s weights in fp32 under their GGUF names, in torch order, as llama.cpp's converter
-    stores them: Q and K rows permuted for arch "llama", Gemma's norms plus one, no ``output.weight``
-    for tied embeddings."""
+    stores them: Q and K rows permuted for arch "llama", Gemma's norms plus one, stacked experts split
+    into their gate, up and down stacks, no ``output.weight`` for tied embeddings."""
     config = hf_model.config
     table = get_tensor_name_map(next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch), config.num_hidden_layers)
     tensors = {}
@@ -68,10 +75,28 @@ def gguf_tensors(hf_model: transformers.PreTrainedModel, arch: str) -> dict[str,
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             data = permute_for_llama_cpp(data, heads)
+        stacks = _expert_stacks(name, data)
+        if stacks:
+            tensors.update((table[stack_name] + ".weight", stack) for stack_name, stack in stacks.items())
+            continue
         gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         tensors[gguf_name] = data
     return tensors
+
+
+def _expert_stacks(name: str, data: np.ndarray) -> dict[str, np.ndarray]:
+    """transformers' stacked experts ``<experts>.gate_up_proj`` ``[E, 2I, hidden]`` (gate rows first)
+    and ``<experts>.down_proj`` ``[E, hidden, I]`` by the per-projection names the ``gguf`` package
+    maps to llama.cpp's stacks (``<experts>.gate_proj``, ``up_proj``, ``down_proj``); empty for
+    any other tensor."""
+    experts, _, leaf = name.rpartition(".")
+    if not experts.endswith(".experts") or leaf not in ("gate_up_proj", "down_proj"):
+        return {}
+    if leaf == "down_proj":
+        return {name: data}
+    gate, up = np.split(data, 2, axis=1)
+    return {f"{experts}.gate_proj": gate, f"{experts}.up_proj": up}
 
 
 def permute_for_llama_cpp(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -87,12 +112,13 @@ def write_gguf(
     arch: str,
     projection_type: GGMLQuantizationType = F32,
     embedding_type: GGMLQuantizationType = F32,
-    projection_types: Mapping[str, GGMLQuantizationType] | None = None,
+    kind_types: Mapping[str, GGMLQuantizationType] | None = None,
 ) -> Path:
     """Write a GGUF file of architecture ``arch`` at ``path``: ``config``'s hyperparameters, the tiny
     tokenizer's first ``config.vocab_size`` tokens, and ``tensors`` (GGUF names, fp32, torch order):
-    decoder projections in ``projection_type`` (but those ``projection_types`` names, e.g.
-    ``{"attn_v": Q6_K}``), ``token_embd``/``output`` in ``embedding_type``, everything else in F32."""
+    decoder projections (stacked experts too) in ``projection_type``, ``token_embd``/``output`` in
+    ``embedding_type``, everything else in F32; ``kind_types`` overrides the types of the first two
+    per kind (``{"ffn_down_exps": Q5_1}``: ``blk.<i>.ffn_down_exps.weight``)."""
     writer = GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
     _add_hyperparameters(writer, config, arch)
@@ -102,11 +128,11 @@ def write_gguf(
     _add_tokenizer(writer, config.vocab_size)
     for name, data in tensors.items():
         kind = name.split(".")[-2]
-        qtype = F32 if data.ndim == 1 else projection_type if kind in PROJECTIONS else embedding_type
-        qtype = (projection_types or {}).get(kind, qtype)
+        default = projection_type if kind in PROJECTIONS else embedding_type
+        qtype = F32 if data.ndim == 1 or kind == ROUTER else (kind_types or {}).get(kind, default)
         if qtype == F32:
             writer.add_tensor(name, data.astype(np.float32))
-        else:  # rows of blocks [N, bytes]: the writer takes the shape from the bytes and the type
+        else:  # rows of blocks [..., N, bytes]: the writer takes the shape from the bytes and the type
             blocks = quantize_q6_k(data) if qtype == GGMLQuantizationType.Q6_K else quants.quantize(data, qtype)
             writer.add_tensor(name, blocks, raw_dtype=qtype)
     writer.write_header_to_file()
@@ -151,22 +177,23 @@ def save_gguf(
     projection_type: GGMLQuantizationType = F32,
     embedding_type: GGMLQuantizationType = F32,
     seed: int = 0,
-    projection_types: Mapping[str, GGMLQuantizationType] | None = None,
+    kind_types: Mapping[str, GGMLQuantizationType] | None = None,
     **overrides: Any,
 ) -> transformers.PreTrainedModel:
-    """A tiny random model of ``kind`` (``tests.tiny_models``' kinds but the mixtures of experts) written
-    as the GGUF file ``path`` (types as :func:`write_gguf` takes them); returns the model."""
+    """A tiny random model of ``kind`` (``tests.tiny_models``' kinds) written as the GGUF file ``path``
+    (types as :func:`write_gguf` takes them); returns the model."""
     hf_model = tiny_gguf_model(kind, seed, **overrides)
     arch = gguf_architecture(kind)
     tensors = gguf_tensors(hf_model, arch)
-    write_gguf(path, hf_model.config, tensors, arch, projection_type, embedding_type, projection_types)
+    write_gguf(path, hf_model.config, tensors, arch, projection_type, embedding_type, kind_types)
     return hf_model
 
 
 def _add_hyperparameters(writer: GGUFWriter, config: transformers.PretrainedConfig, arch: str) -> None:
     """``config``'s hyperparameters as llama.cpp's ``set_gguf_parameters`` writes them for ``arch``:
-    ``TextModel``'s (key/value lengths when the config has a ``head_dim``), then what ``LlamaModel``
-    adds (the vocabulary size, the rotary dims), or ``Phi3MiniModel``'s (rotary dims, longrope's
+    ``TextModel``'s (key/value lengths when the config has a ``head_dim``, expert counts for a mixture
+    of experts), then what ``LlamaModel`` adds (the vocabulary size, the rotary dims),
+    ``Qwen2MoeModel``'s (the experts' width), or ``Phi3MiniModel``'s (rotary dims, longrope's
     original context, the window, 0 for none, no key length), ``Gemma2Model``'s (no rope base: 10000;
     the soft-caps and the window) or ``Gemma3Model``'s (the global layers' rope base, the window, the
     final soft-cap when set). Nothing says which layers slide, nor Gemma's ``query_pre_attn_scalar``
@@ -186,6 +213,12 @@ def _add_hyperparameters(writer: GGUFWriter, config: transformers.PretrainedConf
     if arch != "phi3" and head_dim is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "llama":
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(head_dim or config.hidden_size // config.num_attention_heads)

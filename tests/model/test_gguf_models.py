@@ -183,7 +183,7 @@ Q4_K_M_LIKE = {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}
 def q6_k_file(path: Path) -> transformers.PreTrainedModel:
     """A Llama file with Q8_0 projections but Q6_K ``attn_v`` and ``ffn_down``, F32 embeddings; returns
     transformers' model of it (fp32, the file's weights dequantized)."""
-    save_gguf(path, "llama", Q.Q8_0, F32, projection_types=Q4_K_M_LIKE, **Q6_K_SHAPE)
+    save_gguf(path, "llama", Q.Q8_0, F32, kind_types=Q4_K_M_LIKE, **Q6_K_SHAPE)
     return transformers_model(path)
 
 
