@@ -11,7 +11,9 @@ size, modification time and :data:`CONVERTER_VERSION`). The converted folder hol
   transformers (Qwen3's ``head_dim`` 128, Gemma's ``query_pre_attn_scalar`` 256), with
   ``architectures`` set and ``tie_word_embeddings`` false: a file without ``output.weight`` (tied
   embeddings) gets its LM head loaded from ``token_embd.weight``, so a quantized embedding table
-  stays a quantized LM head;
+  stays a quantized LM head. One value transformers does not read is the file's: a Qwen3-MoE
+  file's expert width (``qwen3moe.expert_feed_forward_length``, where transformers keeps the
+  class's 768 and then fails on the tensors of any other width);
 - the tokenizer (``transformers``' GGUF converter: BPE or SentencePiece, special tokens, chat template);
 - :data:`INDEX_FILE`: the GGUF file's path, its architecture, whether its output is tied to the
   embeddings, and each tensor's name, ggml type,
@@ -20,7 +22,9 @@ size, modification time and :data:`CONVERTER_VERSION`). The converted folder hol
 The folder is written beside its final name and renamed into place, so concurrent conversions and
 readers never see half a folder. Bad input is a :class:`GGUFError` naming the file and what is
 wrong (not a GGUF file, truncated, an unsupported architecture or tensor type), raised before any
-model or KV memory exists.
+model or KV memory exists. Mixtures of experts load from "qwen3moe" files; a "llama" file with
+experts (llama.cpp's Mixtral) is refused: transformers, against which tokenmill's GGUF support is
+checked, reads it as a dense Llama without its experts.
 """
 
 from __future__ import annotations
@@ -46,8 +50,11 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 """GGUF ``general.architecture`` -> the model class tokenmill runs it with."""
+MOE_ARCHITECTURES = ("qwen3moe",)
+"""The architectures of :data:`ARCHITECTURES` whose files may hold experts (``{arch}.expert_count``)."""
 
 
 class GGUFError(ValueError):
@@ -116,10 +123,15 @@ def convert(file: Path, folder: Path) -> None:
     except Exception as exc:  # the gguf package raises ValueError, struct.error, IndexError... on bad bytes
         raise GGUFError(f"{file} is not a readable GGUF file: {exc}") from None
     arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{file}: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
     experts = _field(reader, f"{arch}.expert_count")
-    if arch not in ARCHITECTURES or experts:
-        kind = f"{arch!r} with {experts} experts (mixture-of-experts GGUF files)" if experts else repr(arch)
-        raise GGUFError(f"{file}: architecture {kind} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    if experts and arch not in MOE_ARCHITECTURES:
+        raise GGUFError(
+            f"{file}: architecture {arch!r} with {experts} experts (a mixture of experts such as Mixtral) is not "
+            f"supported: transformers reads such a file as a dense {ARCHITECTURES[arch]} without its experts, so "
+            "there is no reference to check tokenmill against; use the safetensors checkpoint"
+        )
     tensors = []
     for tensor in reader.tensors:
         if tensor.tensor_type not in GGML_QUANT_SIZES:
@@ -141,6 +153,9 @@ def convert(file: Path, folder: Path) -> None:
         raise GGUFError(f"{file}: cannot convert its metadata: {exc!r}") from None
     tied = not any(t["name"] == "output.weight" for t in tensors)
     config.update(architectures=[ARCHITECTURES[arch]], tie_word_embeddings=False)
+    expert_width = _field(reader, f"{arch}.expert_feed_forward_length")
+    if arch == "qwen3moe" and expert_width:
+        config["moe_intermediate_size"] = int(expert_width)
     config.pop("_model_name_or_path", None)
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     tokenizer.save_pretrained(str(folder))

@@ -1,7 +1,8 @@
 """GGUF files end to end: tiny random models written as llama.cpp's converter writes them
 (``tests/gguf_files.py``) run in tokenmill as transformers runs them (its own GGUF loader, which
-dequantizes, is the oracle), their tokenizer and chat template are transformers', and bad files are
-clear errors raised by ``LLM(model=...)``."""
+dequantizes, is the oracle), Qwen3-MoE's stacked experts included, their tokenizer and chat template
+are transformers', and bad files (Mixtral's, which transformers reads without its experts, among
+them) are clear errors raised by ``LLM(model=...)``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -82,6 +84,10 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(ENGINE_PROMPTS, params, use_tqdm=False)]
 
 
+MOE = dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+"""Tiny Qwen3-MoE settings: transformers reads no expert width from a qwen3moe file (its config
+class's 768, kept here) and takes ``norm_topk_prob`` true, as llama.cpp runs the file."""
+
 GEMMA_SCALE = dict(head_dim=256)
 """Gemma files say nothing of ``query_pre_attn_scalar``: transformers takes 256, llama.cpp ``head_dim``
 (but for the 27B models); with ``head_dim`` 256, as in Gemma 2 2B/9B and Gemma 3 1B-12B, both agree."""
@@ -95,6 +101,7 @@ F32_CASES = {
     # llama.cpp converts Mistral with LlamaModel: architecture "llama", Q/K permuted, no window written
     "mistral_as_llama_untied": ("mistral", dict(tie_word_embeddings=False)),
     "phi3_fused_qkv_gate_up_untied": ("phi3", dict(tie_word_embeddings=False)),
+    "qwen3moe_stacked_experts_qk_norm_untied": ("qwen3_moe", dict(MOE, tie_word_embeddings=False)),
     # windows of 8, crossed by the longer prompts; Gemma 2's soft-caps are the defaults, which
     # transformers takes (it reads neither from the file); no rope base in a gemma2 file (10000)
     "gemma2_window_softcaps_tied": ("gemma2", dict(GEMMA_SCALE, sliding_window=8)),
@@ -201,6 +208,42 @@ def test_q6_k_projections_are_dequantized_where_the_panels_layout_is_not_kept(tm
         assert greedy(llm) == [hf_greedy(reference, p, ENGINE_TOKENS) for p in ENGINE_PROMPTS]
 
 
+MOE_QUANTIZED_CASES = {
+    "q8_0_experts": (Q.Q8_0, Q.Q8_0),
+    "q4_1_gate_up_q5_0_down": (Q.Q4_1, Q.Q5_0),
+    "q4_0_gate_up_q5_1_down_dequantized": (Q.Q4_0, Q.Q5_1),
+    "q5_1_experts_dequantized": (Q.Q5_1, Q.Q5_1),
+}
+"""The type of the projections (attention and the experts' gate/up stacks), of the down stacks."""
+
+
+@pytest.mark.parametrize("case", sorted(MOE_QUANTIZED_CASES))
+def test_quantized_moe_file_matches_transformers_on_its_dequantized_weights(case: str, tmp_path: Path) -> None:
+    """A Qwen3-MoE with quantized experts: each expert's gate/up and down projection stored in a
+    lossless type stays quantized (the experts unstacked into per-expert layers, Q5_0 as int8), one
+    in another type (Q5_1) is dequantized (the stacks kept when both are); routers stay fp32. Either
+    way tokenmill's logits (to 1e-4) and greedy tokens equal transformers', which dequantizes every tensor."""
+    projection_type, down_type = MOE_QUANTIZED_CASES[case]
+    hf_model = tiny_gguf_model("qwen3_moe", **MOE)
+    tensors = gguf_tensors(hf_model, "qwen3moe")
+    write_gguf(
+        tmp_path / NAME, hf_model.config, tensors, "qwen3moe", projection_type, kind_types={"ffn_down_exps": down_type}
+    )
+    reference = transformers_model(tmp_path / NAME)
+    model = load_model(checkpoint_folder(tmp_path / NAME), torch.float32, "cpu")
+    bits = {Q.Q8_0: 8, Q.Q5_0: 8, Q.Q4_0: 4, Q.Q4_1: 4}
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        assert layer.mlp.gate.quantization is None and (experts.layers is None) == (case == "q5_1_experts_dequantized")
+        for gate_up, down in experts.layers or []:
+            assert (gate_up.quantization and gate_up.quantization.bits) == bits.get(projection_type)
+            assert (down.quantization and down.quantization.bits) == bits.get(down_type)
+            assert hasattr(down, "weight") == (down_type not in bits)
+    assert_counting_prompts_match(model, reference)
+    with running(tmp_path / NAME) as llm:
+        assert greedy(llm) == [hf_greedy(reference, p, ENGINE_TOKENS) for p in ENGINE_PROMPTS]
+
+
 @pytest.mark.skipif(not int8_dot_products(), reason="needs AVX512-VNNI (the panels layout's int8 kernel)")
 def test_q6_k_projections_stay_quantized_in_the_panels_layout(tmp_path: Path) -> None:
     """A bf16 model on a VNNI CPU keeps Q6_K projections as int8 groups of 16 in the panels layout
@@ -231,6 +274,18 @@ def test_q6_k_projections_stay_quantized_in_the_panels_layout(tmp_path: Path) ->
         theirs, _ = hf_reference(bf16_model, prompt)
         their_error, our_error = (theirs.float() - truth).abs().max(), (ours.float() - truth).abs().max()
         assert 0 < their_error and our_error <= 2 * their_error + 1e-2, (our_error, their_error)
+
+
+def test_qwen3moe_expert_width_is_read_from_the_file(tmp_path: Path) -> None:
+    """A Qwen3-MoE file's expert width (``expert_feed_forward_length``) is the model's, where
+    transformers keeps its config class's 768 and then fails on the tensors: tokenmill runs the
+    file as the model it was written from runs."""
+    original = save_gguf(tmp_path / NAME, "qwen3_moe", **MOE, moe_intermediate_size=32)
+    model = load_model(checkpoint_folder(tmp_path / NAME), torch.float32, "cpu")
+    assert model.config.moe.intermediate_size == 32
+    with pytest.raises(RuntimeError, match="mismatch"):
+        transformers_model(tmp_path / NAME)
+    assert_counting_prompts_match(model, original)
 
 
 TEXTS = [
@@ -301,21 +356,26 @@ def architecture(name: str) -> Callable[[Path], None]:
 
 
 def edited(
-    edit: Callable[[dict[str, np.ndarray]], None], projection_type: GGMLQuantizationType = F32
+    edit: Callable[[dict[str, np.ndarray]], None],
+    projection_type: GGMLQuantizationType = F32,
+    kind: str = "llama",
+    **overrides: Any,
 ) -> Callable[[Path], None]:
-    """A writer of the tiny Llama with its GGUF tensors changed by ``edit`` first."""
+    """A writer of the tiny model of ``kind`` (the Llama unless said) with its GGUF tensors changed by
+    ``edit`` first."""
 
     def write(path: Path) -> None:
-        hf_model = tiny_gguf_model("llama")
-        tensors = gguf_tensors(hf_model, "llama")
+        hf_model = tiny_gguf_model(kind, **overrides)
+        tensors = gguf_tensors(hf_model, gguf_architecture(kind))
         edit(tensors)
-        write_gguf(path, hf_model.config, tensors, "llama", projection_type)
+        write_gguf(path, hf_model.config, tensors, gguf_architecture(kind), projection_type)
 
     return write
 
 
 def cut(name: str, rows: int | None = None, columns: int | None = None) -> Callable[[dict[str, np.ndarray]], None]:
-    """An edit keeping tensor ``name``'s first ``rows`` rows and ``columns`` columns (None: all)."""
+    """An edit keeping tensor ``name``'s first ``rows`` rows (of a stack: experts) and ``columns``
+    columns (None: all)."""
 
     def edit(tensors: dict[str, np.ndarray]) -> None:
         tensors[name] = tensors[name][:rows, :columns]
@@ -329,6 +389,18 @@ BAD_FILES = {
     "truncated_in_metadata": (truncated(lambda size: 1000), GGUFError, "is truncated: it is 1000 bytes long"),
     "unknown_architecture_bloom": (architecture("bloom"), GGUFError, "architecture 'bloom' is not supported"),
     "made_up_architecture": (architecture("frobnicator"), GGUFError, "architecture 'frobnicator' is not supported"),
+    "mixtral_as_llama": (
+        lambda path: save_gguf(path, "mixtral", num_local_experts=4, num_experts_per_tok=2),
+        GGUFError,
+        "architecture 'llama' with 4 experts .* not supported: transformers reads such a file as a dense "
+        "LlamaForCausalLM without its experts",
+    ),
+    "expert_stack_of_3_not_expert_count": (
+        edited(cut("blk.1.ffn_up_exps.weight", rows=3), kind="qwen3_moe", **MOE, moe_intermediate_size=32),
+        WeightError,
+        r"'blk\.1\.ffn_up_exps\.weight' \(for 'model\.layers\.1\.mlp\.experts\.0\.up_proj\.weight'\) has shape "
+        r"\(3, 32, 64\), expected \(4, 32, 64\)",
+    ),
     "k_rows_not_head_count_kv": (
         edited(cut("blk.0.attn_k.weight", rows=24)),
         WeightError,

@@ -2,7 +2,10 @@
 
 The file is memory-mapped and every tensor read once. Names map from the model's Hugging Face
 checkpoint names through the ``gguf`` package's tensor-name table for the architecture; the LM head
-of a file without ``output.weight`` loads from ``token_embd.weight``. Undone on the way, as
+of a file without ``output.weight`` loads from ``token_embd.weight``; MoE experts, which llama.cpp
+stores stacked (``blk.N.ffn_gate_exps.weight``, ``ffn_up_exps``, ``ffn_down_exps``: ``[E, N, K]``),
+load expert by expert from their slices (``model.layers.N.mlp.experts.<e>.gate_proj.weight`` from
+``[e]`` of the table's name for ``model.layers.N.mlp.experts.gate_proj``). Undone on the way, as
 ``transformers`` undoes them: llama.cpp's rotary permutation of the Q and K rows ("llama"
 architecture: rows of each head reordered from halves to interleaved pairs; a row permutation, so
 quantized rows are permuted as they are) and Gemma's ``1 +`` folded into its norm weights.
@@ -10,16 +13,20 @@ quantized rows are permuted as they are) and Gemma's ``1 +`` folded into its nor
 A decoder-layer projection whose tensors are all of a type the quantized kernels run exactly
 (``gguf_tensors.LOSSLESS_BITS``), with one bit width, keeps its quantized data (the panels layout
 where ``quantization.keeps_panels`` says so; Q6_K's groups of 16 only there; int8 shards with groups
-of 16 and of 32 joined at 16); so does an untied LM head; every other tensor is dequantized to the
-model's dtype, and the start-up log says how many. Every expected tensor must be
-in the file, with the expected shape; a missing, unexpected or misshapen one is a WeightError.
+of 16 and of 32 joined at 16); so does an untied LM head, and so does each expert's gate/up and down
+projection (the experts then unstacked: ``moe.Experts.unstack_``; routers stay in full precision);
+every other tensor is dequantized to the model's dtype, and the start-up log says how many. Every
+expected tensor must be in the file, with the expected shape; a missing, unexpected or misshapen one
+is a WeightError.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,12 +37,23 @@ from tokenmill.kernels.quant_format import QuantizedTensors, QuantScheme, dequan
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.gguf_tensors import LOSSLESS_BITS, PANELS_ONLY, gguf_weight
 from tokenmill.model.huge_pages import materialize_on_huge_pages, move_to_huge_pages
+from tokenmill.model.moe import Experts
 from tokenmill.model.quantization import ROUTER_NAME, keeps_panels, kernels_per_shape
 from tokenmill.model.weights import WeightError, WeightTarget, check_tensor, checkpoint_targets
 
 logger = logging.getLogger("tokenmill.model")
 
 TIED_OUTPUT = "token_embd.weight"
+EXPERT = re.compile(r"(?P<stack>.+\.experts)\.(?P<expert>\d+)\.(?P<leaf>.+)")
+"""A per-expert checkpoint name: its stack's name is ``<stack>.<leaf>``."""
+
+
+class Source(NamedTuple):
+    """Where a checkpoint tensor is in the file: GGUF tensor ``name``, all of it, or (``expert`` not
+    None) that expert's ``[N, K]`` of the stacked ``[E, N, K]`` tensor."""
+
+    name: str
+    expert: int | None = None
 
 
 class GGUFTensors:
@@ -51,16 +69,20 @@ class GGUFTensors:
     def qtype(self, name: str) -> GGMLQuantizationType:
         return GGMLQuantizationType(self.entries[name]["type"])
 
-    def read(self, name: str) -> QuantizedTensors | torch.Tensor:
-        """Tensor ``name`` as :func:`gguf_weight` gives it (1-D tensors as fp32 ``[K]``)."""
-        entry = self.entries[name]
-        raw = self._data[entry["offset"] : entry["offset"] + entry["bytes"]]
-        shape = entry["shape"]
-        rows = (1, shape[0]) if len(shape) == 1 else (shape[0], int(np.prod(shape[1:])))
+    def read(self, source: Source) -> QuantizedTensors | torch.Tensor:
+        """The tensor at ``source`` as :func:`gguf_weight` gives it (1-D tensors as fp32 ``[K]``); an
+        expert's slice is read alone (its rows of blocks are contiguous in the stack)."""
+        entry = self.entries[source.name]
+        start, size, shape = entry["offset"], entry["bytes"], entry["shape"]
+        if source.expert is not None:
+            size //= shape[0]
+            start += source.expert * size
+            shape = shape[1:]
+        rows = (int(np.prod(shape[:-1])), shape[-1])
         try:
-            weight = gguf_weight(raw, self.qtype(name), rows)
+            weight = gguf_weight(self._data[start : start + size], self.qtype(source.name), rows)
         except ValueError as exc:
-            raise WeightError(f"{self.file}: tensor {name!r}: {exc}") from None
+            raise WeightError(f"{self.file}: tensor {source.name!r}: {exc}") from None
         return weight.reshape(shape) if isinstance(weight, torch.Tensor) else weight
 
 
@@ -68,23 +90,27 @@ def load_gguf(model: CausalLM, index: dict) -> None:
     """Load the file ``index`` describes into ``model`` (built on the meta device, in its dtype, not
     yet materialized), then materialize what is left: see the module docstring."""
     tensors = GGUFTensors(index)
-    names = _gguf_names(model, tensors)
-    missing = sorted(hf for hf, g in names.items() if g not in tensors.entries)
+    sources = _sources(model, tensors)
+    missing = sorted(hf for hf, source in sources.items() if source.name not in tensors.entries)
     if missing:
-        raise WeightError(f"{tensors.file}: no tensor for {missing[0]!r} (GGUF name {names[missing[0]]!r})")
-    unexpected = sorted(set(tensors.entries) - set(names.values()))
+        raise WeightError(f"{tensors.file}: no tensor for {missing[0]!r} (GGUF name {sources[missing[0]].name!r})")
+    unexpected = sorted(set(tensors.entries) - {source.name for source in sources.values()})
     if unexpected:
         raise WeightError(
             f"{tensors.file}: unexpected tensor {unexpected[0]!r} (not part of a {model.config.architecture})"
         )
     targets = checkpoint_targets(model)
+    num_experts = model.config.moe.num_experts if model.config.moe is not None else 0
     for hf_name, target in targets.items():  # first: undoing the conversion and joining shards assume the shapes
-        gguf_name = names[hf_name]
-        shape = tuple(tensors.entries[gguf_name]["shape"])
-        if shape != target.shape and not model.skips_weight(hf_name):
-            where = f"{tensors.file}: tensor {gguf_name!r} (for {hf_name!r})"
-            raise WeightError(f"{where} has shape {shape}, expected {target.shape}")
-    quantized = _quantized_projections(model, targets, names, tensors)
+        source = sources[hf_name]
+        shape = tuple(tensors.entries[source.name]["shape"])
+        expected = target.shape if source.expert is None else (num_experts, *target.shape)
+        if shape != expected and not model.skips_weight(hf_name):
+            where = f"{tensors.file}: tensor {source.name!r} (for {hf_name!r})"
+            raise WeightError(f"{where} has shape {shape}, expected {expected}")
+    _unstack_quantized_experts(model, targets, sources, tensors)
+    targets = checkpoint_targets(model)  # the unstacked experts' layers
+    quantized = _quantized_projections(model, targets, sources, tensors)
     for module, _ in quantized:
         del module.weight  # never allocated: the file's quantized data replaces it
     model = materialize_on_huge_pages(model)
@@ -94,14 +120,14 @@ def load_gguf(model: CausalLM, index: dict) -> None:
     for hf_name, target in targets.items():
         if hf_name in planned or model.skips_weight(hf_name):
             continue
-        weight = tensors.read(names[hf_name])
+        weight = tensors.read(sources[hf_name])
         if isinstance(weight, QuantizedTensors):
             weight = dequantize(weight)
         weight = _undo_conversion(weight, hf_name, model, tensors.architecture)
         check_tensor(model, targets, hf_name, weight, str(tensors.file))
         target.load(weight)
     for module, shards in quantized:
-        parts = [_undo_conversion(tensors.read(names[hf]), hf, model, tensors.architecture) for hf, _ in shards]
+        parts = [_undo_conversion(tensors.read(sources[hf]), hf, model, tensors.architecture) for hf, _ in shards]
         whole = _joined([p for p in parts if isinstance(p, QuantizedTensors)])
         scheme = QuantScheme(whole.bits, whole.group, symmetric=whole.min is None)
         module.load_quantized_(whole, scheme, keeps_panels(model, module))
@@ -110,7 +136,7 @@ def load_gguf(model: CausalLM, index: dict) -> None:
         move_to_huge_pages([b for m in modules for b in m.buffers(recurse=False)])
         model.quantization = modules[0].quantization
     model.checkpoint_quantization = "gguf"
-    types = Counter(tensors.qtype(names[hf]).name for hf in names if hf not in planned)
+    types = Counter(tensors.qtype(sources[hf].name).name for hf in sources if hf not in planned)
     logger.info(
         "GGUF %s: %d projections kept quantized (kernels: %s); dequantized to %s: %s",
         tensors.file.name,
@@ -121,27 +147,44 @@ def load_gguf(model: CausalLM, index: dict) -> None:
     )
 
 
-def _gguf_names(model: CausalLM, tensors: GGUFTensors) -> dict[str, str]:
-    """Each checkpoint tensor name ``model`` expects -> its GGUF name."""
+def _sources(model: CausalLM, tensors: GGUFTensors) -> dict[str, Source]:
+    """Each checkpoint tensor name ``model`` expects -> where it is in the file."""
     arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == tensors.architecture)
     table = get_tensor_name_map(arch, model.config.num_layers)
-    names = {}
+    sources = {}
     for hf_name in checkpoint_targets(model):
         if hf_name == "lm_head.weight" and tensors.tied_output:
-            names[hf_name] = TIED_OUTPUT
+            sources[hf_name] = Source(TIED_OUTPUT)
             continue
-        gguf_name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        expert = EXPERT.fullmatch(hf_name)
+        stack_name = hf_name if expert is None else f"{expert['stack']}.{expert['leaf']}"
+        gguf_name = table.get_name(stack_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise WeightError(f"{tensors.file}: the GGUF name of {hf_name!r} is unknown to the gguf package")
-        names[hf_name] = gguf_name
-    return names
+        sources[hf_name] = Source(gguf_name, None if expert is None else int(expert["expert"]))
+    return sources
+
+
+def _unstack_quantized_experts(
+    model: CausalLM, targets: dict[str, WeightTarget], sources: dict[str, Source], tensors: GGUFTensors
+) -> None:
+    """Unstack (``Experts.unstack_``) the experts with a stack of a lossless type in the file, so that
+    their projections can be kept quantized one by one."""
+    files: dict[int, set[str]] = {}  # parameter -> the GGUF tensors it loads from
+    for hf_name, target in targets.items():
+        files.setdefault(id(target.param), set()).add(sources[hf_name].name)
+    for module in list(model.modules()):
+        if isinstance(module, Experts) and module.layers is None:
+            stacked = files[id(module.gate_up_proj)] | files[id(module.down_proj)]
+            if any(tensors.qtype(name) in LOSSLESS_BITS for name in stacked):
+                module.unstack_()
 
 
 def _quantized_projections(
-    model: CausalLM, targets: dict[str, WeightTarget], names: dict[str, str], tensors: GGUFTensors
+    model: CausalLM, targets: dict[str, WeightTarget], sources: dict[str, Source], tensors: GGUFTensors
 ) -> list[tuple[Linear, list[tuple[str, WeightTarget]]]]:
-    """The projections (decoder-layer ones and the LM head) whose file tensors all have one lossless
-    type's bit width, with their shards in row order."""
+    """The projections (decoder-layer ones, unstacked experts' and the LM head) whose file tensors
+    all have one lossless type's bit width, with their shards in row order."""
     modules = {
         id(module.weight): module
         for name, module in model.named_modules()
@@ -153,7 +196,7 @@ def _quantized_projections(
             shards.setdefault(id(target.param), []).append((hf_name, target))
     plans = []
     for key, parts in shards.items():
-        types = {tensors.qtype(names[hf]) for hf, _ in parts}
+        types = {tensors.qtype(sources[hf].name) for hf, _ in parts}
         if types & PANELS_ONLY and not keeps_panels(model, modules[key], torch.device("cpu")):  # it loads on CPU
             continue
         if types <= LOSSLESS_BITS.keys() and len({LOSSLESS_BITS[t] for t in types}) == 1:
