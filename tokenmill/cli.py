@@ -38,6 +38,17 @@ def _comma_list(value: str) -> list[str]:
     return [part.strip() for part in value.split(",") if part.strip()]
 
 
+def _json_object(value: str) -> dict[str, Any]:
+    """A flag's JSON object (``--speculative-config '{"method": "ngram", ...}'``)."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {type(parsed).__name__}")
+    return parsed
+
+
 def add_options(parser: argparse.ArgumentParser, cls: type, title_prefix: str = "") -> None:
     """One flag per field of the dataclass ``cls`` (``max_running_requests`` -> ``--max-running-requests``),
     from the field's :func:`~tokenmill.config.option` metadata: listed in the group titled ``title_prefix`` +
@@ -67,6 +78,9 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title_prefix: str = 
                 group.add_argument(flag, action="extend", type=_comma_list, metavar=metavar, help=help_text)
             else:
                 group.add_argument(flag, action="extend", nargs="+", type=word, metavar=metavar, help=help_text)
+            continue
+        if typing.get_origin(kind) is dict:  # a JSON object on the command line
+            group.add_argument(flag, type=_json_object, default=None, metavar=f.metadata["metavar"], help=help_text)
             continue
         metavar = f.metadata.get("metavar", kind.__name__.upper())
         group.add_argument(flag, type=kind, default=None, metavar=metavar, help=help_text)

@@ -18,6 +18,7 @@ from tokenmill.default_model import default_model
 from tokenmill.gguf_checkpoint import checkpoint_folder
 from tokenmill.hardware import native_bf16
 from tokenmill.request import RequestLimits
+from tokenmill.speculative_config import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 """Backends ``attention_backend`` may name besides "auto" (see ``attention/factory.py``)."""
@@ -236,6 +237,14 @@ class EngineConfig:
         "Memory for compiled grammars kept for reuse (least recently used dropped first).",
         section="Request caps",
     )
+    speculative_config: dict[str, Any] | None = option(
+        None,
+        'Speculative decoding, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 5, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup); "disable_by_batch_size": speculate '
+        "only up to this many decoding sequences (default: measured). None: off.",
+        section="Speculative decoding",
+        metavar="JSON",
+    )
     tokenizer_threads: int = option(
         4,
         "Threads that tokenize off the event loop (AsyncEngine and the HTTP server); more concurrent "
@@ -292,6 +301,7 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be >= 0 (0: adaptive), got {self.cpu_threads}")
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+        self.speculative()  # raises on a bad setting
         if self.num_kv_slots is not None and self.num_kv_slots < self.page_size:
             raise ValueError(f"num_kv_slots must be >= page_size ({self.page_size}), got {self.num_kv_slots}")
 
@@ -303,6 +313,10 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` validated (raises ValueError naming the bad key), or None when off."""
+        return None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
 
     def request_limits(self, vocab_size: int) -> RequestLimits:
         """The caps above, for a model with ``vocab_size`` tokens."""

@@ -168,6 +168,16 @@ class CacheManager:
             s.n_kv += 1
         return slots
 
+    def truncate(self, kv: KVHandle, n_kv: int) -> None:
+        """Keep positions ``0 .. n_kv-1`` (``n_kv <= kv.n_kv``) and release the pages wholly past
+        them (a speculative step's rejected proposals: a length change, nothing copied)."""
+        assert kv.row is not None and 0 <= n_kv <= kv.n_kv
+        held = self._row_pages(kv.row, kv.n_kv)
+        kept = -(-n_kv // self.page_size)
+        if held.numel() > kept:
+            self.allocator.decref(held[kept:])
+        kv.n_kv = n_kv
+
     def cache_prompt(self, kv: KVHandle, tokens: Sequence[int]) -> None:
         """Share the computed full pages of ``kv`` (holding ``tokens``) through the radix cache
         while its sequence keeps running.
@@ -225,10 +235,11 @@ class CacheManager:
 
     def free(self, kv: KVHandle, tokens: Sequence[int], cache_pages: bool = True) -> None:
         """Release the row and page references of ``kv`` (holding ``tokens``); with
-        ``cache_pages`` its computed full pages stay in the radix cache for later prefix hits."""
+        ``cache_pages`` its computed full pages of ``tokens`` stay in the radix cache for later prefix
+        hits (positions past ``tokens``, a speculative step's proposals, never do)."""
         if kv.row is None:
             return
-        n_full = kv.n_kv // self.page_size * self.page_size
+        n_full = min(kv.n_kv, len(tokens)) // self.page_size * self.page_size
         pages = self._row_pages(kv.row, kv.n_kv)
         if self.radix is not None:
             if cache_pages and n_full and kv.epoch == self.epoch:

@@ -37,7 +37,9 @@ from tokenmill.engine.request_state import RequestState
 from tokenmill.engine.request_table import RequestTable
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.speculation import Speculator
 from tokenmill.engine.thread_governor import engine_thread_governor
+from tokenmill.engine.verifier import verify
 from tokenmill.engine.weight_update import WeightsSource, apply_update, next_version, stage_update
 from tokenmill.gguf_checkpoint import is_converted
 from tokenmill.model.parallel import SINGLE
@@ -96,7 +98,9 @@ class Engine(EngineLoop):
         self.worker = build_model_worker(cfg, tp, self.device, req_pool.table, agree)
         self.model = self.worker.model
         self.cache = CacheManager(cfg, self.worker.storage.n_slots, req_pool)
-        self.scheduler = Scheduler(cfg, self.cache)
+        speculative = cfg.speculative()
+        self.speculator = Speculator.build(speculative) if speculative is not None else None
+        self.scheduler = Scheduler(cfg, self.cache, self.speculator)
         self.executor = StepExecutor(self.worker, self.cache, self.workers)
         self.sampler = Sampler(mc.vocab_size, cfg.max_running_requests, self.device, cfg.seed)
         self.weight_version = 0
@@ -218,6 +222,7 @@ class Engine(EngineLoop):
                 "cpu_threads": torch.get_num_threads() if self.device.type == "cpu" else 0,
                 "cpu_thread_changes": self.threads.changes if self.threads is not None else 0,
                 "weight_version": self.weight_version,
+                "speculative": asdict(self.speculator.stats) if self.speculator is not None else None,
                 "step_time_s": self.step_time,
                 "forward_time_s": self.forward_time,
                 "cuda_graph_capture_s": sum(graphs.capture_seconds.values()) if graphs else 0.0,
@@ -275,7 +280,7 @@ class Engine(EngineLoop):
         self.requests.mark_scheduled(plan.seqs, started)
         output = self.output
         try:
-            logits = self.executor.run(plan)
+            logits, verify_logits = self.executor.run(plan)
             sampled, result, failures = self.sampler.sample_isolating_failures(
                 logits, plan.sample_seqs, self.eos_token_ids
             )
@@ -287,5 +292,22 @@ class Engine(EngineLoop):
             logger.error("sampling failed for sequence %d: %s: %s", seq.seq_id, type(exc).__name__, exc)
             output.fail([seq], f"internal error in sampling: {type(exc).__name__}: {exc}")
         output.process(sampled, result.token_ids, result.logprobs)
+        if plan.verify:
+            assert self.speculator is not None
+            try:
+                verify(
+                    plan.verify,
+                    verify_logits,
+                    self.sampler,
+                    output,
+                    self.cache,
+                    self.eos_token_ids,
+                    self.speculator.stats,
+                )
+            except Exception as exc:
+                logger.error("verification failed:\n%s", traceback.format_exc())
+                output.fail(
+                    [v.seq for v in plan.verify], f"internal error in verification: {type(exc).__name__}: {exc}"
+                )
         self.step_time += now() - started
         self.forward_time += self.worker.last_forward_time

@@ -4,8 +4,9 @@ tensor parallelism the step is broadcast first and rank 0's worker runs inside t
 hold on the group); then, where the data is, the computed prompts go into the prefix cache and the
 prompt logprobs the step produced are collected into their sequences.
 
-Batch order: decode sequences (one token each), then prefill chunks. Logits come back for the
-sampled rows (``plan.sample_seqs`` order, a forked child sharing its parent's row), then the
+Batch order: decode sequences (one token each), verifications (a sequence's last token and its
+proposal), then prefill chunks. Logits come back for the sampled rows (``plan.sample_seqs`` order,
+a forked child sharing its parent's row), then every row of each verification in order, then the
 positions of ``plan.prompt_logprobs`` in order.
 """
 
@@ -32,9 +33,10 @@ class StepExecutor:
         self.workers = workers  # the other tensor-parallel ranks: they receive every step
         self.device = worker.device
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """The logits of ``plan.sample_seqs`` (``[len(sample_seqs), vocab]``), after the forward on
-        every rank, the computed prompts cached and the step's prompt logprobs collected."""
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits of ``plan.sample_seqs`` (``[len(sample_seqs), vocab]``) and of the rows of
+        ``plan.verify`` (``1 + k`` per verification), after the forward on every rank, the computed
+        prompts cached and the step's prompt logprobs collected."""
         step = self.forward_step(plan)
         hold = self.workers.step(step) if self.workers is not None else contextlib.nullcontext()
         with hold:
@@ -43,30 +45,38 @@ class StepExecutor:
         for seq in sample_seqs[len(plan.decode) :]:  # computed prompts, each parent before its forked children
             self.cache.cache_prompt(seq.kv, seq.all_token_ids)
         n_sample = len(sample_seqs)
+        n_scored = n_sample + sum(1 + len(v.proposal) for v in plan.verify)
         spans = plan.prompt_logprobs
-        for (seq, _), entries in zip(spans, prompt_logprobs(logits[n_sample:], spans)):
+        for (seq, _), entries in zip(spans, prompt_logprobs(logits[n_scored:], spans)):
             seq.prompt_logprobs.extend(entries)
-        return logits[:n_sample]
+        return logits[:n_sample], logits[n_sample:n_scored]
 
     def forward_step(self, plan: StepPlan) -> ForwardStep:
         """The plan as plain data, with the table entries written since the previous step."""
         device = self.device
-        seqs = plan.decode + [s for s, _ in plan.prefill]
-        extend_lens = [1] * len(plan.decode) + [n for _, n in plan.prefill]
+        verified = [v.seq for v in plan.verify]
+        seqs = plan.decode + verified + [s for s, _ in plan.prefill]
+        proposals = [[] for _ in plan.decode] + [v.proposal for v in plan.verify] + [[] for _ in plan.prefill]
+        extend_lens = [1] * len(plan.decode) + [1 + len(v.proposal) for v in plan.verify] + [n for _, n in plan.prefill]
         ids: list[int] = []
         pos: list[int] = []
         logits_rows: list[int] | None = None if plan.is_pure_decode else []  # None: every row samples
+        verify_rows: list[int] = []
         first_row: dict[int, int] = {}  # id(sequence) -> its first row in the flat batch
-        for seq, n in zip(seqs, extend_lens):
+        for seq, n, proposal in zip(seqs, extend_lens, proposals):
             start = seq.n_kv - n
             first_row[id(seq)] = len(ids) - start
-            ids.extend(seq.tokens(start, seq.n_kv))
+            if proposal:
+                verify_rows.extend(range(len(ids), len(ids) + n))
+            ids.extend(seq.tokens(start, seq.n_kv - len(proposal)) + proposal)
             pos.extend(range(start, seq.n_kv))
             if logits_rows is not None and seq.n_kv == seq.n_tokens:
                 logits_rows.extend([len(ids) - 1] * (1 + len(plan.children(seq))))  # forked children share it
+        if logits_rows is not None:
+            logits_rows += verify_rows
         for seq, positions in plan.prompt_logprobs:  # prefill steps only
             logits_rows.extend(first_row[id(seq)] + p for p in positions)
-        parts = ([plan.decode_slots] if plan.decode else []) + plan.prefill_slots
+        parts = ([plan.decode_slots] if plan.decode else []) + [v.slots for v in plan.verify] + plan.prefill_slots
         fork_src = [f.src_slots for f in plan.forks]
         fork_dst = [f.dst_slots for f in plan.forks]
         no_slots = torch.empty(0, dtype=torch.int64)

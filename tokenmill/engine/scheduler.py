@@ -11,7 +11,10 @@ Every step (engine thread only):
    partial last page copied after the forward) and samples its first token from the same logits,
    so the prompt runs once and every sibling starts decoding in the same step. A sibling that finds
    no row or page then is admitted as a sequence of its own once sequence 0 has its first token.
-Decode and prefill tokens of one step run in one ragged forward. A sequence asking
+With speculative decoding (``engine/speculation.py``), after step 1 a decoding sequence with a
+proposal gets ``k`` more slots (never at the cost of a preemption: without pages it decodes plainly)
+and becomes a :class:`Verification`. Decode, verification and prefill tokens of one step run in one
+ragged forward. A sequence asking
 ``prompt_logprobs`` is admitted without a prefix-cache match, so every prompt token has logits.
 """
 
@@ -26,6 +29,7 @@ import torch
 from tokenmill.cache.manager import CacheManager
 from tokenmill.config import EngineConfig
 from tokenmill.engine.sequence import SeqStatus, Sequence
+from tokenmill.engine.speculation import Speculator, Verification
 
 
 @dataclass
@@ -41,7 +45,8 @@ class Fork:
 
 @dataclass
 class StepPlan:
-    """One forward: decode sequences (one token each) then prefill chunks, in batch order."""
+    """One forward: decode sequences (one token each), verifications (``1 + k`` tokens each), then
+    prefill chunks, in batch order."""
 
     decode: list[Sequence]
     prefill: list[tuple[Sequence, int]]  # (sequence, tokens computed this step)
@@ -50,14 +55,15 @@ class StepPlan:
     forks: list[Fork] = field(default_factory=list)
     prompt_logprobs: list[tuple[Sequence, range]] = field(default_factory=list)
     """Prefill positions whose logits give prompt logprobs (``Sequence.prompt_logprob_positions``)."""
+    verify: list[Verification] = field(default_factory=list)
 
     @property
     def is_pure_decode(self) -> bool:
-        return not self.prefill
+        return not self.prefill and not self.verify
 
     @property
     def n_tokens(self) -> int:
-        return len(self.decode) + sum(n for _, n in self.prefill)
+        return len(self.decode) + sum(1 + len(v.proposal) for v in self.verify) + sum(n for _, n in self.prefill)
 
     @property
     def sample_seqs(self) -> list[Sequence]:
@@ -76,7 +82,8 @@ class StepPlan:
 
     @property
     def seqs(self) -> list[Sequence]:
-        return self.decode + [s for s, _ in self.prefill] + [f.child for f in self.forks]
+        verified = [v.seq for v in self.verify]
+        return self.decode + verified + [s for s, _ in self.prefill] + [f.child for f in self.forks]
 
 
 @dataclass
@@ -90,9 +97,10 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: CacheManager) -> None:
+    def __init__(self, config: EngineConfig, cache: CacheManager, speculator: Speculator | None = None) -> None:
         self.config = config
         self.cache = cache
+        self.speculator = speculator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -127,6 +135,10 @@ class Scheduler:
             if victim in decode:
                 decode.remove(victim)
         budget -= len(decode)
+        verify: list[Verification] = []
+        if self.speculator is not None and decode_slots is not None:
+            decode, decode_slots, verify = self._speculate(self.speculator, decode, decode_slots, budget)
+            budget -= sum(len(v.proposal) for v in verify)
 
         prefill: list[tuple[Sequence, int]] = []
         slots: list[torch.Tensor] = []
@@ -136,7 +148,7 @@ class Scheduler:
             n = min(seq.n_tokens - seq.n_kv, budget)
             got = self.cache.extend(seq.kv, n)
             if got is None:  # out of pages: make room for later steps, never touch this plan's KV
-                planned = set(map(id, decode)) | {id(s) for s, _ in prefill}
+                planned = {id(s) for s in decode + [v.seq for v in verify]} | {id(s) for s, _ in prefill}
                 self._preempt(max((s for s in self.running if id(s) not in planned), key=lambda s: s.admit_order))
                 break
             prefill.append((seq, n))
@@ -169,9 +181,9 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
-        if not decode and not prefill:
+        if not decode and not verify and not prefill:
             return None
-        plan = StepPlan(decode=decode, prefill=prefill, decode_slots=decode_slots, prefill_slots=slots)
+        plan = StepPlan(decode, prefill, decode_slots if decode else None, slots, verify=verify)
         for seq, n in prefill:
             if seq.n_kv == seq.n_tokens and not seq.output_token_ids and seq.params.n > 1:
                 plan.forks += self._fork_siblings(seq)
@@ -180,6 +192,24 @@ class Scheduler:
                 plan.prompt_logprobs.append((seq, positions))
         self._count(plan)
         return plan
+
+    def _speculate(
+        self, speculator: Speculator, decode: list[Sequence], decode_slots: torch.Tensor, budget: int
+    ) -> tuple[list[Sequence], torch.Tensor, list[Verification]]:
+        """Split the decoding sequences (each holding its decode slot) into those that decode plainly
+        and those whose proposal got its further slots; returns the first with their slots, then the
+        verifications."""
+        proposals = speculator.proposals(decode, budget)
+        plain, kept, verify = [], [], []
+        for i, seq in enumerate(decode):
+            proposal = proposals.get(id(seq))
+            more = self.cache.extend(seq.kv, len(proposal)) if proposal else None
+            if more is None:  # no proposal, or no pages for it: a plain decode
+                plain.append(seq)
+                kept.append(i)
+                continue
+            verify.append(Verification(seq, proposal, torch.cat([decode_slots[i : i + 1], more])))
+        return plain, decode_slots[kept], verify
 
     def _fork_siblings(self, parent: Sequence) -> list[Fork]:
         """Fork the waiting siblings of ``parent``, whose prompt this step completes, while rows and

@@ -1,0 +1,189 @@
+"""Speculative decoding (n-gram prompt lookup): the output equals plain decoding's, token for token
+(greedy, and seeded sampling: the same draws in the same order), with every feature a decode step
+has; unseeded sampling has plain decoding's distribution (and a wrong acceptance rule is caught);
+rejected proposals leave no KV behind; bad settings are refused."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+
+import pytest
+
+from tests.engine.test_siblings import pages_held_only_by_the_prefix_cache
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine import verifier
+from tokenmill.request import StructuredOutputsParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 1000}
+"""Speculate at any batch size, on any 1-gram match (the tiny model's loops give both accepted and
+rejected proposals)."""
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 13], list(range(20, 60)) + list(range(20, 30))]
+
+
+def make_llm(speculative: bool, **options) -> LLM:
+    extra = {"speculative_config": NGRAM} if speculative else {}
+    return LLM(**{"dtype": "float32", "num_kv_slots": 2048, **extra, **options})
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[LLM]:
+    llm = make_llm(False)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def spec() -> Iterator[LLM]:
+    llm = make_llm(True)
+    yield llm
+    llm.shutdown()
+
+
+def run(llm: LLM, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[list[list[int]]]:
+    return [[c.token_ids for c in out.outputs] for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def spec_stats(llm: LLM) -> dict[str, int]:
+    return llm.engine.stats()["speculative"]
+
+
+def test_greedy_output_is_plain_decoding_and_proposals_are_both_accepted_and_rejected(plain: LLM, spec: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    before = spec_stats(spec)
+    assert run(spec, PROMPTS, params) == run(plain, PROMPTS, params)
+    after = spec_stats(spec)
+    proposed = after["proposed_tokens"] - before["proposed_tokens"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    assert 0 < accepted < proposed
+    assert pages_held_only_by_the_prefix_cache(spec)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, n=3, seed=1),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3, min_tokens=5),
+        SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True, seed=7, top_k=5),
+        SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, n=2, seed=3, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=30, stop=["e"]),
+        SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex="(ab|cd)+x")),
+    ],
+    ids=["logprobs", "n3", "penalties-min-tokens", "seeded", "seeded-n2-presence", "stop-string", "regex"],
+)
+def test_every_decode_feature_gives_plain_decodings_output(plain: LLM, spec: LLM, params: SamplingParams) -> None:
+    ours = spec.generate(PROMPTS, params, use_tqdm=False)
+    theirs = plain.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(ours, theirs):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (
+                y.token_ids,
+                y.text,
+                y.finish_reason,
+                y.stop_reason,
+            )
+            if params.logprobs is not None:  # the verification rows' logits: the same up to summation order
+                for mine, yours in zip(x.logprobs, y.logprobs, strict=True):
+                    assert mine.keys() == yours.keys()
+                    for token in mine:
+                        assert mine[token].logprob == pytest.approx(yours[token].logprob, abs=1e-4)
+    assert pages_held_only_by_the_prefix_cache(spec)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(page_size=4, max_num_batched_tokens=8),  # chunked prefill beside verifications
+        dict(page_size=1, enable_prefix_caching=False),
+        dict(page_size=4, num_kv_slots=96, max_running_requests=4),  # preemptions
+    ],
+    ids=["chunked-prefill", "page-1-no-prefix-cache", "preemption"],
+)
+def test_greedy_output_is_plain_decoding_under_batching_pressure(options: dict) -> None:
+    prompts = [PROMPTS[i % 3][: 8 + i] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = []
+    for speculative in (False, True):
+        llm = make_llm(speculative, **options)
+        try:
+            outputs.append(run(llm, prompts, params))
+            if speculative:
+                assert spec_stats(llm)["accepted_tokens"] > 0
+                if options.get("num_kv_slots") == 96:
+                    assert llm.engine.stats()["scheduler"]["preemptions"] > 0
+                assert pages_held_only_by_the_prefix_cache(llm)
+        finally:
+            llm.shutdown()
+    assert outputs[0] == outputs[1]
+
+
+def continuations(llm: LLM, prompt: list[int], draws: int) -> collections.Counter:
+    """``draws`` sampled 3-token continuations of ``prompt``, 100 requests at a time (so the step's
+    token budget leaves every sequence its proposal)."""
+    params = SamplingParams(temperature=2.0, top_k=2, max_tokens=4, ignore_eos=True)
+    outcomes = collections.Counter()
+    for _ in range(draws // 100):
+        outcomes.update(tuple(c[0]) for c in run(llm, [prompt] * 100, params))
+    return outcomes
+
+
+def total_variation(a: collections.Counter, b: collections.Counter) -> float:
+    n_a, n_b = sum(a.values()), sum(b.values())
+    return 0.5 * sum(abs(a[k] / n_a - b[k] / n_b) for k in a.keys() | b.keys())
+
+
+def test_unseeded_sampling_has_plain_decodings_distribution_and_a_wrong_rule_is_caught(
+    plain: LLM, spec: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prompt ends where it repeats the model's own greedy continuation, so the proposals are
+    likely tokens (proposed and often, not always, drawn); 1200 draws of 4 tokens (temperature 2,
+    top-2: at most 16 outcomes) per engine, total variation 0.03 apart when measured. The same
+    draws with "always accept the proposal" must be far off (0.9 when measured)."""
+    seed_prompt = [31, 32, 33]
+    (greedy,) = run(plain, [seed_prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+    prompt = seed_prompt + greedy + seed_prompt
+    reference = continuations(plain, prompt, 1200)
+    before = spec_stats(spec)
+    ours = continuations(spec, prompt, 1200)
+    assert spec_stats(spec)["accepted_tokens"] > before["accepted_tokens"]
+    assert total_variation(ours, reference) < 0.1, (ours, reference)
+    monkeypatch.setattr(verifier, "acceptance", lambda sampled, proposed: (proposed, True))
+    wrong = continuations(spec, prompt, 1200)
+    assert total_variation(wrong, reference) > 0.3, (wrong, reference)
+
+
+def test_a_step_verifies_many_tokens_at_once(spec: LLM) -> None:
+    """A copying prompt at batch 1: fewer steps than tokens."""
+    prompt = list(range(30, 70)) * 2 + list(range(30, 34))
+    steps = spec.engine.stats()["scheduler"]["steps"]
+    run(spec, [prompt], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    assert spec.engine.stats()["scheduler"]["steps"] - steps < 32
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "method 'draft_model' is not supported"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
+        (dict(NGRAM, prompt_lookup_min=5, prompt_lookup_max=2), "prompt_lookup_max must be an integer in"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}, "unknown key"),
+        ({"num_speculative_tokens": 3}, "needs 'method'"),
+        ("ngram", "must be a JSON object"),
+    ],
+)
+def test_bad_settings_are_refused_before_the_engine_starts(setting, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(dtype="float32", speculative_config=setting)
+
+
+def test_verification_rows_hold_the_proposals_kv_until_rejected(spec: LLM) -> None:
+    """After a run no sequence holds KV and every page is free or cached, with the cached pages'
+    tokens being the outputs' (no rejected proposal in the prefix cache): a second run of the same
+    prompt and its output as a prompt hits the cache and continues as plain decoding would."""
+    prompt = PROMPTS[0]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    (first,) = run(spec, [prompt], params)[0]
+    assert pages_held_only_by_the_prefix_cache(spec)
+    (again,) = run(spec, [prompt + first[:10]], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
+    assert again == first[10:]

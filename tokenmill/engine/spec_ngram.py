@@ -1,0 +1,31 @@
+"""Prompt lookup: propose the tokens that followed the sequence's last n tokens where those n tokens
+occurred before in its prompt or output (no model, no memory beyond the tokens)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from tokenmill.engine.sequence import Sequence
+
+
+class NgramProposer:
+    """For ``n`` from ``max_n`` down to ``min_n``: the latest earlier occurrence of the last ``n``
+    tokens; its following tokens (up to ``k``, at least one) are the proposal. No occurrence of any
+    length: no proposal."""
+
+    def __init__(self, k: int, min_n: int, max_n: int) -> None:
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to ``min(k, self.k)`` tokens guessed to follow ``seq``'s tokens (empty: no guess)."""
+        tokens = np.asarray(seq.all_token_ids, dtype=np.int64)
+        k = min(k, self.k)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            # windows starting at 0 .. len - n - 1: every earlier occurrence with a token after it
+            windows = sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return tokens[start : start + k].tolist()
+        return []

@@ -1,0 +1,81 @@
+"""Speculative decoding's plan side: proposals before the step (``engine/verifier.py`` verifies them after it).
+
+Before a step, :meth:`Speculator.proposals` asks the proposer for up to k tokens per decoding
+sequence (none while more sequences decode than ``disable_by_batch_size``); the scheduler gives a
+sequence with a proposal ``1 + k`` slots and the step computes, in its ragged forward, the sequence's
+last token and the k proposed ones (a :class:`Verification`), with logits at every one of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.spec_ngram import NgramProposer
+from tokenmill.speculative_config import SpeculativeConfig
+
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+"""Most decoding sequences in a step for which the engine speculates when the setting names no
+``disable_by_batch_size`` (the README's crossover measurement)."""
+
+
+class Proposer(Protocol):
+    """Guesses the tokens that follow a sequence (a new proposer is a new file with this method)."""
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to ``k`` tokens guessed to follow ``seq``'s tokens; empty for no guess."""
+        ...
+
+
+@dataclass
+class Verification:
+    """A decoding sequence whose step computes its last token and ``proposal`` (``slots``: the
+    ``1 + len(proposal)`` KV slots, in position order)."""
+
+    seq: Sequence
+    proposal: list[int]
+    slots: torch.Tensor
+
+
+@dataclass
+class SpeculationStats:
+    verify_steps: int = 0  # steps that verified at least one proposal
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0  # proposed tokens that were emitted
+
+
+@dataclass
+class Speculator:
+    """Proposals and verification for one engine (engine thread only)."""
+
+    config: SpeculativeConfig
+    proposer: Proposer
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
+
+    @classmethod
+    def build(cls, config: SpeculativeConfig) -> Speculator:
+        k = config.num_speculative_tokens
+        return cls(config, NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max))
+
+    @property
+    def max_batch(self) -> int:
+        return self.config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def proposals(self, decode: list[Sequence], budget: int) -> dict[int, list[int]]:
+        """``id(seq) -> proposal`` for the decoding sequences that get one: none above
+        :attr:`max_batch` sequences; each at most k tokens, fewer than the tokens its limit leaves
+        (the last emitted token is never a proposal's), all together at most ``budget``."""
+        if len(decode) > self.max_batch:
+            return {}
+        proposals = {}
+        for seq in decode:
+            assert seq.group is not None
+            room = min(self.config.num_speculative_tokens, seq.group.token_limit - seq.n_tokens - 1, budget)
+            proposal = self.proposer.propose(seq, room) if room > 0 else []
+            if proposal:
+                proposals[id(seq)] = proposal
+                budget -= len(proposal)
+        return proposals
