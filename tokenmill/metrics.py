@@ -66,14 +66,33 @@ class _EngineCollector(Collector):
         self._engine = engine
 
     def describe(self) -> Iterable[Metric]:
-        return [family(name, doc) for name, doc, family, _ in _ENGINE_METRICS]
+        return [family(name, doc) for name, doc, family, _ in _ENGINE_METRICS] + _speculation_metrics(None)
 
     def collect(self) -> Iterable[Metric]:
         try:
             stats = self._engine.stats()
         except EngineDeadError:
             return []
-        return [family(name, doc, value=value(stats)) for name, doc, family, value in _ENGINE_METRICS]
+        engine = [family(name, doc, value=value(stats)) for name, doc, family, value in _ENGINE_METRICS]
+        return engine + _speculation_metrics(stats)
+
+
+def _speculation_metrics(stats: Stats | None) -> list[Metric]:
+    """Proposed and accepted tokens and the acceptance rate, labelled by the proposer's method (no
+    samples while speculative decoding is off; ``stats`` None: the families only)."""
+    spec = stats["speculative"] if stats is not None else None
+    families = [
+        CounterMetricFamily("tokenmill_spec_decode_num_draft_tokens", "Tokens proposed.", labels=["method"]),
+        CounterMetricFamily("tokenmill_spec_decode_num_accepted_tokens", "Proposed tokens emitted.", labels=["method"]),
+        GaugeMetricFamily(
+            "tokenmill_spec_decode_acceptance_rate", "Accepted / proposed tokens since start.", labels=["method"]
+        ),
+    ]
+    if spec is not None:
+        proposed, accepted = spec["proposed_tokens"], spec["accepted_tokens"]
+        for family, value in zip(families, (proposed, accepted, accepted / proposed if proposed else 0.0)):
+            family.add_metric([spec["method"]], value)
+    return families
 
 
 class ServerMetrics:

@@ -37,6 +37,8 @@ class ThroughputResult:
     attention_backend: str
     quantization: str  # the weights' scheme, or "none"
     weight_bytes: int  # resident bytes of the model's weights (quantized ones at their packed size)
+    spec_proposed_tokens: int = 0  # speculative decoding (0 when off): tokens proposed in the run
+    spec_accepted_tokens: int = 0  # of which emitted
 
 
 def _watch_kv(llm: LLM, stop: threading.Event, peak: list[float]) -> None:
@@ -83,8 +85,19 @@ def run_throughput(llm: LLM, work: Workload) -> tuple[ThroughputResult, list[Req
         attention_backend=llm.engine.model.backend.name,
         quantization=llm.engine.model.quantization.name if llm.engine.model.quantization else "none",
         weight_bytes=llm.engine.model.weight_bytes(),
+        **_speculation(before, after),
     )
     return result, outputs
+
+
+def _speculation(before: dict, after: dict) -> dict[str, int]:
+    """The run's proposed and accepted tokens (none without speculative decoding)."""
+    if after["speculative"] is None:
+        return {}
+    return {
+        f"spec_{key}": after["speculative"][key] - before["speculative"][key]
+        for key in ("proposed_tokens", "accepted_tokens")
+    }
 
 
 def plot(outputs: list[RequestOutput], result: ThroughputResult, path: Path) -> None:

@@ -82,6 +82,75 @@ def make_workload(
     )
 
 
+COPY_HEAVY_SNIPPETS = (
+    """def moving_average(values, window):
+    averages = []
+    total = 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        if index >= window - 1:
+            averages.append(total / window)
+    return averages
+""",
+    """class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, count):
+        self.items[name] = self.items.get(name, 0) + count
+
+    def remove(self, name, count):
+        if self.items.get(name, 0) < count:
+            raise ValueError("not enough " + name)
+        self.items[name] -= count
+
+    def total(self):
+        return sum(self.items.values())
+""",
+    """def parse_config(lines):
+    config = {}
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.partition("=")
+        config[key.strip()] = value.strip()
+    return config
+""",
+    """def merge_sorted(left, right):
+    merged = []
+    i = j = 0
+    while i < len(left) and j < len(right):
+        if left[i] <= right[j]:
+            merged.append(left[i])
+            i += 1
+        else:
+            merged.append(right[j])
+            j += 1
+    merged.extend(left[i:])
+    merged.extend(right[j:])
+    return merged
+""",
+)
+COPY_HEAVY_CHANGES = (
+    "Add a docstring to the function.",
+    "Add type hints to every method.",
+    "Rename the variable config to settings.",
+    "Add a comment above the while loop.",
+)
+
+
+def copy_heavy_messages() -> list[list[dict[str, str]]]:
+    """Chat requests whose answers repeat most of the prompt ("rewrite this code with one change"):
+    the case prompt lookup speeds up."""
+    return [
+        [{"role": "user", "content": f"{change} Reply with the whole code only.\n\n```python\n{code}```"}]
+        for code, change in zip(COPY_HEAVY_SNIPPETS, COPY_HEAVY_CHANGES)
+    ]
+
+
 def bench_model_path(preset: str = "llama") -> Path:
     """Where the preset's random model is kept between runs (the system's temporary folder)."""
     return Path(tempfile.gettempdir()) / f"tokenmill-bench-{preset}"

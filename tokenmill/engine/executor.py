@@ -5,9 +5,9 @@ hold on the group); then, where the data is, the computed prompts go into the pr
 prompt logprobs the step produced are collected into their sequences.
 
 Batch order: decode sequences (one token each), verifications (a sequence's last token and its
-proposal), then prefill chunks. Logits come back for the sampled rows (``plan.sample_seqs`` order,
-a forked child sharing its parent's row), then every row of each verification in order, then the
-positions of ``plan.prompt_logprobs`` in order.
+proposal, as one-token requests), then prefill chunks. Logits come back for the sampled rows
+(``plan.sample_seqs`` order, a forked child sharing its parent's row), then every row of each
+verification in order, then the positions of ``plan.prompt_logprobs`` in order.
 """
 
 from __future__ import annotations
@@ -52,42 +52,54 @@ class StepExecutor:
         return logits[:n_sample], logits[n_sample:n_scored]
 
     def forward_step(self, plan: StepPlan) -> ForwardStep:
-        """The plan as plain data, with the table entries written since the previous step."""
+        """The plan as plain data, with the table entries written since the previous step. A
+        verification is ``1 + k`` one-token requests on its table row, token ``i`` at position
+        ``p + i`` seeing positions ``0 .. p + i`` (what a decode step of that length sees): a step
+        without prefill chunks stays a decode step, whichever execution path runs it."""
         device = self.device
-        verified = [v.seq for v in plan.verify]
-        seqs = plan.decode + verified + [s for s, _ in plan.prefill]
-        proposals = [[] for _ in plan.decode] + [v.proposal for v in plan.verify] + [[] for _ in plan.prefill]
-        extend_lens = [1] * len(plan.decode) + [1 + len(v.proposal) for v in plan.verify] + [n for _, n in plan.prefill]
+        rows: list[int] = []
+        seq_lens: list[int] = []
+        extend_lens: list[int] = []
         ids: list[int] = []
-        pos: list[int] = []
-        logits_rows: list[int] | None = None if plan.is_pure_decode else []  # None: every row samples
-        verify_rows: list[int] = []
-        first_row: dict[int, int] = {}  # id(sequence) -> its first row in the flat batch
-        for seq, n, proposal in zip(seqs, extend_lens, proposals):
+        for seq in plan.decode:
+            rows.append(seq.row)
+            seq_lens.append(seq.n_kv)
+            extend_lens.append(1)
+            ids.append(seq.all_token_ids[-1])
+        for v in plan.verify:
+            start = v.seq.n_kv - len(v.proposal) - 1
+            rows += [v.seq.row] * (1 + len(v.proposal))
+            seq_lens += range(start + 1, v.seq.n_kv + 1)
+            extend_lens += [1] * (1 + len(v.proposal))
+            ids += [v.seq.all_token_ids[-1], *v.proposal]
+        logits_rows: list[int] | None = None if plan.is_pure_decode else list(range(len(plan.decode)))
+        first_row: dict[int, int] = {}  # id(sequence) -> the row of its position 0 in the flat batch
+        verify_rows = range(len(plan.decode), len(ids))
+        for seq, n in plan.prefill:
             start = seq.n_kv - n
             first_row[id(seq)] = len(ids) - start
-            if proposal:
-                verify_rows.extend(range(len(ids), len(ids) + n))
-            ids.extend(seq.tokens(start, seq.n_kv - len(proposal)) + proposal)
-            pos.extend(range(start, seq.n_kv))
-            if logits_rows is not None and seq.n_kv == seq.n_tokens:
+            rows.append(seq.row)
+            seq_lens.append(seq.n_kv)
+            extend_lens.append(n)
+            ids.extend(seq.tokens(start, seq.n_kv))
+            if seq.n_kv == seq.n_tokens:
                 logits_rows.extend([len(ids) - 1] * (1 + len(plan.children(seq))))  # forked children share it
         if logits_rows is not None:
             logits_rows += verify_rows
-        for seq, positions in plan.prompt_logprobs:  # prefill steps only
-            logits_rows.extend(first_row[id(seq)] + p for p in positions)
+            for seq, positions in plan.prompt_logprobs:  # prefill steps only
+                logits_rows.extend(first_row[id(seq)] + p for p in positions)
+        positions = [p for n, e in zip(seq_lens, extend_lens) for p in range(n - e, n)]
         parts = ([plan.decode_slots] if plan.decode else []) + [v.slots for v in plan.verify] + plan.prefill_slots
         fork_src = [f.src_slots for f in plan.forks]
         fork_dst = [f.dst_slots for f in plan.forks]
         no_slots = torch.empty(0, dtype=torch.int64)
         writes = self.cache.req_pool.take_journal()
-        seq_lens = [s.n_kv for s in seqs]
         return ForwardStep(
             is_decode=plan.is_pure_decode,
             input_ids=torch.tensor(ids, device=device),
-            positions=torch.tensor(pos, device=device),
+            positions=torch.tensor(positions, device=device),
             out_cache_loc=torch.cat(parts).to(device, torch.int64),
-            rows=[s.row for s in seqs],
+            rows=rows,
             seq_lens=seq_lens,
             prefix_lens=[n - e for n, e in zip(seq_lens, extend_lens)],
             logits_indices=None if logits_rows is None else torch.tensor(logits_rows, dtype=torch.int64, device=device),

@@ -59,7 +59,8 @@ class StepPlan:
 
     @property
     def is_pure_decode(self) -> bool:
-        return not self.prefill and not self.verify
+        """No prefill chunk: every token of the step is a one-token request (verifications included)."""
+        return not self.prefill
 
     @property
     def n_tokens(self) -> int:

@@ -8,7 +8,7 @@ last token and the k proposed ones (a :class:`Verification`), with logits at eve
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -42,6 +42,7 @@ class Verification:
 
 @dataclass
 class SpeculationStats:
+    method: str
     verify_steps: int = 0  # steps that verified at least one proposal
     proposed_tokens: int = 0
     accepted_tokens: int = 0  # proposed tokens that were emitted
@@ -53,12 +54,13 @@ class Speculator:
 
     config: SpeculativeConfig
     proposer: Proposer
-    stats: SpeculationStats = field(default_factory=SpeculationStats)
+    stats: SpeculationStats
 
     @classmethod
     def build(cls, config: SpeculativeConfig) -> Speculator:
         k = config.num_speculative_tokens
-        return cls(config, NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max))
+        proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+        return cls(config, proposer, SpeculationStats(config.method))
 
     @property
     def max_batch(self) -> int:
