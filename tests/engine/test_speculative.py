@@ -6,14 +6,21 @@ rejected proposals leave no KV behind; bad settings are refused."""
 from __future__ import annotations
 
 import collections
+import json
 from collections.abc import Iterator
 
 import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engine.test_siblings import pages_held_only_by_the_prefix_cache
 from tokenmill import LLM, SamplingParams
+from tokenmill.cli import build_parser, config_from_args
+from tokenmill.config import EngineConfig
 from tokenmill.engine import verifier
+from tokenmill.metrics import ServerMetrics
 from tokenmill.request import StructuredOutputsParams
+from tokenmill.speculative_config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 1000}
 """Speculate at any batch size, on any 1-gram match (the tiny model's loops give both accepted and
@@ -187,3 +194,45 @@ def test_verification_rows_hold_the_proposals_kv_until_rejected(spec: LLM) -> No
     assert pages_held_only_by_the_prefix_cache(spec)
     (again,) = run(spec, [prompt + first[:10]], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
     assert again == first[10:]
+
+
+def test_prometheus_reports_proposed_and_accepted_tokens_per_method(spec: LLM) -> None:
+    run(spec, [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    text = ServerMetrics(spec.engine).render().decode()
+    stats = spec_stats(spec)
+    samples = {
+        name: value
+        for family in text_string_to_metric_families(text)
+        for name, labels, value, *_ in family.samples
+        if name.startswith("tokenmill_spec_decode") and labels == {"method": "ngram"}
+    }
+    assert samples == {
+        "tokenmill_spec_decode_num_draft_tokens_total": stats["proposed_tokens"],
+        "tokenmill_spec_decode_num_accepted_tokens_total": stats["accepted_tokens"],
+        "tokenmill_spec_decode_acceptance_rate": stats["accepted_tokens"] / stats["proposed_tokens"],
+    }
+
+
+def test_the_command_line_takes_the_setting_as_json() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["generate", "hi", "--speculative-config", json.dumps(NGRAM)])
+    assert config_from_args(EngineConfig, args).speculative() == SpeculativeConfig.from_dict(NGRAM)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "hi", "--speculative-config", "{method: ngram}"])
+
+
+def test_a_grammar_cuts_a_proposal_at_the_first_token_it_refuses(spec: LLM) -> None:
+    """The matcher checks a proposal without moving: a choice between two texts accepts the tokens of
+    one of them, up to where the other's begin, and then its state is what it was."""
+    engine = spec.engine
+    tokens = engine.tokenizer.hf.encode(" alpha beta gamma", add_special_tokens=False)
+    other = engine.tokenizer.hf.encode(" delta", add_special_tokens=False)
+    compiler = engine._intake.grammars
+    grammar = compiler.new_sequence_grammar(compiler.compile(StructuredOutputsParams(choice=[" alpha beta gamma"])))
+    mask = grammar.bitmask.clone()
+    assert grammar.accepted_prefix(tokens + other) == len(tokens)
+    assert grammar.accepted_prefix(other + tokens) == 0
+    assert torch.equal(grammar.bitmask, mask)
+    for token in tokens:  # the state is untouched: the whole choice still goes through
+        grammar.advance(token)
+    assert grammar.finished

@@ -160,6 +160,13 @@ def add_arguments(parser: Any) -> None:
         default=None,
         help="the engine's option of that name (default: none)",
     )
+    parser.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="the engine's option of that name, a JSON object (default: off)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of per-request latencies")
 
@@ -174,6 +181,7 @@ def main(args: Any) -> int:
         max_running_requests=args.max_running_requests,
         max_num_batched_tokens=args.max_num_batched_tokens,
         quantization=args.quantization,
+        speculative_config=args.speculative_config,
     )
     try:
         result, outputs = run_throughput(llm, work)
@@ -199,4 +207,10 @@ def main(args: Any) -> int:
         f"peak KV usage {result.peak_kv_usage:.1%}, engine overhead {result.engine_overhead:.1%}, "
         f"preemptions {result.preemptions}"
     )
+    if result.spec_proposed_tokens:
+        rate = result.spec_accepted_tokens / result.spec_proposed_tokens
+        print(
+            f"speculative: {result.spec_proposed_tokens} tokens proposed, {result.spec_accepted_tokens} accepted "
+            f"({rate:.1%})"
+        )
     return 0

@@ -77,6 +77,18 @@ class SequenceGrammar:
                 "ms) and grows with the output; simplify the constraint (nested quantifiers such as (a*)*)"
             )
 
+    def accepted_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, in order, the grammar would accept next (a speculative proposal
+        checked before it is verified); the matcher's state is left as it was."""
+        accepted = 0
+        for token in tokens:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                break
+            accepted += 1
+        if accepted:
+            self._matcher.rollback(accepted)
+        return accepted
+
     def _fill(self) -> None:
         self._matcher.fill_next_token_bitmask(self.bitmask)
         # only a completed grammar allows a stop token, so only then may nothing else be allowed

@@ -11,16 +11,15 @@ from tokenmill.engine.sequence import Sequence
 
 class NgramProposer:
     """For ``n`` from ``max_n`` down to ``min_n``: the latest earlier occurrence of the last ``n``
-    tokens; its following tokens (up to ``k``, at least one) are the proposal. No occurrence of any
-    length: no proposal."""
+    tokens; the tokens that followed it (up to ``k``, at least one) are the proposal. No occurrence of
+    any length: no proposal."""
 
-    def __init__(self, k: int, min_n: int, max_n: int) -> None:
-        self.k, self.min_n, self.max_n = k, min_n, max_n
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
-        """Up to ``min(k, self.k)`` tokens guessed to follow ``seq``'s tokens (empty: no guess)."""
+        """Up to ``k`` tokens guessed to follow ``seq``'s tokens (empty: no guess)."""
         tokens = np.asarray(seq.all_token_ids, dtype=np.int64)
-        k = min(k, self.k)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             # windows starting at 0 .. len - n - 1: every earlier occurrence with a token after it
             windows = sliding_window_view(tokens[:-1], n)

@@ -2,8 +2,9 @@
 
 Before a step, :meth:`Speculator.proposals` asks the proposer for up to k tokens per decoding
 sequence (none while more sequences decode than ``disable_by_batch_size``); the scheduler gives a
-sequence with a proposal ``1 + k`` slots and the step computes, in its ragged forward, the sequence's
-last token and the k proposed ones (a :class:`Verification`), with logits at every one of them.
+sequence with a proposal ``1 + k`` slots, and the step computes the sequence's last token and the k
+proposed ones (a :class:`Verification`) as ``1 + k`` one-token requests on its row, in the same
+forward as the other sequences, with logits at every one of them (``engine/executor.py``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.spec_ngram import NgramProposer
 from tokenmill.speculative_config import SpeculativeConfig
 
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+DEFAULT_DISABLE_BY_BATCH_SIZE = 1
 """Most decoding sequences in a step for which the engine speculates when the setting names no
-``disable_by_batch_size`` (the README's crossover measurement)."""
+``disable_by_batch_size``: the README's crossover measurement, where two sequences at a time
+already decode faster without it."""
 
 
 class Proposer(Protocol):
@@ -58,8 +60,7 @@ class Speculator:
 
     @classmethod
     def build(cls, config: SpeculativeConfig) -> Speculator:
-        k = config.num_speculative_tokens
-        proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         return cls(config, proposer, SpeculationStats(config.method))
 
     @property
@@ -69,7 +70,8 @@ class Speculator:
     def proposals(self, decode: list[Sequence], budget: int) -> dict[int, list[int]]:
         """``id(seq) -> proposal`` for the decoding sequences that get one: none above
         :attr:`max_batch` sequences; each at most k tokens, fewer than the tokens its limit leaves
-        (the last emitted token is never a proposal's), all together at most ``budget``."""
+        (the last emitted token is never a proposal's), cut at the first token a structured-output
+        sequence's grammar refuses, all together at most ``budget``."""
         if len(decode) > self.max_batch:
             return {}
         proposals = {}
@@ -77,6 +79,8 @@ class Speculator:
             assert seq.group is not None
             room = min(self.config.num_speculative_tokens, seq.group.token_limit - seq.n_tokens - 1, budget)
             proposal = self.proposer.propose(seq, room) if room > 0 else []
+            if proposal and seq.grammar is not None:  # cut at the first token the grammar refuses
+                proposal = proposal[: seq.grammar.accepted_prefix(proposal)]
             if proposal:
                 proposals[id(seq)] = proposal
                 budget -= len(proposal)

