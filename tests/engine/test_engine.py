@@ -374,3 +374,25 @@ def test_the_loop_thread_builds_the_model_and_cache(checkpoint, monkeypatch: pyt
     monkeypatch.setattr(engine_module, "KVStorage", failing_storage)
     with pytest.raises(MemoryError, match="no room"):
         LLM(dtype="float32", model=str(checkpoint[0]), num_kv_slots=256, skip_tokenizer_init=True)
+
+
+def test_counting_work_never_holds_up_a_generations_tokenization(llm: LLM) -> None:
+    """Every thread of the counting pool busy (``/tokenize``, ``count_tokens`` work): a text prompt is
+    still tokenized, on the tokenizer pool, and generated."""
+    engine = AsyncEngine(llm.engine)
+    release = threading.Event()
+
+    async def scenario() -> list[RequestOutput]:
+        busy = [
+            asyncio.ensure_future(engine.run_counting(lambda: release.wait(60)))
+            for _ in range(llm.engine.config.tokenizer_threads)
+        ]
+        await asyncio.sleep(0.05)  # the pool's threads are all taken now
+        try:
+            return [d async for d in engine.generate("hello world", SamplingParams(max_tokens=3, **GREEDY))]
+        finally:
+            release.set()
+            await asyncio.gather(*busy)
+
+    deltas = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert deltas[-1].finished and sum(len(d.outputs[0].token_ids) for d in deltas) == 3  # deltas: new tokens

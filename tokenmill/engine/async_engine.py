@@ -3,7 +3,9 @@
 ``generate`` is an async iterator of output deltas. Intake (tokenization, validation) runs in a
 worker thread, never on the event loop; tokenizer work runs on a pool of its own
 (``EngineConfig.tokenizer_threads`` threads), so a flood of huge prompts waits there instead of
-taking every thread of the loop's default executor. If the consumer stops iterating early (e.g. the HTTP
+taking every thread of the loop's default executor. Tokenizer work that generates nothing (counting
+tokens, detokenizing: :meth:`AsyncEngine.run_counting`) has a second pool of the same size, so it
+never delays a generation's tokenization. If the consumer stops iterating early (e.g. the HTTP
 client went away), the request is aborted and its KV freed at the next step boundary.
 """
 
@@ -25,14 +27,19 @@ T = TypeVar("T")
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._tokenizer_pool = ThreadPoolExecutor(
-            engine.config.tokenizer_threads, thread_name_prefix="tokenmill-tokenize"
-        )
+        threads = engine.config.tokenizer_threads
+        self._tokenizer_pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenmill-tokenize")
+        self._counting_pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenmill-count")
 
     async def run_tokenizer(self, work: Callable[[], T]) -> T:
-        """``work()`` on the tokenizer pool: at most ``tokenizer_threads`` run at once, the rest wait
-        their turn there."""
+        """``work()`` (tokenizing for a generation) on the tokenizer pool: at most
+        ``tokenizer_threads`` run at once, the rest wait their turn there."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)
+
+    async def run_counting(self, work: Callable[[], T]) -> T:
+        """``work()`` (tokenizer work for a route that generates nothing: ``/tokenize``,
+        ``count_tokens``) on a pool of its own, as :meth:`run_tokenizer` but never in its queue."""
+        return await asyncio.get_running_loop().run_in_executor(self._counting_pool, work)
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None

@@ -72,18 +72,20 @@ async def messages(body: MessagesRequest, request: Request, state: State) -> Res
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: MessagesPromptRequest, state: State) -> Response:
     """The prompt's tokens as ``/v1/messages`` would build them from the same body."""
-    prompt, _ = await _prompt(body, state)
+    prompt, _ = await _prompt(body, state, counting=True)
     return JSONResponse({"input_tokens": len(prompt)})
 
 
-async def _prompt(body: MessagesPromptRequest, state: State) -> tuple[list[int], ToolUse]:
+async def _prompt(body: MessagesPromptRequest, state: State, counting: bool = False) -> tuple[list[int], ToolUse]:
     """The token ids of the body's system prompt, messages and tools through the chat template, and
-    what its tools mean for the output."""
+    what its tools mean for the output (``counting``: for ``count_tokens``, on the counting pool)."""
     state.check_model(body.model)
+    run = state.async_engine.run_counting if counting else state.async_engine.run_tokenizer
     with engine_errors(ALIASES):
         chat_template = state.tokenizer.hf.chat_template  # a forced call's grammar is built off the event loop
-        tools = await state.async_engine.run_tokenizer(lambda: tool_use(body, chat_template))
-    return await state.render_chat(template_messages(body.system, body.messages), tools.tools), tools
+        tools = await run(lambda: tool_use(body, chat_template))
+    messages = template_messages(body.system, body.messages)
+    return await state.render_chat(messages, tools.tools, counting=counting), tools
 
 
 def _usage(output: RequestOutput) -> dict[str, int]:

@@ -64,19 +64,20 @@ class ServerState:
         tools: list[dict[str, Any]] | None,
         param: str = "messages",
         add_generation_prompt: bool = True,
+        counting: bool = False,
     ) -> list[int]:
         """Token ids of ``messages`` through the chat template; invalid Unicode or a template that
         refuses them -> 400 naming ``param`` (the route's name for its messages); messages whose
-        text is too long for the context whatever its tokens -> 400 before the template runs."""
+        text is too long for the context whatever its tokens -> 400 before the template runs.
+        ``counting``: for a route that generates nothing (the counting pool, not the tokenizer's)."""
         check_unicode(messages, param)
         check_unicode(tools, "tools")
         with engine_errors({}):
             self.engine.check_text_fits("".join(_message_texts(messages)))
         try:
-            special = self.allow_special_tokens_in_content
-            return await self.async_engine.run_tokenizer(
-                lambda: self.tokenizer.apply_chat_template(messages, add_generation_prompt, tools, special)
-            )
+            special, tokenizer = self.allow_special_tokens_in_content, self.tokenizer
+            run = self.async_engine.run_counting if counting else self.async_engine.run_tokenizer
+            return await run(lambda: tokenizer.apply_chat_template(messages, add_generation_prompt, tools, special))
         except (ValueError, jinja2.TemplateError) as exc:
             raise APIError(400, f"cannot apply the chat template: {exc}", param=param) from exc
 

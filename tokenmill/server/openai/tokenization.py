@@ -51,7 +51,7 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
         special = body.add_special_tokens is None or body.add_special_tokens
         text = body.prompt or ""
         check_unicode(text, "prompt")
-        tokens = await state.async_engine.run_tokenizer(lambda: state.tokenizer.encode(text, special))
+        tokens = await state.async_engine.run_counting(lambda: state.tokenizer.encode(text, special))
     else:
         if body.add_special_tokens:
             message = "cannot be true with messages: the chat template places the special tokens"
@@ -59,7 +59,7 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         generation_prompt = body.add_generation_prompt is None or body.add_generation_prompt
         messages = [template_message(m) for m in body.messages]
-        tokens = await state.render_chat(messages, tools, add_generation_prompt=generation_prompt)
+        tokens = await state.render_chat(messages, tools, add_generation_prompt=generation_prompt, counting=True)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_context_len}
 
 
@@ -72,5 +72,5 @@ async def detokenize(body: DetokenizeRequest, state: State) -> dict[str, str]:
     if outside:
         raise APIError(400, f"tokens {outside[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
     decode = state.tokenizer.decode
-    text = await state.async_engine.run_tokenizer(lambda: decode(body.tokens, skip_special_tokens=False))
+    text = await state.async_engine.run_counting(lambda: decode(body.tokens, skip_special_tokens=False))
     return {"prompt": text}
