@@ -11,6 +11,7 @@ from tqdm import tqdm
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.overload import EngineOverloadedError
+from tokenmill.engine.request_state import new_request_id
 from tokenmill.request import RequestOutput, SamplingParams, accumulate
 
 Prompt = str | list[int] | dict[str, Any]
@@ -94,7 +95,8 @@ class LLM:
         engine = self.engine
         deltas: queue.Queue[RequestOutput] = queue.Queue()
         # validate (and tokenize) everything before queueing anything
-        states = [engine.intake(_prompt_value(prompt), p, deltas.put) for prompt, p in zip(batch, params)]
+        call = new_request_id()  # the batch is one call: admitted beside other calls, not before them
+        states = [engine.intake(_prompt_value(prompt), p, deltas.put, None, call) for prompt, p in zip(batch, params)]
         ids: list[str] = []
         totals: dict[str, RequestOutput] = {}
         try:

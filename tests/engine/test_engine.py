@@ -396,3 +396,28 @@ def test_counting_work_never_holds_up_a_generations_tokenization(llm: LLM) -> No
 
     deltas = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert deltas[-1].finished and sum(len(d.outputs[0].token_ids) for d in deltas) == 3  # deltas: new tokens
+
+
+def test_a_call_of_many_prompts_takes_its_share_not_the_queue(checkpoint) -> None:
+    """40 prompts of one call wait for 2 rows; a one-prompt call submitted after them is admitted at
+    the next free row (its call has none running), not after the 40: it finishes among the first."""
+    llm = LLM(dtype="float32", model=str(checkpoint[0]), num_kv_slots=2048, max_running_requests=2)
+    finished: list[str] = []
+    done = threading.Event()
+
+    def on_delta(delta: RequestOutput) -> None:
+        if delta.finished:
+            finished.append(delta.request_id)
+            if len(finished) == 41:
+                done.set()
+
+    try:
+        params = SamplingParams(max_tokens=8, **GREEDY)
+        for i in range(40):
+            llm.engine.add_request([5, 6, 7 + i], params, on_delta, f"big-{i}", call_id="big")
+        llm.engine.add_request([9, 8, 7], params, on_delta, "small")
+        assert done.wait(60)
+    finally:
+        llm.shutdown()
+    assert finished.index("small") <= 3, finished
+    assert [r for r in finished if r != "small"] == [f"big-{i}" for i in range(40)]  # FIFO within the call

@@ -117,15 +117,22 @@ class Engine(EngineLoop):
 
     # ------------------------------------------------------------------ public API
     def intake(
-        self, prompt: str | list[int], params: SamplingParams, callback: OutputCallback, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        callback: OutputCallback,
+        request_id: str | None = None,
+        call_id: str | None = None,
     ) -> RequestState:
-        """Validate a request into its state (tokenized once), ready for :meth:`submit`.
+        """Validate a request into its state (tokenized once), ready for :meth:`submit`. Requests
+        sharing a ``call_id`` (the prompts of one API call) share admission as one call: waiting
+        sequences are admitted call by call (``Scheduler``); None: a call of its own.
 
         Raises :class:`~tokenmill.request.ParameterError` (a ValueError naming the parameter) for
         bad input, EngineOverloadedError when every grammar-compile slot stays busy; nothing is
         allocated or queued.
         """
-        return self._intake.make(prompt, params, callback, request_id)
+        return self._intake.make(prompt, params, callback, request_id, call_id)
 
     def check_text_fits(self, text: str, max_tokens: int | None = None) -> None:
         """Raise ParameterError ("prompt") for a text prompt too long for the context however it
@@ -151,11 +158,16 @@ class Engine(EngineLoop):
         return state.request_id
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, callback: OutputCallback, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        callback: OutputCallback,
+        request_id: str | None = None,
+        call_id: str | None = None,
     ) -> str:
         """:meth:`intake` then :meth:`submit`; returns the request id."""
         self._check_alive()
-        return self.submit(self.intake(prompt, params, callback, request_id))
+        return self.submit(self.intake(prompt, params, callback, request_id, call_id))
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its KV is released at the next step boundary."""

@@ -56,10 +56,16 @@ class Intake:
         self.bytes_per_token = bytes_per_token_bound(tokenizer) if tokenizer is not None else None
 
     def make(
-        self, prompt: str | list[int], params: SamplingParams, callback: OutputCallback, request_id: str | None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        callback: OutputCallback,
+        request_id: str | None,
+        call_id: str | None = None,
     ) -> RequestState:
-        """The validated state of a request; raises ParameterError (a ValueError) for bad input.
-        The state keeps its own copy of ``params``: changing the caller's object later changes nothing."""
+        """The validated state of a request (of the call ``call_id``; None: a call of its own);
+        raises ParameterError (a ValueError) for bad input. The state keeps its own copy of
+        ``params``: changing the caller's object later changes nothing."""
         if not isinstance(params, SamplingParams):
             raise ParameterError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
         params = copy.deepcopy(params)
@@ -88,9 +94,8 @@ class Intake:
                 raise ParameterError("structured_outputs", "needs a tokenizer")
             compiled = self.grammars.compile(params.structured_outputs)
         rid = request_id or new_request_id()
-        state = RequestState(
-            rid, text, ids, params, callback, RequestMetrics(arrival_time=now()), len(ids) + max_tokens
-        )
+        metrics, token_limit = RequestMetrics(arrival_time=now()), len(ids) + max_tokens
+        state = RequestState(rid, text, ids, params, callback, metrics, token_limit, call_id=call_id or rid)
         for i in range(params.n):
             seq = Sequence(prompt_token_ids=ids, params=params, index=i, group=state)
             if params.seed is not None:

@@ -38,6 +38,7 @@ class RequestState:
     prompt_logprobs_sent: bool = False  # they go out once, with the first delta after they are complete
     submitted: bool = False  # set once by the request table: a state runs at most once
     waiting: bool = False  # submitted, not yet scheduled nor finished: counts against max_waiting_requests
+    call_id: str = ""  # the call it came in (one API request's prompts, one LLM.generate): admission shares by call
 
     @property
     def finished(self) -> bool:

@@ -5,7 +5,9 @@ Every step (engine thread only):
    admitted sequence is preempted (its pages freed — full ones kept in the prefix cache — and it
    goes back to the head of the queue to be recomputed later; its generated tokens are kept);
 2. running sequences part-way through their prompt get the next chunk (chunked prefill);
-3. waiting sequences are admitted FIFO while rows, pages and the budget last;
+3. waiting sequences are admitted while rows, pages and the budget last: preempted ones first, then
+   call by call (the call with the fewest running sequences next; first come, first served within
+   a call and between equal calls), so one call of many prompts cannot hold the queue;
 4. the siblings of an ``n > 1`` request wait until sequence 0's prompt is computed: in the step
    that computes its last prompt token, each sibling is forked from it (the full pages shared, the
    partial last page copied after the forward) and samples its first token from the same logits,
@@ -20,8 +22,10 @@ ragged forward. A sequence asking
 
 from __future__ import annotations
 
+import heapq
 import itertools
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -156,20 +160,19 @@ class Scheduler:
             slots.append(got)
             budget -= n
 
-        skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.cache.req_pool.max_rows:
-            seq = self.waiting.popleft()
+        admitted: set[int] = set()
+        has_room = budget > 0 and len(self.running) < self.cache.req_pool.max_rows
+        for seq in self._admission_order() if has_room else ():
+            if budget <= 0 or len(self.running) >= self.cache.req_pool.max_rows:
+                break
             parent = seq.wait_for
             if parent is not None and not (parent.output_token_ids or parent.is_finished):
-                skipped.append(seq)  # forked once the parent's prompt is computed
-                continue
+                continue  # forked once the parent's prompt is computed
             if not self.cache.alloc(seq.kv, seq.all_token_ids, use_prefix_cache=not seq.needs_prompt_logits):
-                self.waiting.appendleft(seq)
                 break
             remaining = seq.n_tokens - seq.n_kv
             if self.cache.pages_needed(seq.kv, remaining) > self.cache.available_pages():
                 self.cache.free(seq.kv, seq.all_token_ids, cache_pages=False)
-                self.waiting.appendleft(seq)
                 break
             n = min(remaining, budget)
             got = self.cache.extend(seq.kv, n)
@@ -177,10 +180,12 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             seq.admit_order = next(self._admissions)
             self.running.append(seq)
+            admitted.add(id(seq))
             prefill.append((seq, n))
             slots.append(got)
             budget -= n
-        self.waiting.extendleft(reversed(skipped))
+        if admitted:
+            self.waiting = deque(s for s in self.waiting if id(s) not in admitted)
 
         if not decode and not verify and not prefill:
             return None
@@ -193,6 +198,29 @@ class Scheduler:
                 plan.prompt_logprobs.append((seq, positions))
         self._count(plan)
         return plan
+
+    def _admission_order(self) -> Iterator[Sequence]:
+        """The waiting sequences in the order admission tries them: those admitted before (preempted)
+        first, in queue order; then call by call (``RequestState.call_id``), the call with the fewest
+        running sequences first (ties: the call whose first waiting sequence came first), each call's
+        sequences in arrival order, a sequence counting as running once tried. So a call of thousands
+        of prompts takes its share of the rows that free up, not all of them."""
+        fresh: dict[str, deque[Sequence]] = {}
+        waiting = list(self.waiting)
+        for seq in waiting:
+            if seq.admit_order >= 0:
+                yield seq
+            else:
+                fresh.setdefault(_call(seq), deque()).append(seq)
+        running = Counter(_call(s) for s in self.running)
+        calls = [(running[call], arrival, call) for arrival, call in enumerate(fresh)]
+        heapq.heapify(calls)
+        while calls:
+            count, arrival, call = heapq.heappop(calls)
+            queue = fresh[call]
+            yield queue.popleft()
+            if queue:
+                heapq.heappush(calls, (count + 1, arrival, call))
 
     def _speculate(
         self, speculator: Speculator, decode: list[Sequence], decode_slots: torch.Tensor, budget: int
@@ -242,3 +270,8 @@ class Scheduler:
         for seq, n in plan.prefill:
             stats.prompt_tokens_computed += n
             stats.chunked_prefills += seq.n_kv < seq.n_tokens
+
+
+def _call(seq: Sequence) -> str:
+    """The call ``seq`` came in (its request's ``call_id``; one shared call for a sequence without a request)."""
+    return seq.group.call_id if seq.group is not None else ""

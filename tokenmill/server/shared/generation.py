@@ -53,7 +53,9 @@ class Generation:
         ``arrival`` (``time.monotonic()`` when the HTTP request came in) anchors the latency metrics.
         """
         streams = [
-            state.async_engine.generate(prompt, p, request_id if len(prompts) == 1 else f"{request_id}-{i}")
+            state.async_engine.generate(
+                prompt, p, request_id if len(prompts) == 1 else f"{request_id}-{i}", call_id=request_id
+            )
             for i, (prompt, p) in enumerate(zip(prompts, params))
         ]
         try:
