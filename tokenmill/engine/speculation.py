@@ -44,6 +44,8 @@ class Verification:
 
 @dataclass
 class SpeculationStats:
+    """What speculation did since the engine started (``Engine.stats()["speculative"]``)."""
+
     method: str
     verify_steps: int = 0  # steps that verified at least one proposal
     proposed_tokens: int = 0
@@ -52,7 +54,8 @@ class SpeculationStats:
 
 @dataclass
 class Speculator:
-    """Proposals and verification for one engine (engine thread only)."""
+    """One engine's proposer, its setting and the counters ``engine/verifier.py`` updates (engine
+    thread only)."""
 
     config: SpeculativeConfig
     proposer: Proposer
