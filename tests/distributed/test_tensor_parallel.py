@@ -273,3 +273,20 @@ def test_a_build_failing_on_rank_0_stops_the_starting_workers(checkpoints, tp2, 
     assert not torch.distributed.is_initialized()
     llm = tp2["llama"]
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def test_speculative_decoding_tp2_equals_transformers(checkpoints, tp2) -> None:
+    """Verifications (one-token requests sharing a row) run on both ranks as any decode step does."""
+    tp2.close()  # one tensor-parallel engine per process at a time
+    path, hf_model = checkpoints["llama"]
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 8}
+    batch = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10]]
+    params = SamplingParams(max_tokens=2 * NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(path), tensor_parallel_size=2, speculative_config=speculative, **ENGINE)
+    try:
+        got = token_ids(llm.generate(batch, params, use_tqdm=False))
+        stats = llm.engine.stats()["speculative"]
+    finally:
+        llm.shutdown()
+    assert stats["accepted_tokens"] > 0
+    assert got == [hf_greedy(hf_model, p, 2 * NEW_TOKENS) for p in batch]
