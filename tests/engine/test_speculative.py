@@ -15,6 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engine.test_siblings import pages_held_only_by_the_prefix_cache
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.throughput import run_throughput
+from tokenmill.bench.workload import make_workload
 from tokenmill.cli import build_parser, config_from_args
 from tokenmill.config import EngineConfig
 from tokenmill.engine import verifier
@@ -236,3 +238,14 @@ def test_a_grammar_cuts_a_proposal_at_the_first_token_it_refuses(spec: LLM) -> N
     for token in tokens:  # the state is untouched: the whole choice still goes through
         grammar.advance(token)
     assert grammar.finished
+
+
+def test_the_throughput_benchmark_reports_the_runs_proposals(spec: LLM) -> None:
+    work = make_workload(2, (4, 8), (24, 24), vocab_size=spec.engine.model_config.vocab_size, seed=0)
+    before = spec_stats(spec)
+    result, _ = run_throughput(spec, work)
+    after = spec_stats(spec)
+    # the run's own counts: those of the whole call but its short warm-up
+    assert 0 < result.spec_proposed_tokens <= after["proposed_tokens"] - before["proposed_tokens"]
+    assert 0 <= result.spec_accepted_tokens <= after["accepted_tokens"] - before["accepted_tokens"]
+    assert result.spec_accepted_tokens <= result.spec_proposed_tokens
