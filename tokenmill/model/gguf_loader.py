@@ -26,7 +26,7 @@ import logging
 import re
 from collections import Counter
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
@@ -128,7 +128,8 @@ def load_gguf(model: CausalLM, index: dict) -> None:
         target.load(weight)
     for module, shards in quantized:
         parts = [_undo_conversion(tensors.read(sources[hf]), hf, model, tensors.architecture) for hf, _ in shards]
-        whole = _joined([p for p in parts if isinstance(p, QuantizedTensors)])
+        assert all(isinstance(p, QuantizedTensors) for p in parts), "planned shards are of lossless types"
+        whole = _joined(cast(list[QuantizedTensors], parts))
         scheme = QuantScheme(whole.bits, whole.group, symmetric=whole.min is None)
         module.load_quantized_(whole, scheme, keeps_panels(model, module))
     modules = [module for module, _ in quantized]
