@@ -1,25 +1,27 @@
-"""Replies rendered to JSON on a worker thread.
+"""Replies rendered to JSON on a worker thread, by orjson.
 
-A generation reply can be megabytes (``n`` choices of many tokens, each with its top logprobs);
-rendering it on the event loop would stall every other connection, ``/health`` included, for as
-long. :func:`json_response` renders as Starlette's ``JSONResponse`` does (compact, UTF-8, no NaN)
-in a thread and answers with the bytes.
+A generation reply can be megabytes (``n`` choices of many tokens, each with its top logprobs).
+Rendering holds the interpreter lock however it is threaded, so every other connection, ``/health``
+included, waits for as long: :func:`json_response` renders in a thread with orjson (a tenth of the
+standard library's time on such replies; the README's measurement), compact UTF-8 as Starlette's
+``JSONResponse`` writes it, non-string keys as their strings (as ``json.dumps`` writes them).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
+import orjson
 from fastapi.responses import Response
 
 
 async def json_response(content: Any) -> Response:
     """``content`` as an ``application/json`` response, serialized off the event loop."""
-    body = await asyncio.to_thread(_render, content)
+    body = await asyncio.to_thread(render_json, content)
     return Response(body, media_type="application/json")
 
 
-def _render(content: Any) -> bytes:
-    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+def render_json(content: Any) -> bytes:
+    """``content`` (dicts, lists, strings, numbers, booleans, None) as compact UTF-8 JSON."""
+    return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)

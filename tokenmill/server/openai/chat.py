@@ -11,6 +11,7 @@ Without ``max_tokens`` a reply runs to the context limit (or ``max_tokens_cap``)
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -118,19 +119,20 @@ class _Chat:
         if self.top_logprobs is None or out.logprobs is None:
             return None
         strings = await self.state.token_strings([t for entry in out.logprobs for t in entry])
+        k = self.top_logprobs
 
         def item(token: int, lp: Logprob) -> dict[str, Any]:
             text = strings[token]
             return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
 
-        content = [
-            {
-                **item(token, entry[token]),
-                "top_logprobs": [item(t, lp) for t, lp in top_logprobs(entry, self.top_logprobs)],
-            }
-            for token, entry in zip(out.token_ids, out.logprobs)
-        ]
-        return {"content": content}
+        def build() -> dict[str, Any]:
+            content = [
+                {**item(token, entry[token]), "top_logprobs": [item(t, lp) for t, lp in top_logprobs(entry, k)]}
+                for token, entry in zip(out.token_ids, out.logprobs)
+            ]
+            return {"content": content}
+
+        return await asyncio.to_thread(build)  # megabytes of objects: off the event loop
 
     async def response(self, output: RequestOutput) -> dict[str, Any]:
         raise_on_error(output)

@@ -147,15 +147,19 @@ class _Completion:
         for text in tokens:
             offsets.append(self._offsets[choice])
             self._offsets[choice] += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [None if entry is None else entry[t].logprob for t, entry in zip(ids, entries)],
-            "top_logprobs": [
-                None if entry is None else {strings[t]: lp.logprob for t, lp in top_logprobs(entry, len(entry))}
-                for entry in entries
-            ],
-            "text_offset": offsets,
-        }
+
+        def build() -> dict[str, Any]:
+            return {
+                "tokens": tokens,
+                "token_logprobs": [None if entry is None else entry[t].logprob for t, entry in zip(ids, entries)],
+                "top_logprobs": [
+                    None if entry is None else {strings[t]: lp.logprob for t, lp in top_logprobs(entry, len(entry))}
+                    for entry in entries
+                ],
+                "text_offset": offsets,
+            }
+
+        return await asyncio.to_thread(build)  # megabytes of objects: off the event loop
 
     async def _choice(self, prompt_index: int, out: CompletionOutput) -> dict[str, Any]:
         index = prompt_index * self.n + out.index
