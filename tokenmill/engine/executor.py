@@ -65,13 +65,13 @@ class StepExecutor:
             rows.append(seq.row)
             seq_lens.append(seq.n_kv)
             extend_lens.append(1)
-            ids.append(seq.all_token_ids[-1])
+            ids.append(seq.last_token)
         for v in plan.verify:
             start = v.seq.n_kv - len(v.proposal) - 1
             rows += [v.seq.row] * (1 + len(v.proposal))
             seq_lens += range(start + 1, v.seq.n_kv + 1)
             extend_lens += [1] * (1 + len(v.proposal))
-            ids += [v.seq.all_token_ids[-1], *v.proposal]
+            ids += [v.seq.last_token, *v.proposal]
         logits_rows: list[int] | None = None if plan.is_pure_decode else list(range(len(plan.decode)))
         first_row: dict[int, int] = {}  # id(sequence) -> the row of its position 0 in the flat batch
         verify_rows = range(len(plan.decode), len(ids))

@@ -84,6 +84,11 @@ class Sequence:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
 
     @property
+    def last_token(self) -> int:
+        """The newest token (the one a decode step feeds), without concatenating the history."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
     def row(self) -> int | None:
         """The sequence's request-to-token row while it holds KV."""
         return self.kv.row
