@@ -5,9 +5,12 @@ on a tiny random model; preemption, stop strings, weight updates, abort; bad spe
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +26,7 @@ from tests.tiny_models import save_tiny_checkpoint
 from tests.tiny_tokenizer import WORDS
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.grammar import apply_grammar_masks
+from tokenmill.engine.grammar_compile_worker import CompileWorkerPool
 from tokenmill.engine.overload import EngineOverloadedError
 from tokenmill.engine.request_state import RequestState
 from tokenmill.request import (
@@ -262,32 +266,70 @@ def test_compile_time_limit_and_param_type() -> None:
         SamplingParams(structured_outputs={"regex": "a"}).validate(RequestLimits(vocab_size=8192))
 
 
-def test_compiles_that_outlive_their_timeout_hold_their_slots(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A compile past its timeout cannot be stopped: it keeps its slot, so at most
-    MAX_CONCURRENT_COMPILES compile threads ever run, and a request finding every slot busy for its
-    timeout is refused as overload (nothing allocated); once the compiles end, compiling works again."""
-    engine = LLM(dtype="float32", num_kv_slots=256, structured_output_compile_timeout=0.2).engine
-    release, real_compile = threading.Event(), grammar_module._compile
-    monkeypatch.setattr(
-        grammar_module, "_compile", lambda compiler, spec: release.wait() and real_compile(compiler, spec)
-    )
-    specs = [SamplingParams(structured_outputs=StructuredOutputsParams(regex=f"[a-z]{{{n}}}")) for n in (1, 2, 3)]
+def test_a_compile_past_its_timeout_is_killed_and_frees_its_slot() -> None:
+    """Compiles that outlive their timeout (an object of 800 optional properties takes seconds on
+    the tiny vocabulary) are refused at the timeout and stop: with every slot used by such a compile
+    a moment earlier, the next spec still compiles (a compile that kept running would hold its slot
+    and the next request would be refused as overload), and no compile process keeps using a CPU."""
+    engine = LLM(dtype="float32", num_kv_slots=256, structured_output_compile_timeout=0.5).engine
+    properties = {f"p{i}": {"type": "integer"} for i in range(800)}
+    slow = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": properties}))
+    quick = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]{3}"))
     try:
-        for params in specs[: grammar_module.MAX_CONCURRENT_COMPILES]:
-            with pytest.raises(ParameterError, match="took longer than 0.2s to compile"):
-                engine.intake(PROMPT, params, lambda d: None)
-        with pytest.raises(EngineOverloadedError, match="grammar-compile slots stayed busy"):
-            engine.intake(PROMPT, specs[-1], lambda d: None)
-        compiling = [t for t in threading.enumerate() if t.name == "tokenmill-grammar-compile"]
-        assert len(compiling) == grammar_module.MAX_CONCURRENT_COMPILES
-        release.set()
-        for thread in compiling:
-            thread.join(30)
-        state = engine.intake(PROMPT, specs[-1], lambda d: None)
+        for _ in range(grammar_module.MAX_CONCURRENT_COMPILES):
+            with pytest.raises(ParameterError, match="took longer than 0.5s to compile"):
+                engine.intake(PROMPT, slow, lambda d: None)
+        state = engine.intake(PROMPT, quick, lambda d: None)
         assert [seq.grammar is not None for seq in state.seqs] == [True]
+        before = _children_cpu_seconds()
+        time.sleep(1.0)
+        assert _children_cpu_seconds() - before < 0.2
     finally:
-        release.set()
         engine.shutdown()
+
+
+def test_a_request_finding_every_compile_slot_busy_is_refused_as_overload(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot is held for a compile process's start plus at most the timeout: while
+    MAX_CONCURRENT_COMPILES slow compiles in new processes hold every slot, a request arriving just
+    after them waits its timeout for a slot and is refused as overload (nothing allocated); the
+    slow ones end as too slow."""
+    monkeypatch.setattr(grammar_module, "WORKERS", CompileWorkerPool())  # no idle process: each compile starts one
+    engine = LLM(dtype="float32", num_kv_slots=256, structured_output_compile_timeout=3.0).engine
+    properties = {f"p{i}": {"type": "integer"} for i in range(1200)}
+    slow = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": properties}))
+    errors: list[Exception] = []
+
+    def compile_slow() -> None:
+        try:
+            engine.intake(PROMPT, slow, lambda d: None)
+        except ParameterError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=compile_slow) for _ in range(grammar_module.MAX_CONCURRENT_COMPILES)]
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(0.5)  # both hold a slot: a process starting (importing xgrammar), then 3 s of compiling
+        quick = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]{3}"))
+        with pytest.raises(EngineOverloadedError, match="grammar-compile slots stayed busy"):
+            engine.intake(PROMPT, quick, lambda d: None)
+        for thread in threads:
+            thread.join(60)
+        assert [str(e) for e in errors] == ["structured_outputs json took longer than 3s to compile; simplify it"] * 2
+        assert engine.stats()["active_requests"] == 0
+    finally:
+        engine.shutdown()
+
+
+def _children_cpu_seconds() -> float:
+    """CPU seconds used so far by this process's live child processes (Linux /proc)."""
+    ticks = 0
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            with contextlib.suppress(FileNotFoundError):
+                fields = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
+                ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def test_masked_greedy_tokens_and_logprobs_equal_transformers(tmp_path: Path) -> None:

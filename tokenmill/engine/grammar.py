@@ -1,13 +1,13 @@
 """Structured output on xgrammar: grammars compiled for the engine's tokenizer, and per-sequence matchers.
 
 :class:`GrammarCompiler` turns a request's :class:`~tokenmill.request.StructuredOutputsParams` into
-a compiled grammar on the caller's thread (intake, never the engine thread), within a time limit,
-through xgrammar's compile cache (keyed by the spec, bounded in bytes, least recently used dropped
-first). At most :data:`MAX_CONCURRENT_COMPILES` compiles run at once, each in its own thread: a
-compile that outlives its timeout keeps its slot until xgrammar returns (it cannot be stopped), so
-pathological specs cannot pile up threads that compete with the engine for the CPUs; a request that
-waits the whole timeout for a slot gets :class:`EngineOverloadedError`. Each sequence then gets its
-own :class:`SequenceGrammar`; only the engine thread touches it.
+a compiled grammar for the caller's thread (intake, never the engine thread), within a time limit,
+through a cache of compiled grammars (keyed by the spec, bounded in bytes, least recently used
+dropped first). At most :data:`MAX_CONCURRENT_COMPILES` compiles of one engine run at once, each in
+a child process (``grammar_compile_worker``) that is killed when the compile outlives its timeout,
+freeing its slot at once; a request that waits the whole timeout for a slot gets
+:class:`EngineOverloadedError`. Each sequence then gets its own :class:`SequenceGrammar`; only the
+engine thread touches it.
 
 Invariant of a :class:`SequenceGrammar`: its matcher has accepted exactly the sequence's output
 tokens, and ``bitmask`` holds the tokens allowed next (the model's EOS ids only where the grammar
@@ -17,17 +17,18 @@ may end). Preemption keeps output tokens, so a preempted sequence's matcher stay
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 import threading
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections import OrderedDict
 
 import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
+from tokenmill.engine.grammar_compile_worker import WORKERS, CompileFailed, CompileTimeout, GrammarSource
 from tokenmill.engine.overload import EngineOverloadedError
 from tokenmill.request import ParameterError, StructuredOutputsParams
 
@@ -125,7 +126,9 @@ class GrammarCompiler:
     """Compiles structured-output specs for one tokenizer; thread-safe, any thread but the engine's.
 
     ``vocab_size`` is the model's (the logits' width); ``stop_token_ids`` the engine's EOS ids, the
-    only tokens that end a grammar. xgrammar's tokenizer tables are built on first use.
+    only tokens that end a grammar. xgrammar's tokenizer tables are built on first use. Compiled
+    grammars are kept by source, least recently used dropped first past ``cache_bytes`` (their
+    serialized size); a hit takes no compile slot.
     """
 
     def __init__(
@@ -142,39 +145,24 @@ class GrammarCompiler:
         self._timeout = timeout
         self._cache_bytes = cache_bytes
         self._lock = threading.Lock()
-        self._compiler: xgr.GrammarCompiler | None = None
+        self._tokenizer_info: xgr.TokenizerInfo | None = None
+        self._tokenizer_json = ""
+        self._tokenizer_key = ""
         self._non_stop_bits: torch.Tensor | None = None
+        self._cache: OrderedDict[GrammarSource, tuple[xgr.CompiledGrammar, int]] = OrderedDict()
+        self._cached_bytes = 0
         self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_COMPILES)
 
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar of a validated spec; ParameterError("structured_outputs") when it
-        does not compile, takes longer than the timeout once it has a compile slot, or matches only
-        the empty output or no output at all; EngineOverloadedError when no compile slot frees
-        within the timeout."""
-        compiler = self._xgrammar_compiler()
-        if not self._slots.acquire(timeout=self._timeout):
-            raise EngineOverloadedError(
-                f"all {MAX_CONCURRENT_COMPILES} grammar-compile slots stayed busy for {self._timeout:g}s; retry later"
-            )
-        done: Future[xgr.CompiledGrammar] = Future()
-
-        def run() -> None:
-            try:
-                done.set_result(_compile(compiler, spec))
-            except BaseException as exc:  # delivered to the waiting caller
-                done.set_exception(exc)
-            finally:
-                self._slots.release()
-
-        threading.Thread(target=run, name="tokenmill-grammar-compile", daemon=True).start()
-        try:
-            compiled = done.result(self._timeout)  # the compile's own time, from when it has a slot
-        except FutureTimeout:
-            raise ParameterError(
-                PARAM, f"{spec.kind} took longer than {self._timeout:g}s to compile; simplify it"
-            ) from None
-        except Exception as exc:
-            raise ParameterError(PARAM, f"{spec.kind} is invalid: {xgrammar_message(exc)}") from exc
+        does not compile, takes longer than the timeout once it has a compile slot (the compile is
+        killed), or matches only the empty output or no output at all; EngineOverloadedError when
+        no compile slot frees within the timeout."""
+        self._load_tokenizer_info()
+        source = grammar_source(spec)
+        compiled = self._cached(source)
+        if compiled is None:
+            compiled = self._compile_in_worker(source, spec.kind)
         start = self.new_sequence_grammar(compiled)
         if start.finished:
             raise ParameterError(PARAM, f"{spec.kind} matches only the empty output")
@@ -187,18 +175,58 @@ class GrammarCompiler:
         assert self._non_stop_bits is not None, "compile() comes first"
         return SequenceGrammar(compiled, self._non_stop_bits)
 
-    def _xgrammar_compiler(self) -> xgr.GrammarCompiler:
+    def _compile_in_worker(self, source: GrammarSource, kind: str) -> xgr.CompiledGrammar:
+        if not self._slots.acquire(timeout=self._timeout):
+            raise EngineOverloadedError(
+                f"all {MAX_CONCURRENT_COMPILES} grammar-compile slots stayed busy for {self._timeout:g}s; retry later"
+            )
+        try:
+            worker = WORKERS.acquire()
+            try:
+                serialized = worker.compile(self._tokenizer_key, self._tokenizer_json, source, self._timeout)
+            finally:
+                WORKERS.release(worker)
+        except CompileTimeout:
+            raise ParameterError(PARAM, f"{kind} took longer than {self._timeout:g}s to compile; simplify it") from None
+        except CompileFailed as exc:
+            raise ParameterError(PARAM, f"{kind} is invalid: {xgrammar_message(exc)}") from None
+        finally:
+            self._slots.release()
+        compiled = xgr.CompiledGrammar.deserialize_json(serialized, self._tokenizer_info)
+        self._remember(source, compiled, len(serialized))
+        return compiled
+
+    def _cached(self, source: GrammarSource) -> xgr.CompiledGrammar | None:
         with self._lock:
-            if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
-                )
-                # one thread inside each compile: compiles share the CPUs with the engine's forward
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self._cache_bytes)
-                non_stop = torch.ones(self._vocab_size, dtype=torch.bool)
-                non_stop[self._stop_token_ids] = False
-                self._non_stop_bits = _pack_bits(non_stop)
-            return self._compiler
+            hit = self._cache.get(source)
+            if hit is None:
+                return None
+            self._cache.move_to_end(source)
+            return hit[0]
+
+    def _remember(self, source: GrammarSource, compiled: xgr.CompiledGrammar, nbytes: int) -> None:
+        with self._lock:
+            if source in self._cache or nbytes > self._cache_bytes:
+                return
+            self._cache[source] = (compiled, nbytes)
+            self._cached_bytes += nbytes
+            while self._cached_bytes > self._cache_bytes:
+                _, (_, dropped) = self._cache.popitem(last=False)
+                self._cached_bytes -= dropped
+
+    def _load_tokenizer_info(self) -> None:
+        with self._lock:
+            if self._tokenizer_info is not None:
+                return
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
+            )
+            self._tokenizer_json = info.serialize_json()
+            self._tokenizer_key = hashlib.sha256(self._tokenizer_json.encode()).hexdigest()
+            non_stop = torch.ones(self._vocab_size, dtype=torch.bool)
+            non_stop[self._stop_token_ids] = False
+            self._non_stop_bits = _pack_bits(non_stop)
+            self._tokenizer_info = info
 
 
 def xgrammar_message(exc: BaseException) -> str:
@@ -207,21 +235,20 @@ def xgrammar_message(exc: BaseException) -> str:
     return _XGRAMMAR_LOG_PREFIX.sub("", str(exc)).strip()[:500]
 
 
-def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-    """xgrammar's compiled grammar of ``spec``; JSON is compact (no free whitespace: a model cannot pad it forever)."""
+def grammar_source(spec: StructuredOutputsParams) -> GrammarSource:
+    """What xgrammar compiles for ``spec``; JSON is compact (no free whitespace: a model cannot pad it forever)."""
     kind = spec.kind
     if kind == "json":
-        schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-        return compiler.compile_json_schema(schema, any_whitespace=False)
+        return GrammarSource("json_schema", spec.json if isinstance(spec.json, str) else json.dumps(spec.json))
     if kind == "json_object":
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        return GrammarSource("json_object", "")
     if kind == "regex":
-        return compiler.compile_regex(spec.regex)
+        return GrammarSource("regex", spec.regex or "")
     if kind == "choice":  # EBNF string literals: JSON's escapes are the dialect's (a regex escape is not)
         literals = (json.dumps(choice, ensure_ascii=False) for choice in spec.choice or ())
-        return compiler.compile_grammar("root ::= " + " | ".join(literals))
+        return GrammarSource("ebnf", "root ::= " + " | ".join(literals))
     grammar = spec.grammar or ""
-    return compiler.compile_grammar(grammar) if "::=" in grammar else compiler.compile_lark(grammar)
+    return GrammarSource("ebnf" if "::=" in grammar else "lark", grammar)
 
 
 def _pack_bits(allowed: torch.Tensor) -> torch.Tensor:

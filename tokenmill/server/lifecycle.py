@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine, EngineDeadError
+from tokenmill.engine.grammar_compile_worker import WORKERS
 from tokenmill.server.app import create_app
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.http.errors import OVERLOADED_RETRY_AFTER_S, APIError, error_response
@@ -208,6 +209,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig = ServerConfig(
         # start-up's millions of objects (torch, transformers, the app) live to the end: kept out of
         # every full garbage collection, whose pauses (~250 ms) otherwise stall each connection
         gc.freeze()
+        if engine.tokenizer is not None:
+            WORKERS.prestart()  # its start-up (seconds: xgrammar's imports) is then off the first structured request
         with _exit_signals_consumed():
             server.run()
     finally:
