@@ -5,7 +5,11 @@
 the engine's OpenMP workers included) less that of its Python threads other than the engine's loop
 thread (a server's event loop, tokenizer pool, watchdogs: they compete with the engine's workers as
 any other process does). Native threads that Python does not know (a library's own pool) count as
-the engine's. Where ``/proc`` is not readable, nothing is measured (``sample`` returns None).
+the engine's. Work at a lower priority than the engine's (``nice`` above its own: the kernel's
+``nice`` time) is left out: the scheduler hands its CPU to the engine's threads whenever they run,
+so it costs them nothing (measured, README "Threads that share the machine"); an engine itself
+running niced counts all of it. Where ``/proc`` is not readable, nothing is measured (``sample``
+returns None).
 """
 
 from __future__ import annotations
@@ -17,18 +21,21 @@ from pathlib import Path
 
 PROC_STAT = Path("/proc/stat")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+NICE_FIELD = 1
 IDLE_FIELDS = (3, 4)
-"""idle and iowait among ``/proc/stat``'s cpu fields (user nice system idle iowait irq softirq steal ...)."""
+"""nice, and idle and iowait, among ``/proc/stat``'s cpu fields (user nice system idle iowait irq softirq steal ...)."""
 
 
-def machine_busy_seconds() -> float | None:
-    """CPU seconds every CPU of the machine has spent busy since boot (None: not readable)."""
+def machine_busy_seconds(niced: bool) -> float | None:
+    """CPU seconds every CPU of the machine has spent busy since boot, with or without the time of
+    processes at a positive ``nice`` (None: not readable)."""
     try:
         with PROC_STAT.open() as stat:
             fields = stat.readline().split()[1:9]  # the "cpu" line: all CPUs added up; guest time is in user
     except OSError:
         return None
-    busy = sum(int(v) for i, v in enumerate(fields) if i not in IDLE_FIELDS)
+    left_out = IDLE_FIELDS if niced else (NICE_FIELD, *IDLE_FIELDS)
+    busy = sum(int(v) for i, v in enumerate(fields) if i not in left_out)
     return busy / CLOCK_TICKS
 
 
@@ -74,7 +81,7 @@ class ForeignLoad:
 
     def _reading(self) -> tuple[float, float] | None:
         """(monotonic wall time, foreign CPU seconds so far), or None where /proc is not readable."""
-        busy = machine_busy_seconds()
+        busy = machine_busy_seconds(niced=os.getpriority(os.PRIO_PROCESS, 0) > 0)
         if busy is None:
             return None
         others = sum(

@@ -23,9 +23,10 @@ from tokenmill.hardware import usable_cpus
 
 
 @contextmanager
-def busy_processes(n: int) -> Iterator[None]:
-    """``n`` processes spinning on the CPU (neighbours), stopped on exit."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+def busy_processes(n: int, niceness: int = 0) -> Iterator[None]:
+    """``n`` processes spinning on the CPU (neighbours) at ``nice`` +``niceness``, stopped on exit."""
+    spin = f"import os\nos.nice({niceness})\nwhile True: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
     try:
         time.sleep(0.3)  # started and spinning
         yield
@@ -155,6 +156,10 @@ def test_foreign_load_counts_neighbours_and_own_other_threads_not_the_engines() 
         load.sample()
         time.sleep(0.6)
         assert load.sample() > 0.6
+    with busy_processes(1, niceness=10):  # lower priority than the engine's: it yields, not foreign
+        load.sample()
+        time.sleep(0.6)
+        assert load.sample() < 0.3
     stop = threading.Event()
 
     def spin() -> None:  # another thread of this process: the server's threads count as foreign
