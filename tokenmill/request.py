@@ -9,8 +9,9 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,16 @@ class ParameterError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param} {message}")
         self.param = param
+        self.detail = message
+
+    def message_for(self, names: Mapping[str, str]) -> str:
+        """The message in an API's own parameter names (``names``: engine name -> API name): the
+        leading name, and parameter names (those with an underscore) in the rest, renamed."""
+        detail = self.detail
+        for engine_name, api_name in names.items():
+            if "_" in engine_name:
+                detail = re.sub(rf"\b{re.escape(engine_name)}\b", api_name, detail)
+        return f"{names.get(self.param, self.param)} {detail}"
 
 
 class ContextLengthError(ParameterError):

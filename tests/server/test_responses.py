@@ -219,3 +219,13 @@ def test_bad_fields_get_a_400_naming_them(scripted: Server, fields: dict, param:
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_error_messages_use_this_apis_parameter_names(scripted: Server) -> None:
+    """The engine's names (max_tokens, prompt) never reach a Responses client: max_output_tokens, input."""
+    url = f"{scripted.url}/v1/responses"
+    zero = httpx.post(url, json={"model": MODEL, "input": ASK, "max_output_tokens": 0}).json()["error"]
+    assert zero["message"] == "max_output_tokens must be >= 1, got 0", zero
+    too_long = httpx.post(url, json={"model": MODEL, "input": ASK, "max_output_tokens": 10**6}).json()["error"]
+    assert too_long["param"] == "input" and too_long["message"].startswith("input "), too_long
+    assert "max_output_tokens (1000000)" in too_long["message"] and "max_tokens" not in too_long["message"], too_long

@@ -83,16 +83,17 @@ def engine_errors(aliases: Mapping[str, str]) -> Iterator[None]:
     """Turn the engine's refusals into APIErrors.
 
     ValueError -> 400; a :class:`ParameterError` names its parameter, renamed through ``aliases``
-    to the route's own name for it (a :class:`ContextLengthError` with code ``context_length_exceeded``);
+    to the route's own name for it, in ``param`` and in the message (a :class:`ContextLengthError`
+    with code ``context_length_exceeded``);
     EngineOverloadedError -> 429 with ``Retry-After``; EngineDeadError -> 503.
     """
     try:
         yield
     except ContextLengthError as exc:
         param = aliases.get(exc.param, exc.param)
-        raise APIError(400, str(exc), param=param, code="context_length_exceeded") from exc
+        raise APIError(400, exc.message_for(aliases), param=param, code="context_length_exceeded") from exc
     except ParameterError as exc:
-        raise APIError(400, str(exc), param=aliases.get(exc.param, exc.param)) from exc
+        raise APIError(400, exc.message_for(aliases), param=aliases.get(exc.param, exc.param)) from exc
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
     except EngineOverloadedError as exc:
