@@ -9,6 +9,7 @@ logs one traceback, not one per accept retry.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -124,6 +125,30 @@ def test_health_stays_open_without_the_key(guarded: Server) -> None:
     assert httpx.get(f"{guarded.url}/health").status_code == 200
     assert httpx.get(f"{guarded.url}/version").status_code == 401
     assert httpx.get(f"{guarded.url}/version", headers={"x-api-key": KEY}).status_code == 200
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 3])
+def test_headers_over_the_byte_cap_get_400_however_they_arrive(guarded: Server, pieces: int) -> None:
+    """A header block over ``max_header_bytes`` (16 KiB by default) is refused whether it arrives in
+    one read or in pieces whose last completes it; a kept-alive connection's next request is counted
+    afresh, and a block just under the cap is served."""
+    cap = ServerConfig().max_header_bytes
+    under = f"GET /health HTTP/1.1\r\nHost: test\r\nX-Pad: {'a' * (cap - 100)}\r\n\r\n".encode()
+    with connect(guarded) as sock:
+        for _ in range(2):
+            sock.sendall(under)
+            status, _, _ = read_response(sock)
+            assert status == 200
+    over = f"GET /health HTTP/1.1\r\nHost: test\r\nX-Pad: {'a' * (cap + 100)}\r\n\r\n".encode()
+    with connect(guarded) as sock:
+        step = -(-len(over) // pieces)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the server may close before the end
+            for start in range(0, len(over), step):
+                sock.sendall(over[start : start + step])
+                time.sleep(0.05)
+        status, _, body = read_response(sock)
+        assert status == 400 and b"exceed" in body
+        assert closed_by_server(sock)
 
 
 # ------------------------------------------------------------------------------------------ timeouts

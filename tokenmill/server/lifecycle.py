@@ -8,7 +8,7 @@ body is still arriving is answered 503, the engine stops, and ``run_server`` ret
 
 Every connection's time is bounded (the connection limits of
 :class:`~tokenmill.server.config.ServerConfig`): headers
-(:mod:`~tokenmill.server.http.header_deadline`), body
+(:mod:`~tokenmill.server.http.header_limits`), body
 (:class:`~tokenmill.server.http.body_limit.BodyLimits`), keep-alive idle time and the number of
 connections (uvicorn's own settings); messages that a client or a lack of file descriptors can
 repeat at will are throttled in the log (:mod:`~tokenmill.server.http.log_throttle`).
@@ -37,7 +37,7 @@ from tokenmill.engine.grammar_compile_worker import WORKERS
 from tokenmill.server.app import create_app
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.http.errors import OVERLOADED_RETRY_AFTER_S, APIError, error_response
-from tokenmill.server.http.header_deadline import HeaderDeadlineH11Protocol
+from tokenmill.server.http.header_limits import HeaderLimitsH11Protocol
 from tokenmill.server.http.log_throttle import install_log_throttle
 
 logger = logging.getLogger("tokenmill.server")
@@ -188,7 +188,11 @@ def build_server(engine: Engine, config: ServerConfig = ServerConfig(), log_leve
         gate,
         host=config.host,
         port=config.port,
-        http=functools.partial(HeaderDeadlineH11Protocol, header_timeout_s=config.header_timeout_seconds),
+        http=functools.partial(
+            HeaderLimitsH11Protocol,
+            header_timeout_s=config.header_timeout_seconds,
+            max_header_bytes=config.max_header_bytes,
+        ),
         ws="none",
         timeout_keep_alive=config.keep_alive_timeout_seconds,  # type: ignore[arg-type]  # a float works
         limit_concurrency=None,  # uvicorn's cap counts idle connections too: the gate counts requests

@@ -1,4 +1,4 @@
-"""HeaderDeadlineH11Protocol: uvicorn's h11 protocol with a deadline for each request's headers.
+"""HeaderLimitsH11Protocol: uvicorn's h11 protocol with a deadline and a size cap for each request's headers.
 
 uvicorn has no header timeout: its keep-alive timer starts only after a response, and any byte
 received cancels it, so a client that connects and sends nothing, or sends its headers a byte at a
@@ -6,6 +6,11 @@ time, holds the connection forever (slowloris). Here a request's line and header
 within ``header_timeout_s`` of the connection opening, or of the first byte after a response;
 otherwise the connection is closed. Once the headers are in, the app's body timeout and the
 keep-alive timeout take over.
+
+Size: h11's ``max_incomplete_event_size`` bounds only headers still incomplete, so a header block
+larger than it that arrives whole (in one read, or completed by one) would pass. Here the bytes of
+a request's line and headers are counted as they arrive, up to their blank line; past
+``max_header_bytes`` the request gets a 400 and the connection is closed, as h11 answers it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 
-class HeaderDeadlineH11Protocol(H11Protocol):
+class HeaderLimitsH11Protocol(H11Protocol):
     def __init__(
         self,
         config: Config,
@@ -28,22 +33,32 @@ class HeaderDeadlineH11Protocol(H11Protocol):
         _loop: asyncio.AbstractEventLoop | None = None,
         *,
         header_timeout_s: float,
+        max_header_bytes: int,
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self.header_timeout_s = header_timeout_s
+        self.max_header_bytes = max_header_bytes
         self.header_deadline: asyncio.TimerHandle | None = None
+        self.header_bytes = 0  # of the request whose headers are arriving
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm_header_deadline()
 
     def data_received(self, data: bytes) -> None:
-        if self.header_deadline is None and self._awaiting_headers():
-            self._arm_header_deadline()  # the first byte of the next request on a kept-alive connection
+        if self._awaiting_headers():
+            if self.header_deadline is None:
+                self._arm_header_deadline()  # the first byte of the next request on a kept-alive connection
+            end = data.find(b"\r\n\r\n")  # a blank line split across reads is counted whole: 3 bytes over at most
+            self.header_bytes += len(data) if end < 0 else end + 4
+            if self.header_bytes > self.max_header_bytes:
+                self._refuse_oversized_headers()
+                return
         super().data_received(data)
 
     def on_response_complete(self) -> None:
         self._cancel_header_deadline()  # idle until the next request: the keep-alive timer's business
+        self.header_bytes = 0
         super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -62,6 +77,13 @@ class HeaderDeadlineH11Protocol(H11Protocol):
         if self.header_deadline is not None:
             self.header_deadline.cancel()
             self.header_deadline = None
+
+    def _refuse_oversized_headers(self) -> None:
+        self._cancel_header_deadline()
+        if self.conn.our_state is h11.IDLE and not self.transport.is_closing():
+            self.send_400_response(f"Request line and headers exceed {self.max_header_bytes} bytes")
+        else:
+            self.transport.close()
 
     def _header_deadline_passed(self) -> None:
         self.header_deadline = None
