@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 import tokenmill
-from tests.server.conftest import Server, serve
+from tests.server.conftest import MODEL, Server, serve
 from tokenmill import Engine
 from tokenmill.cli import build_parser, config_from_args
 from tokenmill.request import ParameterError
@@ -190,6 +190,38 @@ def test_a_body_that_stops_arriving_gets_408(guarded: Server, path: str) -> None
         error = json.loads(body)["error"]
         assert "did not arrive within" in error["message"]
         assert closed_by_server(sock)
+
+
+def test_bodies_still_arriving_share_a_byte_budget(checkpoint: Path) -> None:
+    """Slow senders cannot make the server buffer ``max_body_bytes`` each: once bodies still arriving
+    hold ``max_arriving_body_bytes``, a further body gets 503 with Retry-After (the API's error shape);
+    a body that completes stops counting, so later requests are served."""
+
+    def body_of(size: int) -> bytes:
+        head = f'{{"model": "{MODEL}", "max_tokens": 1, "prompt": "'.encode()
+        return head + b"a" * (size - len(head) - 2) + b'"}'
+
+    with serve(
+        tiny_engine(checkpoint), api_key=KEY, max_body_bytes=MAX_BODY, max_arriving_body_bytes=2 * MAX_BODY
+    ) as live:
+        slow, body = [connect(live) for _ in range(2)], body_of(MAX_BODY)
+        try:
+            for sock in slow:  # each holds all but 96 bytes of its body
+                sock.sendall(post_head("/v1/completions", len(body)) + body[:-96])
+            time.sleep(0.3)
+            with connect(live) as third:
+                third.sendall(post_head("/v1/completions", len(body)) + body[:-96])
+                status, headers, reply = read_response(third)
+            assert status == 503 and headers["retry-after"] == "1", reply
+            assert "still arriving" in json.loads(reply)["error"]["message"]
+            slow[0].sendall(body[-96:])
+            assert read_response(slow[0])[0] == 200
+            with connect(live) as fourth:
+                fourth.sendall(post_head("/v1/completions", len(body)) + body)
+                assert read_response(fourth)[0] == 200
+        finally:
+            for sock in slow:
+                sock.close()
 
 
 def test_a_chunked_body_over_the_cap_is_refused_while_it_streams(guarded: Server) -> None:

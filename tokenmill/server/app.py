@@ -41,7 +41,12 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
     """
     name = config.served_model_name or engine.config.model_name()
     app = FastAPI(title="tokenmill", version=__version__, openapi_url=None if config.api_key else "/openapi.json")
-    app.add_middleware(BodyLimits, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_seconds)
+    app.add_middleware(
+        BodyLimits,
+        max_bytes=config.max_body_bytes,
+        timeout_s=config.body_timeout_seconds,
+        max_arriving_bytes=config.max_arriving_body_bytes,
+    )
     if config.api_key is not None:  # added last, so it runs first: before anything reads the body
         app.add_middleware(APIKeyCheck, api_key=config.api_key)
     if config.allowed_origins:  # after the key check, so it runs before it: preflights carry no key

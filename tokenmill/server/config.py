@@ -19,6 +19,7 @@ _POSITIVE_LIMITS = (
     "keep_alive_timeout_seconds",
     "max_requests_in_progress",
     "max_header_bytes",
+    "max_arriving_body_bytes",
 )
 
 
@@ -97,6 +98,11 @@ class ServerConfig:
     )
     max_body_bytes: int = option(
         4 * 1024 * 1024, "a request body larger than this gets 413", section="connection limits"
+    )
+    max_arriving_body_bytes: int = option(
+        64 * 1024 * 1024,
+        "request bodies still arriving hold at most this many bytes in all; one that would pass it gets 503",
+        section="connection limits",
     )
 
     allowed_weight_roots: tuple[str, ...] = option(

@@ -130,7 +130,7 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
         if exc.status_code == 413:
             message = f"the request body is larger than the limit of {max_body_bytes} bytes"
             return error_response(request, APIError(413, message, code="request_too_large"))
-        return error_response(request, APIError(exc.status_code, str(exc.detail)))
+        return error_response(request, APIError(exc.status_code, str(exc.detail), headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
