@@ -11,7 +11,6 @@ Without ``max_tokens`` a reply runs to the context limit (or ``max_tokens_cap``)
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,7 +21,7 @@ from fastapi.responses import Response
 
 from tokenmill.request import CompletionOutput, Logprob, RequestOutput
 from tokenmill.server.http.errors import APIError, engine_errors
-from tokenmill.server.http.json_body import json_response
+from tokenmill.server.http.json_body import build_off_loop, json_response
 from tokenmill.server.http.sse import SSEResponse, sse_event
 from tokenmill.server.http.state import ServerState, State
 from tokenmill.server.openai.output import (
@@ -132,7 +131,7 @@ class _Chat:
             ]
             return {"content": content}
 
-        return await asyncio.to_thread(build)  # megabytes of objects: off the event loop
+        return await build_off_loop(build)  # megabytes of objects: off the event loop
 
     async def response(self, output: RequestOutput) -> dict[str, Any]:
         raise_on_error(output)

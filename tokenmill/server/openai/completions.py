@@ -26,7 +26,7 @@ from fastapi.responses import Response
 
 from tokenmill.request import CompletionOutput, Logprob, RequestOutput
 from tokenmill.server.http.errors import APIError, engine_errors
-from tokenmill.server.http.json_body import json_response
+from tokenmill.server.http.json_body import build_off_loop, json_response
 from tokenmill.server.http.sse import SSEResponse, sse_event
 from tokenmill.server.http.state import ServerState, State
 from tokenmill.server.openai.output import (
@@ -159,7 +159,7 @@ class _Completion:
                 "text_offset": offsets,
             }
 
-        return await asyncio.to_thread(build)  # megabytes of objects: off the event loop
+        return await build_off_loop(build)  # megabytes of objects: off the event loop
 
     async def _choice(self, prompt_index: int, out: CompletionOutput) -> dict[str, Any]:
         index = prompt_index * self.n + out.index
