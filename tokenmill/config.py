@@ -240,8 +240,9 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = option(
         None,
         'Speculative decoding, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 5, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup); "disable_by_batch_size": speculate '
-        "only up to this many decoding sequences (default: measured). None: off.",
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup) or {"method": "draft_model", "model": '
+        'PATH, "num_speculative_tokens": 4} (a smaller model with the same vocabulary); "disable_by_batch_size": '
+        "speculate only up to this many decoding sequences (default: measured). None: off.",
         section="Speculative decoding",
         metavar="JSON",
     )
@@ -301,7 +302,9 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be >= 0 (0: adaptive), got {self.cpu_threads}")
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
-        self.speculative()  # raises on a bad setting
+        speculative = self.speculative()  # raises on a bad setting
+        if speculative is not None and speculative.model is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: a draft model is not supported with tensor parallelism")
         if self.num_kv_slots is not None and self.num_kv_slots < self.page_size:
             raise ValueError(f"num_kv_slots must be >= page_size ({self.page_size}), got {self.num_kv_slots}")
 

@@ -173,7 +173,6 @@ def test_a_step_verifies_many_tokens_at_once(spec: LLM) -> None:
 @pytest.mark.parametrize(
     "setting, message",
     [
-        ({"method": "draft_model", "num_speculative_tokens": 3}, "method 'draft_model' is not supported"),
         ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
         (dict(NGRAM, prompt_lookup_min=5, prompt_lookup_max=2), "prompt_lookup_max must be an integer in"),
         ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}, "unknown key"),

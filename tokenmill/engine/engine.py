@@ -98,15 +98,25 @@ class Engine(EngineLoop):
         self.worker = build_model_worker(cfg, tp, self.device, req_pool.table, agree)
         self.model = self.worker.model
         self.cache = CacheManager(cfg, self.worker.storage.n_slots, req_pool)
+        self.context_limit = min(self.max_context_len, self.cache.capacity_tokens)
         speculative = cfg.speculative()
-        self.speculator = Speculator.build(speculative) if speculative is not None else None
+        self.speculator = None
+        if speculative is not None:
+            self.speculator = Speculator.build(
+                speculative,
+                cfg,
+                self.context_limit,
+                self.cache.capacity_tokens,
+                mc.vocab_size,
+                self.tokenizer,
+                self.device,
+            )
         self.scheduler = Scheduler(cfg, self.cache, self.speculator)
         self.executor = StepExecutor(self.worker, self.cache, self.workers)
         self.sampler = Sampler(mc.vocab_size, cfg.max_running_requests, self.device, cfg.seed)
         self.weight_version = 0
         self.requests = RequestTable(self.scheduler)
         self.output = OutputProcessor(self.requests, self.eos_token_ids, lambda: self.weight_version)
-        self.context_limit = min(self.max_context_len, self.cache.capacity_tokens)
         grammars = None
         if self.tokenizer is not None:
             timeout, cache_bytes = cfg.structured_output_compile_timeout, cfg.structured_output_cache_bytes

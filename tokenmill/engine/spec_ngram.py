@@ -28,3 +28,6 @@ class NgramProposer:
                 start = int(hits[-1]) + n
                 return tokens[start : start + k].tolist()
         return []
+
+    def retain(self, seq_ids: set[int]) -> None:
+        """Nothing to forget: proposals come from the sequence's tokens alone."""

@@ -9,14 +9,18 @@ forward as the other sequences, with logits at every one of them (``engine/execu
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from tokenmill.config import EngineConfig
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.spec_draft import DraftModelProposer
 from tokenmill.engine.spec_ngram import NgramProposer
 from tokenmill.speculative_config import SpeculativeConfig
+from tokenmill.tokenizer import Tokenizer
 
 DEFAULT_DISABLE_BY_BATCH_SIZE = 1
 """Most decoding sequences in a step for which the engine speculates when the setting names no
@@ -29,6 +33,10 @@ class Proposer(Protocol):
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """Up to ``k`` tokens guessed to follow ``seq``'s tokens; empty for no guess."""
+        ...
+
+    def retain(self, seq_ids: set[int]) -> None:
+        """Forget what is kept for sequences other than ``seq_ids`` (the ones decoding now)."""
         ...
 
 
@@ -50,6 +58,7 @@ class SpeculationStats:
     verify_steps: int = 0  # steps that verified at least one proposal
     proposed_tokens: int = 0
     accepted_tokens: int = 0  # proposed tokens that were emitted
+    propose_seconds: float = 0.0  # wall time spent proposing (a draft model's forwards included)
 
 
 @dataclass
@@ -62,8 +71,27 @@ class Speculator:
     stats: SpeculationStats
 
     @classmethod
-    def build(cls, config: SpeculativeConfig) -> Speculator:
-        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    def build(
+        cls,
+        config: SpeculativeConfig,
+        engine: EngineConfig,
+        context_limit: int,
+        kv_tokens: int,
+        vocab_size: int,
+        tokenizer: Tokenizer | None,
+        device: torch.device,
+    ) -> Speculator:
+        """The speculator of an engine whose sequences hold up to ``context_limit`` tokens each and
+        ``kv_tokens`` in all, of a ``vocab_size``-token model (a draft model is loaded and checked
+        against it here)."""
+        proposer: Proposer
+        if config.model is not None:
+            rows = min(config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE, engine.max_running_requests)
+            proposer = DraftModelProposer.build(
+                engine, config.model, rows, context_limit, kv_tokens, vocab_size, tokenizer, device
+            )
+        else:
+            proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         return cls(config, proposer, SpeculationStats(config.method))
 
     @property
@@ -76,7 +104,10 @@ class Speculator:
         (the last emitted token is never a proposal's), cut at the first token a structured-output
         sequence's grammar refuses, all together at most ``budget``."""
         if len(decode) > self.max_batch:
+            self.proposer.retain(set())
             return {}
+        started = time.perf_counter()
+        self.proposer.retain({seq.seq_id for seq in decode})
         proposals = {}
         for seq in decode:
             assert seq.group is not None
@@ -87,4 +118,5 @@ class Speculator:
             if proposal:
                 proposals[id(seq)] = proposal
                 budget -= len(proposal)
+        self.stats.propose_seconds += time.perf_counter() - started
         return proposals

@@ -1,0 +1,166 @@
+"""Draft-model proposals: a smaller checkpoint with the target's vocabulary proposes its greedy
+continuation of a sequence, run on the engine thread with a model worker and KV cache of its own.
+
+Per sequence the proposer keeps the draft's KV (a row and pages of its own cache) for the tokens it
+last saw: the sequence's tokens then its own proposal but the last. At the next proposal it keeps
+the longest common prefix with the sequence's tokens now (the proposals the target accepted),
+drops the rest (a length change), computes the new tokens in one prefill forward and then decodes
+``k - 1`` more tokens one at a time. A greedy proposal is a point mass, for which the verifier's
+rule (sample the target, accept on equality) is the speculative-sampling rule, so the output's
+distribution is the target's whatever the draft proposes. Sequences that stop decoding (finished,
+preempted, or speculation switched off for the step's batch) give their draft KV back at the next
+proposal round (:meth:`DraftModelProposer.retain`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from tokenmill.cache.handle import KVHandle
+from tokenmill.cache.manager import CacheManager
+from tokenmill.cache.storage import ReqToTokenPool
+from tokenmill.config import EngineConfig
+from tokenmill.engine.sequence import Sequence
+from tokenmill.model.parallel import SINGLE
+from tokenmill.model.registry import load_model_config
+from tokenmill.tokenizer import Tokenizer
+from tokenmill.worker.forward_step import ForwardStep, TableWrites
+from tokenmill.worker.model_worker import ModelWorker, build_model_worker, max_context_len
+
+logger = logging.getLogger("tokenmill.engine")
+
+
+@dataclasses.dataclass
+class _DraftKV:
+    kv: KVHandle
+    tokens: list[int]  # the tokens whose KV the draft holds, in order
+    confirmed: int = 0  # how many of them were the sequence's own (not proposals) when last seen
+
+
+class DraftModelProposer:
+    """Proposes the draft model's greedy continuation (engine thread only)."""
+
+    def __init__(self, worker: ModelWorker, cache: CacheManager, vocab_size: int) -> None:
+        """``vocab_size``: the target's; proposals are the draft's most likely token below it."""
+        self.worker = worker
+        self.cache = cache
+        self.vocab_size = vocab_size
+        self._held: dict[int, _DraftKV] = {}  # seq_id -> the draft's KV of that sequence
+
+    @classmethod
+    def build(
+        cls,
+        target: EngineConfig,
+        draft_path: str,
+        rows: int,
+        context_limit: int,
+        kv_tokens: int,
+        vocab_size: int,
+        tokenizer: Tokenizer | None,
+        device: torch.device,
+    ) -> DraftModelProposer:
+        """The draft of ``target``'s engine from checkpoint ``draft_path``, with KV for ``rows``
+        sequences of up to ``context_limit`` tokens, ``kv_tokens`` in all (the target's capacity:
+        the draft never holds more tokens than the target). Raises ValueError naming what does not match:
+        the vocabulary (the tokenizers' token -> id maps, or the model's width where the target has
+        no tokenizer) or a context shorter than ``context_limit``."""
+        draft = dataclasses.replace(
+            target,
+            model=draft_path,
+            tokenizer=None,
+            speculative_config=None,
+            enable_prefix_caching=False,
+            max_running_requests=rows,
+            max_context_len=None,
+            num_kv_slots=-(-kv_tokens // target.page_size) * target.page_size,
+        )
+        path = draft.model_path()
+        draft_config = load_model_config(path)
+        if tokenizer is not None:
+            if Tokenizer(path).hf.get_vocab() != tokenizer.hf.get_vocab():
+                raise ValueError(
+                    f"speculative_config: the draft model {draft_path} has another vocabulary than the target "
+                    "(its tokenizer maps tokens to other ids); a draft must share the target's tokenizer"
+                )
+        elif draft_config.vocab_size != vocab_size:
+            raise ValueError(
+                f"speculative_config: the draft model's vocabulary has {draft_config.vocab_size} tokens, "
+                f"the target's {vocab_size}"
+            )
+        draft_context = max_context_len(draft, draft_config)
+        if draft_context < context_limit:
+            raise ValueError(
+                f"speculative_config: the draft model's context ({draft_context} tokens) is shorter than "
+                f"the target's ({context_limit})"
+            )
+        pool = ReqToTokenPool(rows, context_limit, device)
+        sized = dataclasses.replace(draft, max_context_len=context_limit)
+        worker = build_model_worker(sized, SINGLE, device, pool.table)
+        logger.info("draft model %s: %s", draft_path, draft_config.architecture)
+        return cls(worker, CacheManager(draft, worker.storage.n_slots, pool), vocab_size)
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """The draft's ``k`` most likely next tokens after ``seq``'s, one at a time (empty when its
+        cache has no room)."""
+        tokens = seq.all_token_ids
+        held = self._held.get(seq.seq_id)
+        if held is None:
+            held = _DraftKV(KVHandle(), [])
+            if not self.cache.alloc(held.kv, tokens, use_prefix_cache=False):
+                return []
+            self._held[seq.seq_id] = held
+        # a sequence's tokens never change, so only those past the confirmed ones are compared
+        start = held.confirmed
+        kept = start + _common_prefix(held.tokens[start:], tokens[start:], len(tokens) - 1 - start)
+        self.cache.truncate(held.kv, kept)  # at least one token is left to compute: its logits are needed
+        held.tokens = held.tokens[:kept]
+        proposal: list[int] = []
+        new = tokens[kept:]
+        while len(proposal) < k:
+            slots = self.cache.extend(held.kv, len(new))
+            if slots is None:
+                break
+            proposal.append(self._next_token(held.kv, new, slots))
+            held.tokens += new
+            new = proposal[-1:]
+        held.confirmed = min(len(tokens), len(held.tokens))
+        return proposal
+
+    def retain(self, seq_ids: set[int]) -> None:
+        """Give back the draft KV of every sequence but ``seq_ids``."""
+        for seq_id in [s for s in self._held if s not in seq_ids]:
+            held = self._held.pop(seq_id)
+            self.cache.free(held.kv, held.tokens, cache_pages=False)
+
+    def _next_token(self, kv: KVHandle, new: list[int], slots: torch.Tensor) -> int:
+        """The draft's most likely token after computing ``new`` (the last ``len(new)`` positions of ``kv``)."""
+        device = self.worker.device
+        start = kv.n_kv - len(new)
+        no_slots = torch.empty(0, dtype=torch.int64, device=device)
+        step = ForwardStep(
+            is_decode=len(new) == 1,
+            input_ids=torch.tensor(new, device=device),
+            positions=torch.arange(start, kv.n_kv, device=device),
+            out_cache_loc=slots.to(device, torch.int64),
+            rows=[kv.row],
+            seq_lens=[kv.n_kv],
+            prefix_lens=[start],
+            logits_indices=None if len(new) == 1 else torch.tensor([len(new) - 1], device=device),
+            fork_src=no_slots,
+            fork_dst=no_slots,
+            table_writes=TableWrites.empty(device),
+        )
+        logits = self.worker.execute(step)
+        return int(logits[-1, : self.vocab_size].argmax())
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
