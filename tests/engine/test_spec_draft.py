@@ -165,3 +165,18 @@ def test_a_draft_that_does_not_fit_the_target_is_refused_at_start(
 def test_bad_draft_settings_are_refused(setting: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         LLM(dtype="float32", speculative_config=setting)
+
+
+def test_a_draft_that_is_always_rejected_backs_off(models: dict[str, Path], plain: LLM) -> None:
+    """The random draft's proposals are all rejected here: after each wholly rejected proposal the
+    sequence goes 2, 4, 8, ... steps without one, so 60 tokens see a handful of proposals, not one
+    per step, and the output is still the target's."""
+    llm = LLM(model=str(models["target"]), speculative_config=draft_setting(models["random"]), **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    try:
+        assert run(llm, PROMPTS[1:2], params) == run(plain, PROMPTS[1:2], params)
+        stats = llm.engine.stats()["speculative"]
+    finally:
+        llm.shutdown()
+    assert stats["accepted_tokens"] == 0, "the premise: this draft never agrees with the target"
+    assert 0 < stats["verify_steps"] <= 6

@@ -324,7 +324,7 @@ class Engine(EngineLoop):
                     output,
                     self.cache,
                     self.eos_token_ids,
-                    self.speculator.stats,
+                    self.speculator,
                 )
             except Exception as exc:
                 logger.error("verification failed:\n%s", traceback.format_exc())

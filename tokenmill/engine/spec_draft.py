@@ -32,6 +32,9 @@ from tokenmill.worker.model_worker import ModelWorker, build_model_worker, max_c
 
 logger = logging.getLogger("tokenmill.engine")
 
+MAX_DECODE_ROWS = 8
+"""Most new tokens the draft computes as one decode step (one-token requests on one row)."""
+
 
 @dataclasses.dataclass
 class _DraftKV:
@@ -136,19 +139,24 @@ class DraftModelProposer:
             self.cache.free(held.kv, held.tokens, cache_pages=False)
 
     def _next_token(self, kv: KVHandle, new: list[int], slots: torch.Tensor) -> int:
-        """The draft's most likely token after computing ``new`` (the last ``len(new)`` positions of ``kv``)."""
+        """The draft's most likely token after computing ``new`` (the last ``len(new)`` positions of
+        ``kv``). Up to :data:`MAX_DECODE_ROWS` new tokens are one-token requests on the sequence's row
+        (token ``i`` seeing the positions up to its own), so the step is a decode step and runs the
+        decode path's kernels, as the target's verification does; more are one prefill chunk."""
         device = self.worker.device
-        start = kv.n_kv - len(new)
+        start, n, row = kv.n_kv - len(new), kv.n_kv, kv.row
+        assert row is not None
+        decode = len(new) <= MAX_DECODE_ROWS
         no_slots = torch.empty(0, dtype=torch.int64, device=device)
         step = ForwardStep(
-            is_decode=len(new) == 1,
+            is_decode=decode,
             input_ids=torch.tensor(new, device=device),
-            positions=torch.arange(start, kv.n_kv, device=device),
+            positions=torch.arange(start, n, device=device),
             out_cache_loc=slots.to(device, torch.int64),
-            rows=[kv.row],
-            seq_lens=[kv.n_kv],
-            prefix_lens=[start],
-            logits_indices=None if len(new) == 1 else torch.tensor([len(new) - 1], device=device),
+            rows=[row] * len(new) if decode else [row],
+            seq_lens=list(range(start + 1, n + 1)) if decode else [n],
+            prefix_lens=list(range(start, n)) if decode else [start],
+            logits_indices=None if decode else torch.tensor([len(new) - 1], device=device),
             fork_src=no_slots,
             fork_dst=no_slots,
             table_writes=TableWrites.empty(device),

@@ -10,7 +10,7 @@ forward as the other sequences, with logits at every one of them (``engine/execu
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -22,6 +22,8 @@ from tokenmill.engine.spec_ngram import NgramProposer
 from tokenmill.speculative_config import SpeculativeConfig
 from tokenmill.tokenizer import Tokenizer
 
+MAX_BACKOFF_STEPS = 64
+"""Most decode steps a sequence goes without proposals after proposals that were all rejected."""
 DEFAULT_DISABLE_BY_BATCH_SIZE = 1
 """Most decoding sequences in a step for which the engine speculates when the setting names no
 ``disable_by_batch_size``: the README's crossover measurement, where two sequences at a time
@@ -62,13 +64,28 @@ class SpeculationStats:
 
 
 @dataclass
+class _Backoff:
+    """A sequence's run of wholly rejected proposals and the steps it still goes without one."""
+
+    misses: int = 0
+    skip: int = 0
+
+
+@dataclass
 class Speculator:
     """One engine's proposer, its setting and the counters ``engine/verifier.py`` updates (engine
-    thread only)."""
+    thread only).
+
+    Back-off: a sequence whose proposal was wholly rejected goes the next ``2 ** misses`` steps
+    without one (``misses`` such proposals in a row, at most :data:`MAX_BACKOFF_STEPS` steps), so a
+    proposer that does not match the text (a poor draft model, prompt lookup in prose) costs little
+    beyond an occasional probe; one accepted token ends the back-off.
+    """
 
     config: SpeculativeConfig
     proposer: Proposer
     stats: SpeculationStats
+    backoff: dict[int, _Backoff] = field(default_factory=dict)  # seq_id -> its back-off
 
     @classmethod
     def build(
@@ -105,11 +122,18 @@ class Speculator:
         sequence's grammar refuses, all together at most ``budget``."""
         if len(decode) > self.max_batch:
             self.proposer.retain(set())
+            self.backoff.clear()
             return {}
         started = time.perf_counter()
-        self.proposer.retain({seq.seq_id for seq in decode})
+        decoding = {seq.seq_id for seq in decode}
+        self.proposer.retain(decoding)
+        self.backoff = {seq_id: b for seq_id, b in self.backoff.items() if seq_id in decoding}
         proposals = {}
         for seq in decode:
+            backoff = self.backoff.get(seq.seq_id)
+            if backoff is not None and backoff.skip > 0:
+                backoff.skip -= 1
+                continue
             assert seq.group is not None
             room = min(self.config.num_speculative_tokens, seq.group.token_limit - seq.n_tokens - 1, budget)
             proposal = self.proposer.propose(seq, room) if room > 0 else []
@@ -120,3 +144,12 @@ class Speculator:
                 budget -= len(proposal)
         self.stats.propose_seconds += time.perf_counter() - started
         return proposals
+
+    def record(self, seq: Sequence, accepted: int) -> None:
+        """How many tokens of ``seq``'s proposal this step were accepted (the back-off's evidence)."""
+        if accepted:
+            self.backoff.pop(seq.seq_id, None)
+            return
+        backoff = self.backoff.setdefault(seq.seq_id, _Backoff())
+        backoff.misses += 1
+        backoff.skip = min(2**backoff.misses, MAX_BACKOFF_STEPS)

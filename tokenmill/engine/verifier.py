@@ -22,7 +22,7 @@ import torch
 from tokenmill.cache.manager import CacheManager
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.sampler import Sampler
-from tokenmill.engine.speculation import SpeculationStats, Verification
+from tokenmill.engine.speculation import Speculator, Verification
 
 
 def acceptance(sampled: int, proposed: int) -> tuple[int, bool]:
@@ -38,22 +38,25 @@ def verify(
     output: OutputProcessor,
     cache: CacheManager,
     eos_token_ids: set[int],
-    stats: SpeculationStats,
+    speculator: Speculator,
 ) -> None:
     """Emit each verification's tokens from its ``1 + k`` rows of ``logits`` (verifications in order),
-    as the module docstring says. A sequence whose sampling fails fails alone."""
+    as the module docstring says, and tell ``speculator`` how many of each proposal were accepted.
+    A sequence whose sampling fails fails alone."""
     first_row, row = {}, 0
     for v in verifications:
         first_row[id(v.seq)] = row
         row += 1 + len(v.proposal)
     proposals = {id(v.seq): v.proposal for v in verifications}
+    stats = speculator.stats
     stats.verify_steps += 1
     stats.proposed_tokens += sum(map(len, proposals.values()))
+    accepted_of = dict.fromkeys(proposals, 0)
     going = [v.seq for v in verifications]
     for j in range(1 + max(map(len, proposals.values()))):
         going = [seq for seq in going if not seq.is_finished]
         if not going:
-            return
+            break
         index = torch.tensor([first_row[id(seq)] + j for seq in going], device=logits.device)
         sampled, result, failures = sampler.sample_isolating_failures(logits[index], going, eos_token_ids)
         for seq, exc in failures:
@@ -66,7 +69,10 @@ def verify(
                 result.token_ids[i], accepted = acceptance(result.token_ids[i], proposal[j])
             if accepted:
                 stats.accepted_tokens += 1
+                accepted_of[id(seq)] += 1
                 going.append(seq)
             else:  # its last token this step: the KV keeps exactly the tokens it holds
                 cache.truncate(seq.kv, seq.n_tokens)
         output.process(sampled, result.token_ids, result.logprobs)
+    for v in verifications:
+        speculator.record(v.seq, accepted_of[id(v.seq)])
