@@ -79,6 +79,7 @@ def test_every_route_but_health_needs_the_api_key(
     routes = {(method.upper(), path) for path, operations in paths.items() for method in operations}
     assert {
         ("GET", "/metrics"),
+        ("GET", "/status"),
         ("GET", "/version"),
         ("GET", "/v1/models"),
         ("POST", "/update_weights_from_disk"),

@@ -76,9 +76,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_scripted_checkpoint(path: Path) -> None:
-    ids = {word: i for i, word in enumerate(VOCAB)}
-    model = make_hf_model("llama", vocab_size=len(VOCAB), tie_word_embeddings=False)
+def save_scripted_checkpoint(
+    path: Path, vocab: list[str] = VOCAB, script: dict[str, str] = SCRIPT, **model_overrides: object
+) -> None:
+    """The scripted checkpoint (``vocab`` and ``script`` default to this module's; ``model_overrides``
+    go to the model's config, e.g. a longer context)."""
+    ids = {word: i for i, word in enumerate(vocab)}
+    model = make_hf_model("llama", vocab_size=len(vocab), tie_word_embeddings=False, **model_overrides)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
@@ -86,7 +90,7 @@ def save_scripted_checkpoint(path: Path) -> None:
         model.model.norm.weight.fill_(1.0)
         model.model.embed_tokens.weight.zero_()
         model.lm_head.weight.zero_()
-        for direction, (word, successor) in enumerate(SCRIPT.items()):
+        for direction, (word, successor) in enumerate(script.items()):
             model.model.embed_tokens.weight[ids[word], direction] = 1.0
             model.lm_head.weight[ids[successor], direction] = 4.0
     model.save_pretrained(path, safe_serialization=True)

@@ -2,12 +2,13 @@
 
 Routes: OpenAI's and vLLM's (:mod:`tokenmill.server.openai`: models, chat completions, completions,
 responses, tokenization), Anthropic's (:mod:`tokenmill.server.anthropic`: messages), and the
-operations routes (:mod:`tokenmill.server.operations`: health, metrics, version, RL control).
+operations routes (:mod:`tokenmill.server.operations`: health, metrics, status, version, RL control), and
+the chat page (:mod:`tokenmill.server.web`, unless ``web_ui`` is off).
 
 The options are a :class:`~tokenmill.server.config.ServerConfig`. With ``api_key`` set, every route
-but ``/health`` needs ``Authorization: Bearer KEY`` or ``x-api-key: KEY``, checked before the body is
-read (:class:`~tokenmill.server.http.auth.APIKeyCheck`). Request bodies over ``max_body_bytes`` are
-refused with 413, bodies not complete within ``body_timeout_seconds`` with 408
+but ``/health`` and the page's static files needs ``Authorization: Bearer KEY`` or ``x-api-key:
+KEY``, checked before the body is read (:class:`~tokenmill.server.http.auth.APIKeyCheck`). Request
+bodies over ``max_body_bytes`` are refused with 413, bodies not complete within ``body_timeout_seconds`` with 408
 (:class:`~tokenmill.server.http.body_limit.BodyLimits`). CORS is off unless ``allowed_origins`` names
 origins (``"*"``: any); then browsers on those origins may call every route (preflights are
 answered before the API-key check, which then applies as usual).
@@ -30,6 +31,7 @@ from tokenmill.server.http.errors import install_error_handlers
 from tokenmill.server.http.state import ServerState
 from tokenmill.server.openai import chat, completions, models, responses, tokenization
 from tokenmill.server.operations import rl_control, status
+from tokenmill.server.web import page
 
 
 def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI:
@@ -61,4 +63,7 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
     for module in (models, chat, completions, responses, tokenization, messages, status):
         app.include_router(module.router)
     app.include_router(rl_control.build_router(config.allowed_weight_roots))
+    if config.web_ui:
+        app.include_router(page.router)
+        app.mount("/web", page.static_files(), name="web")
     return app

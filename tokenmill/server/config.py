@@ -49,6 +49,9 @@ class ServerConfig:
         section="server",
         metavar="S",
     )
+    web_ui: bool = option(
+        True, "serve the chat page at / (with a status tab); --no-web-ui leaves it out", section="server"
+    )
     allow_special_tokens_in_content: bool = option(
         False,
         "tokenize special-token text typed in chat messages and tool definitions as control tokens, not as text",

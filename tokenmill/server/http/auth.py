@@ -1,7 +1,8 @@
 """APIKeyCheck: an ASGI middleware that refuses requests without the API key before reading their body.
 
 A request passes with ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (constant-time compare);
-``/health`` is always open. Any other request is answered 401 in the route's error shape
+``/health`` and the web page's static files (``/`` and ``/web/...``: they hold no data) are always
+open. Any other request is answered 401 in the route's error shape
 (:func:`~tokenmill.server.http.errors.error_response`) from its headers alone: ``receive`` is never
 called, so an unauthenticated client cannot make the server read or buffer a body, and the
 connection is closed after the answer.
@@ -17,7 +18,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.server.http.errors import APIError, error_response
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/"})
+OPEN_PREFIXES = ("/web/",)
 
 
 class APIKeyCheck:
@@ -31,7 +33,9 @@ class APIKeyCheck:
         return any(key and hmac.compare_digest(key.encode(), self.expected) for key in offered)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self.authorized(Headers(scope=scope)):
+        path = scope.get("path", "")
+        open_path = path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+        if scope["type"] != "http" or open_path or self.authorized(Headers(scope=scope)):
             await self.app(scope, receive, send)
             return
         message = "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)"

@@ -1,9 +1,11 @@
 """Status routes: ``GET /health`` (200 while the engine loop runs, else 503; the one route that never
-needs the API key), ``GET /metrics`` (Prometheus text) and ``GET /version``."""
+needs the API key), ``GET /metrics`` (Prometheus text), ``GET /status`` (what the server runs and
+how busy it is, as JSON: the web page's status tab) and ``GET /version``."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
@@ -25,6 +27,30 @@ async def health(state: State) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(state: State) -> Response:
     return Response(await asyncio.to_thread(state.metrics.render), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/status")
+async def status(state: State) -> dict[str, Any]:
+    """The model and its settings, requests running and waiting, KV pages (used by requests, cached
+    only, free), the prefix cache's hit rate and the output tokens served so far."""
+    engine = state.engine
+    stats = await asyncio.to_thread(engine.stats)
+    cache = stats["cache"]
+    free, cached = stats["kv_free_pages"], stats["kv_cached_pages"]
+    queried = cache["prefix_query_tokens"]
+    return {
+        "model": state.model_name,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "quantization": engine.config.quantization or engine.model.checkpoint_quantization,
+        "attention_backend": engine.model.backend.name,
+        "running": stats["running"],
+        "waiting": stats["waiting"],
+        "kv_pages_used": stats["kv_capacity_pages"] - free - cached,
+        "kv_pages_cached": cached,
+        "kv_pages_free": free,
+        "prefix_cache_hit_rate": cache["prefix_hit_tokens"] / queried if queried else 0.0,
+        "generation_tokens": int(state.metrics.registry.get_sample_value("tokenmill_generation_tokens_total") or 0),
+    }
 
 
 @router.get("/version")
