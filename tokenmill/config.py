@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tokenmill import hub
 from tokenmill.default_model import default_model
 from tokenmill.gguf_checkpoint import checkpoint_folder
 from tokenmill.hardware import native_bf16
@@ -52,8 +53,14 @@ class EngineConfig:
 
     model: str | None = option(
         None,
-        "A Hugging Face checkpoint folder, a GGUF file (or a folder holding one); None: the default model "
-        "(SmolLM2-135M-Instruct, or $TOKENMILL_DEFAULT_MODEL).",
+        "A Hugging Face checkpoint folder, a GGUF file (or a folder holding one), or a Hugging Face id "
+        "(org/name: from its cache, else downloaded); None: the default model (SmolLM2-135M-Instruct, or "
+        "$TOKENMILL_DEFAULT_MODEL).",
+        section="model",
+    )
+    revision: str | None = option(
+        None,
+        "The revision (branch, tag or commit) of a model given by Hugging Face id; None: its default branch.",
         section="model",
     )
     tokenizer: str | None = option(
@@ -336,12 +343,18 @@ class EngineConfig:
 
     def model_path(self) -> Path:
         """The checkpoint folder the engine reads (a GGUF file's converted folder, see
-        ``gguf_checkpoint.py``), converting a GGUF file on its first use."""
-        return checkpoint_folder(self.model or default_model())
+        ``gguf_checkpoint.py``; a Hugging Face id's snapshot, see ``hub.py``), converting a GGUF file
+        on its first use. Raises HubError for an id that cannot be had."""
+        model = self.model or str(default_model())
+        return checkpoint_folder(hub.resolve(model, self.revision) if hub.is_repo_id(model) else model)
 
     def model_name(self) -> str:
-        """The model's name as the user gave it: a GGUF file's stem, else the folder's name."""
-        path = Path(self.model or default_model())
+        """The model's name as the user gave it: a Hugging Face id as it is, a GGUF file's stem, else
+        the folder's name."""
+        model = self.model or str(default_model())
+        if hub.is_repo_id(model):
+            return model
+        path = Path(model)
         return path.stem if path.suffix == ".gguf" else path.name
 
     def resolved_device(self) -> torch.device:
