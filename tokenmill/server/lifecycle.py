@@ -215,6 +215,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig = ServerConfig(
         gc.freeze()
         if engine.tokenizer is not None:
             WORKERS.prestart()  # its start-up (seconds: xgrammar's imports) is then off the first structured request
+        if config.web_ui:
+            logger.info("chat page: http://%s:%d/", config.host, config.port)
         with _exit_signals_consumed():
             server.run()
     finally:
