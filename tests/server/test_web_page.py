@@ -33,13 +33,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("models") / "looping"
     loop = dict(zip(ANSWER_LOOP, ANSWER_LOOP[1:] + ANSWER_LOOP[:1]))
     save_scripted_checkpoint(
-        path, VOCAB + [SCRIPT_TAG, IMG_TAG], {**SCRIPT, ":": "hello", **loop}, max_position_embeddings=4096
+        path, VOCAB + [SCRIPT_TAG, IMG_TAG], {**SCRIPT, ":": "hello", **loop}, max_position_embeddings=32768
     )
     return path
 
 
 def engine(checkpoint: Path) -> Engine:
-    return Engine(dtype="float32", model=str(checkpoint), num_kv_slots=16384)
+    return Engine(dtype="float32", model=str(checkpoint), num_kv_slots=32768)
 
 
 @pytest.fixture(scope="module")
@@ -98,17 +98,30 @@ def test_model_text_that_looks_like_html_stays_text(page, server: Server) -> Non
 
 
 def test_stop_ends_the_request_on_the_server(page, server: Server) -> None:  # noqa: ANN001
-    chat(page, server.url, "Keep going", max_tokens=3000)
+    """Stop is pressed while the server is still generating (30,000 tokens asked for): the page says
+    so, and the server's request ends at once, long before its tokens would have."""
+    chat(page, server.url, "Keep going", max_tokens=30_000)
     answer = page.locator(".message.assistant").last
     answer.locator(".body p").first.wait_for()  # streaming
-    assert server.engine.stats()["running"] == 1
+    assert server.engine.stats()["running"] == 1, "the answer ended before stop could be pressed"
     page.click("#stop")
     answer.locator(".meta").filter(has_text="stopped").wait_for()
     deadline = time.monotonic() + 30
     while server.engine.stats()["running"] or server.engine.stats()["active_requests"]:
         assert time.monotonic() < deadline, "the server kept generating after stop"
         time.sleep(0.05)
-    assert len(answer.locator(".body").inner_text().split()) < 3000
+    assert len(answer.locator(".body").inner_text().split()) < 30_000
+
+
+def test_a_server_error_shows_in_the_conversation(page, server: Server) -> None:  # noqa: ANN001
+    chat(page, server.url, "Say hello", max_tokens=0)
+    error = page.locator(".message.error").last
+    error.wait_for()
+    assert "max_tokens must be >= 1, got 0" in error.inner_text()
+    page.fill("#max-tokens", "4")  # the page goes on working
+    page.fill("#prompt", "Say hello")
+    page.click("#send")
+    page.locator(".message.assistant .meta", has_text="TTFT").wait_for()
 
 
 def test_the_status_tab_shows_the_server(page, server: Server) -> None:  # noqa: ANN001

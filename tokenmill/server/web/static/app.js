@@ -176,8 +176,7 @@ async function send(text) {
             if (firstToken === null) firstToken = performance.now();
             chunks += 1;
             answer.content += delta.content;
-            renderMarkdown(element.querySelector(".body"), answer.content);
-            $("messages").scrollTop = $("messages").scrollHeight;
+            renderSoon(element.querySelector(".body"), answer);
           }
         }
       }
@@ -196,6 +195,18 @@ async function send(text) {
     showMessages();
     save();
   }
+}
+
+// re-render a streamed answer at most once per frame (each render is the whole answer's text)
+let renderPending = false;
+function renderSoon(body, answer) {
+  if (renderPending) return;
+  renderPending = true;
+  requestAnimationFrame(() => {
+    renderPending = false;
+    renderMarkdown(body, answer.content);
+    $("messages").scrollTop = $("messages").scrollHeight;
+  });
 }
 
 function timing(started, firstToken, tokens) {
