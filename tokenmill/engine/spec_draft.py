@@ -24,7 +24,9 @@ from tokenmill.cache.manager import CacheManager
 from tokenmill.cache.storage import ReqToTokenPool
 from tokenmill.config import EngineConfig
 from tokenmill.engine.sequence import Sequence
+from tokenmill.gguf_checkpoint import is_converted
 from tokenmill.model.parallel import SINGLE
+from tokenmill.model.prequantized import checkpoint_format
 from tokenmill.model.registry import load_model_config
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.worker.forward_step import ForwardStep, TableWrites
@@ -67,12 +69,14 @@ class DraftModelProposer:
     ) -> DraftModelProposer:
         """The draft of ``target``'s engine from checkpoint ``draft_path``, with KV for ``rows``
         sequences of up to ``context_limit`` tokens, ``kv_tokens`` in all (the target's capacity:
-        the draft never holds more tokens than the target). Raises ValueError naming what does not match:
-        the vocabulary (the tokenizers' token -> id maps, or the model's width where the target has
-        no tokenizer) or a context shorter than ``context_limit``."""
+        the draft never holds more tokens than the target), in the target's dtype and quantization
+        (none for a GGUF or pre-quantized draft: it loads as stored). Raises ValueError naming what
+        does not match: the vocabulary (the tokenizers' token -> id maps, or the model's width where
+        the target has no tokenizer) or a context shorter than ``context_limit``."""
         draft = dataclasses.replace(
             target,
             model=draft_path,
+            revision=None,
             tokenizer=None,
             speculative_config=None,
             enable_prefix_caching=False,
@@ -81,6 +85,8 @@ class DraftModelProposer:
             num_kv_slots=-(-kv_tokens // target.page_size) * target.page_size,
         )
         path = draft.model_path()
+        if is_converted(path) or checkpoint_format(path) is not None:  # loads quantized as stored
+            draft = dataclasses.replace(draft, quantization=None)
         draft_config = load_model_config(path)
         if tokenizer is not None:
             if Tokenizer(path).hf.get_vocab() != tokenizer.hf.get_vocab():
