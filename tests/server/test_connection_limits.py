@@ -99,6 +99,7 @@ def test_limits_come_from_the_command_line_and_bad_ones_are_refused() -> None:
         {"body_timeout_seconds": 0},
         {"keep_alive_timeout_seconds": float("inf")},
         {"max_requests_in_progress": 1.5},
+        {"max_arriving_body_bytes": 1000},  # under max_body_bytes: a body of the allowed size could never arrive
     ):
         with pytest.raises(ParameterError) as refused:
             ServerConfig(**bad)

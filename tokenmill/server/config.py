@@ -132,3 +132,8 @@ class ServerConfig:
                 raise ParameterError(setting.name, f"must be an integer, got {value!r}")
         if not self.shutdown_grace_seconds >= 0:
             raise ParameterError("shutdown_grace_seconds", f"must be >= 0, got {self.shutdown_grace_seconds}")
+        if self.max_arriving_body_bytes < self.max_body_bytes:  # else one allowed body could never arrive
+            raise ParameterError(
+                "max_arriving_body_bytes",
+                f"must be >= max_body_bytes ({self.max_body_bytes}), got {self.max_arriving_body_bytes}",
+            )
