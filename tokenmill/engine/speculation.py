@@ -117,9 +117,9 @@ class Speculator:
 
     def proposals(self, decode: list[Sequence], budget: int) -> dict[int, list[int]]:
         """``id(seq) -> proposal`` for the decoding sequences that get one: none above
-        :attr:`max_batch` sequences; each at most k tokens, fewer than the tokens its limit leaves
-        (the last emitted token is never a proposal's), cut at the first token a structured-output
-        sequence's grammar refuses, all together at most ``budget``."""
+        :attr:`max_batch` sequences, none for a sequence in back-off; each at most k tokens, fewer
+        than the tokens its limit leaves (the last emitted token is never a proposal's), cut at the
+        first token a structured-output sequence's grammar refuses, all together at most ``budget``."""
         if len(decode) > self.max_batch:
             self.proposer.retain(set())
             self.backoff.clear()
