@@ -4,7 +4,25 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.engine import Engine
 from tokenmill.llm import LLM
-from tokenmill.request import CompletionOutput, RequestOutput, SamplingParams
+from tokenmill.request import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    RequestOutput,
+    SamplingParams,
+)
 
-__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "Engine",
+    "EngineConfig",
+    "PoolingParams",
+    "RequestOutput",
+    "SamplingParams",
+]
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
-"""LLM: the offline batch API, with vLLM's names (``LLM(model=...).generate(prompts, params)``)."""
+"""LLM: the offline batch API, with vLLM's names (``LLM(model=...).generate(prompts, params)``,
+``LLM.embed(prompts, pooling_params)``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.overload import EngineOverloadedError
 from tokenmill.engine.request_state import new_request_id
-from tokenmill.request import RequestOutput, SamplingParams, accumulate
+from tokenmill.request import (
+    EmbeddingRequestOutput,
+    ParameterError,
+    PoolingParams,
+    RequestOutput,
+    SamplingParams,
+    accumulate,
+)
 
 Prompt = str | list[int] | dict[str, Any]
 OVERLOAD_RETRY_S = 0.05
@@ -49,6 +57,21 @@ class LLM:
         batch = _as_batch(prompts)
         params = _params_for(batch, sampling_params)
         return self._run(batch, params, use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | list[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt (prompts as in :meth:`generate`); outputs in input order. Each runs
+        through the same scheduler as generation (token budget, chunked prefill, limits)."""
+        batch = _as_batch(prompts)
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise ParameterError("pooling_params", f"must be PoolingParams, got {type(params).__name__}")
+        outputs = self._run(batch, [params] * len(batch), use_tqdm)
+        return [EmbeddingRequestOutput.from_output(output) for output in outputs]
 
     def chat(
         self,
@@ -88,7 +111,9 @@ class LLM:
     def shutdown(self) -> None:
         self.engine.shutdown()
 
-    def _run(self, batch: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, batch: list[Prompt], params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         """Every prompt to completion, in order. A batch larger than ``max_waiting_requests`` goes in
         as the waiting queue frees up: a refused submit is retried after the batch's next delta
         (requests leave the queue when scheduled or finished)."""

@@ -1,5 +1,6 @@
-"""Requests and their results: SamplingParams (validated against RequestLimits), RequestOutput,
-CompletionOutput, and ParameterError, the one error type for a refused request parameter.
+"""Requests and their results: SamplingParams (validated against RequestLimits), PoolingParams
+(an embedding instead of generated tokens), RequestOutput, CompletionOutput, EmbeddingRequestOutput,
+and ParameterError, the one error type for a refused request parameter.
 
 Names and defaults follow vLLM so users can switch engines without relearning the API.
 """
@@ -411,6 +412,63 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None  # a pooling request's final delta (see PoolingParams)
+
+
+@dataclass
+class PoolingParams:
+    """An embedding of the prompt instead of generated tokens (a decoder model as an embedder).
+
+    ``pooling``: "last" (the last prompt token's final hidden state, after the final norm: the
+    Qwen3-Embedding recipe) or "mean" (the mean over every prompt position); ``dimensions``: keep
+    the first ``d`` values (Matryoshka), then ``normalize`` (L2)."""
+
+    pooling: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def validate(self, hidden_size: int) -> None:
+        """Raise :class:`ParameterError` naming the first bad parameter."""
+        _require(self.pooling in ("last", "mean"), "pooling", f'must be "last" or "mean", got {self.pooling!r}')
+        _require(isinstance(self.normalize, bool), "normalize", f"must be a boolean, got {self.normalize!r}")
+        dims = self.dimensions
+        _require(dims is None or _is_int(dims), "dimensions", f"must be an integer or None, got {dims!r}")
+        _require(
+            dims is None or 1 <= dims <= hidden_size,
+            "dimensions",
+            f"must be in [1, {hidden_size}] (the model's hidden size), got {dims}",
+        )
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """A pooling request's result (vLLM's names); ``finish_reason`` "stop", or "abort"/"error"
+    (then ``error`` says why and the embedding is empty)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @staticmethod
+    def from_output(output: RequestOutput) -> EmbeddingRequestOutput:
+        """The final delta of a pooling request as its result."""
+        completion = output.outputs[0]
+        return EmbeddingRequestOutput(
+            request_id=output.request_id,
+            prompt_token_ids=output.prompt_token_ids,
+            outputs=EmbeddingOutput(output.embedding or []),
+            finished=output.finished,
+            finish_reason=completion.finish_reason,
+            error=completion.error,
+        )
 
 
 OutputCallback = Callable[[RequestOutput], None]
@@ -451,4 +509,6 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
     total.metrics = delta.metrics
     if delta.prompt_logprobs is not None:
         total.prompt_logprobs = delta.prompt_logprobs
+    if delta.embedding is not None:
+        total.embedding = delta.embedding
     return total

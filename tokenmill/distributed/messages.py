@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from tokenmill.worker.forward_step import ForwardStep, TableWrites
 
-HEADER_LEN = 7
+HEADER_LEN = 8
 
 
 class Kind(IntEnum):
@@ -43,12 +43,14 @@ def send(kind: Kind, step: ForwardStep | None = None, device: torch.device | str
         step.fork_src.numel(),
         len(writes),
         step.is_decode,
+        0 if step.hidden_indices is None else step.hidden_indices.numel(),
     ]
     dist.broadcast(torch.tensor(header, dtype=torch.int64, device=device), src=0)
     parts = [step.input_ids, step.positions, step.out_cache_loc]
     parts += [] if step.logits_indices is None else [step.logits_indices]
     parts += [torch.tensor([step.rows, step.seq_lens, step.prefix_lens], dtype=torch.int64).view(-1)]
     parts += [step.fork_src, step.fork_dst, writes.rows, writes.positions, writes.slots]
+    parts += [] if step.hidden_indices is None else [step.hidden_indices]
     dist.broadcast(torch.cat([p.to(device, torch.int64) for p in parts]), src=0)
 
 
@@ -56,13 +58,13 @@ def receive(device: torch.device | str) -> tuple[Kind, ForwardStep | None]:
     """The next message from rank 0 on a worker: ``(kind, the step or None)``."""
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
     dist.broadcast(header, src=0)
-    kind, n_tokens, n_logits, n_reqs, n_forks, n_writes, is_decode = header.tolist()
+    kind, n_tokens, n_logits, n_reqs, n_forks, n_writes, is_decode, n_hidden = header.tolist()
     if kind != Kind.STEP:
         return Kind(kind), None
-    sizes = [n_tokens] * 3 + [max(n_logits, 0), 3 * n_reqs] + [n_forks] * 2 + [n_writes] * 3
+    sizes = [n_tokens] * 3 + [max(n_logits, 0), 3 * n_reqs] + [n_forks] * 2 + [n_writes] * 3 + [n_hidden]
     payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
     dist.broadcast(payload, src=0)
-    ids, pos, loc, logits, lens, src, dst, w_rows, w_pos, w_slots = payload.split(sizes)
+    ids, pos, loc, logits, lens, src, dst, w_rows, w_pos, w_slots, hidden = payload.split(sizes)
     rows, seq_lens, prefix_lens = lens.view(3, n_reqs).tolist() if n_reqs else ([], [], [])
     step = ForwardStep(
         is_decode=bool(is_decode),
@@ -76,5 +78,6 @@ def receive(device: torch.device | str) -> tuple[Kind, ForwardStep | None]:
         fork_src=src,
         fork_dst=dst,
         table_writes=TableWrites(w_rows, w_pos, w_slots),
+        hidden_indices=hidden if n_hidden else None,
     )
     return Kind.STEP, step

@@ -45,7 +45,7 @@ from tokenmill.gguf_checkpoint import is_converted
 from tokenmill.model.parallel import SINGLE
 from tokenmill.model.prequantized import checkpoint_format
 from tokenmill.model.registry import load_model_config
-from tokenmill.request import FinishReason, OutputCallback, SamplingParams, now
+from tokenmill.request import FinishReason, OutputCallback, PoolingParams, SamplingParams, now
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.worker.model_worker import build_model_worker, max_context_len
 
@@ -122,21 +122,28 @@ class Engine(EngineLoop):
             timeout, cache_bytes = cfg.structured_output_compile_timeout, cfg.structured_output_cache_bytes
             grammars = GrammarCompiler(self.tokenizer.hf, mc.vocab_size, self.eos_token_ids, timeout, cache_bytes)
         self._intake = Intake(
-            self.tokenizer, cfg.request_limits(mc.vocab_size), self.context_limit, self.device, grammars
+            self.tokenizer,
+            cfg.request_limits(mc.vocab_size),
+            self.context_limit,
+            self.device,
+            grammars,
+            mc.hidden_size,
         )
 
     # ------------------------------------------------------------------ public API
     def intake(
         self,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         callback: OutputCallback,
         request_id: str | None = None,
         call_id: str | None = None,
     ) -> RequestState:
         """Validate a request into its state (tokenized once), ready for :meth:`submit`. Requests
         sharing a ``call_id`` (the prompts of one API call) share admission as one call: waiting
-        sequences are admitted call by call (``Scheduler``); None: a call of its own.
+        sequences are admitted call by call (``Scheduler``); None: a call of its own. With
+        :class:`~tokenmill.request.PoolingParams` the request embeds its prompt instead: its final
+        delta carries ``embedding``.
 
         Raises :class:`~tokenmill.request.ParameterError` (a ValueError naming the parameter) for
         bad input, EngineOverloadedError when every grammar-compile slot stays busy; nothing is
@@ -170,7 +177,7 @@ class Engine(EngineLoop):
     def add_request(
         self,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         callback: OutputCallback,
         request_id: str | None = None,
         call_id: str | None = None,
@@ -314,6 +321,7 @@ class Engine(EngineLoop):
             logger.error("sampling failed for sequence %d: %s: %s", seq.seq_id, type(exc).__name__, exc)
             output.fail([seq], f"internal error in sampling: {type(exc).__name__}: {exc}")
         output.process(sampled, result.token_ids, result.logprobs)
+        output.finish_pooled(plan.pooled_seqs)
         if plan.verify:
             assert self.speculator is not None
             try:

@@ -2,12 +2,14 @@
 :class:`~tokenmill.worker.forward_step.ForwardStep`; every rank's model worker executes it (with
 tensor parallelism the step is broadcast first and rank 0's worker runs inside the broadcast's
 hold on the group); then, where the data is, the computed prompts go into the prefix cache and the
-prompt logprobs the step produced are collected into their sequences.
+prompt logprobs and pooling hidden states the step produced are collected into their sequences.
 
 Batch order: decode sequences (one token each), verifications (a sequence's last token and its
 proposal, as one-token requests), then prefill chunks. Logits come back for the sampled rows
 (``plan.sample_seqs`` order, a forked child sharing its parent's row), then every row of each
-verification in order, then the positions of ``plan.prompt_logprobs`` in order.
+verification in order, then the positions of ``plan.prompt_logprobs`` in order. A pooling
+sequence gets no logits row; the final-normed hidden states of the positions of ``plan.pooling``
+come back in that order (``engine/pooler.py`` gathers them).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from tokenmill.cache.manager import CacheManager
 from tokenmill.distributed.worker_group import WorkerGroup
+from tokenmill.engine import pooler
 from tokenmill.engine.sampler import prompt_logprobs
 from tokenmill.engine.scheduler import StepPlan
 from tokenmill.worker.forward_step import ForwardStep, TableWrites
@@ -36,7 +39,7 @@ class StepExecutor:
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits of ``plan.sample_seqs`` (``[len(sample_seqs), vocab]``) and of the rows of
         ``plan.verify`` (``1 + k`` per verification), after the forward on every rank, the computed
-        prompts cached and the step's prompt logprobs collected."""
+        prompts cached and the step's prompt logprobs and pooling hidden states collected."""
         step = self.forward_step(plan)
         hold = self.workers.step(step) if self.workers is not None else contextlib.nullcontext()
         with hold:
@@ -49,6 +52,9 @@ class StepExecutor:
         spans = plan.prompt_logprobs
         for (seq, _), entries in zip(spans, prompt_logprobs(logits[n_scored:], spans)):
             seq.prompt_logprobs.extend(entries)
+        if plan.pooling:
+            assert self.worker.last_hidden is not None, "a step with pooling positions returns hidden states"
+            pooler.gather(plan.pooling, self.worker.last_hidden)
         return logits[:n_sample], logits[n_sample:n_scored]
 
     def forward_step(self, plan: StepPlan) -> ForwardStep:
@@ -82,12 +88,13 @@ class StepExecutor:
             seq_lens.append(seq.n_kv)
             extend_lens.append(n)
             ids.extend(seq.tokens(start, seq.n_kv))
-            if seq.n_kv == seq.n_tokens:
+            if seq.n_kv == seq.n_tokens and seq.pooling is None:
                 logits_rows.extend([len(ids) - 1] * (1 + len(plan.children(seq))))  # forked children share it
         if logits_rows is not None:
             logits_rows += verify_rows
             for seq, positions in plan.prompt_logprobs:  # prefill steps only
                 logits_rows.extend(first_row[id(seq)] + p for p in positions)
+        hidden_rows = [first_row[id(seq)] + p for seq, span in plan.pooling for p in span]
         positions = [p for n, e in zip(seq_lens, extend_lens) for p in range(n - e, n)]
         parts = ([plan.decode_slots] if plan.decode else []) + [v.slots for v in plan.verify] + plan.prefill_slots
         fork_src = [f.src_slots for f in plan.forks]
@@ -106,4 +113,5 @@ class StepExecutor:
             fork_src=(torch.cat(fork_src) if fork_src else no_slots).to(device, torch.int64),
             fork_dst=(torch.cat(fork_dst) if fork_dst else no_slots).to(device, torch.int64),
             table_writes=TableWrites(*(w.to(device) for w in writes)),
+            hidden_indices=torch.tensor(hidden_rows, dtype=torch.int64, device=device) if hidden_rows else None,
         )

@@ -1,11 +1,13 @@
-"""Intake: a prompt and its SamplingParams, validated into a RequestState (caller's thread).
+"""Intake: a prompt and its SamplingParams (or PoolingParams), validated into a RequestState
+(caller's thread).
 
 ``Intake.make`` tokenizes a text prompt once, validates every parameter against the engine's
 limits and the prompt against the context limit (the model's, the engine's and the KV cache's
 capacity), and returns the state that is then submitted as is. A text whose UTF-8 length alone
 proves it cannot fit is refused before it is tokenized. A refusal raises
 :class:`~tokenmill.request.ParameterError` naming the parameter; nothing is allocated before
-that, and nothing touches the engine's loop, scheduler or cache.
+that, and nothing touches the engine's loop, scheduler or cache. A pooling request is one
+sequence that generates nothing: its prompt must be non-empty and fit the context limit itself.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tokenmill.request import (
     ContextLengthError,
     OutputCallback,
     ParameterError,
+    PoolingParams,
     RequestLimits,
     RequestMetrics,
     SamplingParams,
@@ -45,9 +48,12 @@ class Intake:
         context_limit: int,
         device: torch.device,
         grammars: GrammarCompiler | None = None,
+        hidden_size: int | None = None,
     ) -> None:
         """``context_limit``: most tokens (prompt + output) one sequence may hold; ``grammars``
-        compiles ``structured_outputs`` (None: refused, e.g. without a tokenizer)."""
+        compiles ``structured_outputs`` (None: refused, e.g. without a tokenizer); ``hidden_size``:
+        the model's, which bounds a pooling request's ``dimensions`` (None: pooling refused)."""
+        self.hidden_size = hidden_size
         self.tokenizer = tokenizer
         self.grammars = grammars
         self.limits = limits
@@ -58,7 +64,7 @@ class Intake:
     def make(
         self,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         callback: OutputCallback,
         request_id: str | None,
         call_id: str | None = None,
@@ -66,6 +72,8 @@ class Intake:
         """The validated state of a request (of the call ``call_id``; None: a call of its own);
         raises ParameterError (a ValueError) for bad input. The state keeps its own copy of
         ``params``: changing the caller's object later changes nothing."""
+        if isinstance(params, PoolingParams):
+            return self._pooling(prompt, params, callback, request_id, call_id)
         if not isinstance(params, SamplingParams):
             raise ParameterError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
         params = copy.deepcopy(params)
@@ -112,15 +120,47 @@ class Intake:
             state.final_sent.append(False)
         return state
 
+    def _pooling(
+        self,
+        prompt: str | list[int],
+        params: PoolingParams,
+        callback: OutputCallback,
+        request_id: str | None,
+        call_id: str | None,
+    ) -> RequestState:
+        """A pooling request's state: one sequence, no detokenizer, nothing to generate."""
+        if self.hidden_size is None:
+            raise ParameterError("pooling_params", "needs the model's hidden size")
+        pooling = copy.deepcopy(params)
+        pooling.validate(self.hidden_size)
+        if isinstance(prompt, str):
+            self.check_text_fits(prompt, max_tokens=0)
+        text, ids = self._tokens(prompt)
+        if len(ids) > self.context_limit:
+            raise ContextLengthError(f"({len(ids)} tokens) exceeds the context limit of {self.context_limit} tokens")
+        params = SamplingParams(max_tokens=1)  # what the sequence machinery reads; nothing is sampled
+        rid = request_id or new_request_id()
+        metrics = RequestMetrics(arrival_time=now())
+        state = RequestState(rid, text, ids, params, callback, metrics, len(ids), call_id=call_id or rid)
+        state.seqs.append(Sequence(prompt_token_ids=ids, params=params, group=state, pooling=pooling))
+        state.emitted_tokens.append(0)
+        state.final_sent.append(False)
+        return state
+
     def check_text_fits(self, text: str, max_tokens: int | None = None) -> None:
         """Refuse (ContextLengthError) a text too long for the context limit with ``max_tokens``
-        (None: 1) output tokens however it tokenizes, without tokenizing it; never refuses a text
-        that fits (see :mod:`~tokenmill.engine.prompt_size`)."""
+        (None: 1; 0 for a prompt that generates nothing) output tokens however it tokenizes, without
+        tokenizing it; never refuses a text that fits (see :mod:`~tokenmill.engine.prompt_size`)."""
         if self.bytes_per_token is None:
             return
         least = min_tokens(text, self.bytes_per_token)
-        if least + (max_tokens or 1) > self.context_limit:
-            outcome = f"with max_tokens ({max_tokens}) it exceeds" if max_tokens else "it leaves no room for output in"
+        if least + (1 if max_tokens is None else max_tokens) > self.context_limit:
+            if max_tokens == 0:
+                outcome = "it exceeds"
+            elif max_tokens:
+                outcome = f"with max_tokens ({max_tokens}) it exceeds"
+            else:
+                outcome = "it leaves no room for output in"
             raise ContextLengthError(
                 f"is at least {least} tokens long ({self.bytes_per_token} bytes of text per token at most), so "
                 f"{outcome} the context limit of {self.context_limit} tokens"

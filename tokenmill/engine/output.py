@@ -3,7 +3,8 @@ each request's callback receives. Engine thread only.
 
 Stop rules, in order: EOS (unless ``ignore_eos``), a stop token id, a stop string (found by the
 incremental detokenizer), a finished grammar (structured output: nothing but EOS may follow),
-the request's token limit (``max_tokens``, or the context/KV limit).
+the request's token limit (``max_tokens``, or the context/KV limit). A pooling sequence samples
+nothing: it ends with "stop" and its embedding in the step that completes its prompt.
 A finished or failed sequence is removed from the scheduler at once, which frees its KV. A
 request leaves the table when its last sequence has finished and its final delta is sent.
 """
@@ -15,6 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from tokenmill.engine import pooler
 from tokenmill.engine.grammar import GrammarBudgetError
 from tokenmill.engine.request_state import RequestState
 from tokenmill.engine.request_table import RequestTable
@@ -68,6 +70,20 @@ class OutputProcessor:
             except Exception as exc:
                 logger.error("emitting output failed:\n%s", traceback.format_exc())
                 self.fail(state.seqs, f"internal error while emitting output: {type(exc).__name__}: {exc}")
+
+    def finish_pooled(self, seqs: list[Sequence]) -> None:
+        """End each pooling sequence whose prompt is complete with its embedding and emit its
+        request; a failure here fails only that request."""
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            try:
+                seq.embedding = pooler.embedding(seq)
+                self.finish(seq, FinishReason.STOP.value)
+                self.emit(seq.group)
+            except Exception as exc:
+                logger.error("pooling failed:\n%s", traceback.format_exc())
+                self.fail([seq], f"internal error in pooling: {type(exc).__name__}: {exc}")
 
     def append(self, seq: Sequence, token: int, logprobs: Any) -> None:
         """Add a sampled token (and its logprobs) to ``seq`` and apply the stop rules; a grammar dead
@@ -181,6 +197,7 @@ class OutputProcessor:
             metrics=state.metrics,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=state.seqs[0].kv.n_cached_tokens,
+            embedding=state.seqs[0].embedding if finished else None,
         )
         try:
             state.callback(delta)

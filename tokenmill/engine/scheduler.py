@@ -18,6 +18,9 @@ proposal gets ``k`` more slots (never at the cost of a preemption: without pages
 and becomes a :class:`Verification`. Decode, verification and prefill tokens of one step run in one
 ragged forward. A sequence asking
 ``prompt_logprobs`` is admitted without a prefix-cache match, so every prompt token has logits.
+A pooling sequence (``Sequence.pooling``) is scheduled exactly as a prompt's prefill and never
+sampled; the plan names the positions whose hidden states it needs (mean pooling: every one, so it
+too is admitted without a prefix-cache match), and it ends in the step that completes its prompt.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class StepPlan:
     forks: list[Fork] = field(default_factory=list)
     prompt_logprobs: list[tuple[Sequence, range]] = field(default_factory=list)
     """Prefill positions whose logits give prompt logprobs (``Sequence.prompt_logprob_positions``)."""
+    pooling: list[tuple[Sequence, range]] = field(default_factory=list)
+    """Prefill positions whose final hidden states pooling sequences need (``Sequence.pooling_positions``)."""
     verify: list[Verification] = field(default_factory=list)
 
     @property
@@ -76,10 +81,15 @@ class StepPlan:
         each forked child right after its parent (it samples from the parent's logits)."""
         seqs = list(self.decode)
         for seq, _ in self.prefill:
-            if seq.n_kv == seq.n_tokens:
+            if seq.n_kv == seq.n_tokens and seq.pooling is None:
                 seqs.append(seq)
                 seqs.extend(self.children(seq))
         return seqs
+
+    @property
+    def pooled_seqs(self) -> list[Sequence]:
+        """Pooling sequences whose prompt this step completes."""
+        return [seq for seq, _ in self.prefill if seq.pooling is not None and seq.n_kv == seq.n_tokens]
 
     def children(self, seq: Sequence) -> list[Sequence]:
         """Sequences forked from ``seq`` this step."""
@@ -168,7 +178,7 @@ class Scheduler:
             parent = seq.wait_for
             if parent is not None and not (parent.output_token_ids or parent.is_finished):
                 continue  # forked once the parent's prompt is computed
-            if not self.cache.alloc(seq.kv, seq.all_token_ids, use_prefix_cache=not seq.needs_prompt_logits):
+            if not self.cache.alloc(seq.kv, seq.all_token_ids, use_prefix_cache=not seq.needs_every_position):
                 break
             remaining = seq.n_tokens - seq.n_kv
             if self.cache.pages_needed(seq.kv, remaining) > self.cache.available_pages():
@@ -196,6 +206,9 @@ class Scheduler:
             positions = seq.prompt_logprob_positions(seq.n_kv - n, seq.n_kv)
             if positions:
                 plan.prompt_logprobs.append((seq, positions))
+            pooled = seq.pooling_positions(seq.n_kv - n, seq.n_kv)
+            if pooled:
+                plan.pooling.append((seq, pooled))
         self._count(plan)
         return plan
 

@@ -1,4 +1,5 @@
-"""Sequence: one completion being generated (a request with ``n > 1`` owns ``n`` of them).
+"""Sequence: one completion being generated (a request with ``n > 1`` owns ``n`` of them), or a
+pooling request's prompt (``pooling`` set: computed like a prompt's prefill, never sampled).
 
 The scheduler, runner, sampler and output stage work on sequences; only the engine thread touches
 them. ``kv`` is the sequence's handle on the KV cache: the CacheManager writes it, everyone else
@@ -16,7 +17,7 @@ import torch
 
 from tokenmill.cache.handle import KVHandle
 from tokenmill.engine.grammar import SequenceGrammar
-from tokenmill.request import Logprob, SamplingParams
+from tokenmill.request import Logprob, PoolingParams, SamplingParams
 
 if TYPE_CHECKING:  # the request state holds its sequences: a type-only import both ways
     from tokenmill.engine.request_state import RequestState
@@ -48,6 +49,9 @@ class Sequence:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # sequence 0 only, when asked: see below
     generator: torch.Generator | None = None  # per-request seed; None = the engine's generator
     grammar: SequenceGrammar | None = None  # structured output: its matcher (released when the sequence ends)
+    pooling: PoolingParams | None = None  # a pooling request: its prompt's embedding instead of tokens
+    pooled: torch.Tensor | None = None  # fp32 [hidden]: the sum ("mean") or last row ("last") gathered so far
+    embedding: list[float] | None = None  # set when its prompt is complete
 
     kv: KVHandle = field(default_factory=KVHandle)
     admit_order: int = -1  # written by the scheduler at each admission
@@ -64,6 +68,22 @@ class Sequence:
         if self.prompt_logprobs is None:
             return range(0)
         return range(max(start, len(self.prompt_logprobs) - 1), min(end, len(self.prompt_token_ids) - 1))
+
+    def pooling_positions(self, start: int, end: int) -> range:
+        """Positions of ``start .. end-1`` whose final hidden states the pooling needs: all of them
+        for "mean", the last prompt position for "last", none without pooling."""
+        if self.pooling is None:
+            return range(0)
+        if self.pooling.pooling == "mean":
+            return range(start, end)
+        last = len(self.prompt_token_ids) - 1
+        return range(last, last + 1) if start <= last < end else range(0)
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Every prompt token must be computed here (no prefix-cache match): prompt logprobs, or
+        mean pooling."""
+        return self.needs_prompt_logits or (self.pooling is not None and self.pooling.pooling == "mean")
 
     @property
     def needs_prompt_logits(self) -> bool:
@@ -108,5 +128,6 @@ class Sequence:
 
     @property
     def in_prefill(self) -> bool:
-        """True while some known tokens still lack KV beyond the one being decoded."""
-        return self.n_kv < self.n_tokens - 1
+        """True while some known tokens still lack KV beyond the one being decoded (a pooling
+        sequence decodes nothing: until its whole prompt has KV)."""
+        return self.n_kv < self.n_tokens - (self.pooling is None)

@@ -1,10 +1,12 @@
 """CausalLM: the base of every family, a decoder-only transformer over a flat ragged token layout.
 
-``forward(input_ids, positions, kv_view, logits_indices, attention_plan)``: ``input_ids`` and
-``positions`` are 1-D over every token of every request in the step; only the rows in
-``logits_indices`` are projected through the LM head. ``backend`` must be set before the first
-forward; the forward plans the backend's metadata from ``kv_view`` once (unless given the plan, as
-the CUDA-graph runner does) and hands that plan to every layer.
+``forward(input_ids, positions, kv_view, logits_indices, attention_plan, hidden_indices)``:
+``input_ids`` and ``positions`` are 1-D over every token of every request in the step; only the
+rows in ``logits_indices`` are projected through the LM head; with ``hidden_indices`` the forward
+also returns those rows' hidden states after the final norm (what pooling requests embed).
+``backend`` must be set before the first forward; the forward plans the backend's metadata from
+``kv_view`` once (unless given the plan, as the CUDA-graph runner does) and hands that plan to
+every layer.
 
 A family subclasses :class:`CausalLM` in its own file and declares:
 
@@ -259,9 +261,12 @@ class CausalLM(nn.Module, ABC):
         kv_view: KVView,
         logits_indices: torch.Tensor | None = None,
         attention_plan: object | None = None,
-    ) -> torch.Tensor:
+        hidden_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[len(logits_indices), vocab]`` (all rows when ``logits_indices`` is None).
-        ``attention_plan``: the backend's plan of ``kv_view`` when the caller made it (None: planned here)."""
+        ``attention_plan``: the backend's plan of ``kv_view`` when the caller made it (None: planned here).
+        With ``hidden_indices``: ``(logits, hidden)``, ``hidden`` the final-normed hidden states of
+        those rows (``[len(hidden_indices), hidden_size]``, the model's dtype)."""
         if self.backend is None:
             raise RuntimeError(f"{type(self).__name__}.backend must be set before forward")
         plan = self.backend.plan(kv_view) if attention_plan is None else attention_plan
@@ -275,6 +280,9 @@ class CausalLM(nn.Module, ABC):
         for layer, slides in zip(self.model.layers, self._sliding_rope_layers):  # at least one layer
             cos, sin = sliding_cos_sin if slides else cos_sin
             h, residual = layer(h, residual, cos, sin, self.backend, plan)
+        hidden = None
+        if hidden_indices is not None:  # indexing copies: the norm below cannot touch these rows
+            hidden, _ = self.model.norm.add_and_norm(h[hidden_indices], residual[hidden_indices])
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]
         h, _ = self.model.norm.add_and_norm(h, residual)
@@ -282,7 +290,8 @@ class CausalLM(nn.Module, ABC):
         if self.tp.size > 1:
             logits = parallel.gather_logits(self.tp, logits, self.config.vocab_size)
         cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        logits = logits if cap is None else torch.tanh(logits / cap) * cap
+        return logits if hidden is None else (logits, hidden)
 
     @staticmethod
     def _dynamic_rope_lens(kv_view: KVView) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Rank 0 makes it from the scheduler's plan; every rank's :class:`~tokenmill.worker.model_worker.ModelWorker`,
 rank 0's included, executes it (tensor parallelism broadcasts it first). It holds no sequence,
 request or cache object: token ids and positions, each request's table row and lengths, the new
-tokens' slots, the rows that need logits, the slot copies of forked sequences, and the
+tokens' slots, the rows that need logits, the rows whose final hidden states pooling requests
+need, the slot copies of forked sequences, and the
 request-to-token table entries written since the previous step (only for ranks whose table is a
 replica; empty where the worker shares rank 0's table).
 
@@ -51,6 +52,7 @@ class ForwardStep:
     fork_src: torch.Tensor  # [F] int64 slots whose k/v are copied after the forward ...
     fork_dst: torch.Tensor  # [F] int64 ... to these slots
     table_writes: TableWrites
+    hidden_indices: torch.Tensor | None = None  # [H] int64 rows whose final-normed hidden states are returned
 
     @property
     def extend_lens(self) -> list[int]:

@@ -64,10 +64,13 @@ class ModelWorker:
         self.graphs = graphs  # CUDA-graph replay of pure decode steps (GPU only)
         self.cpu_decode = CpuDecodeForward.build(model, model.backend, storage.k_buffer.dtype)  # None: unsupported
         self.last_forward_time = 0.0  # seconds inside the model call of the last step (CPU: exact)
+        self.last_hidden: torch.Tensor | None = None  # the last step's ``hidden_indices`` rows (see execute)
 
     def execute(self, step: ForwardStep) -> torch.Tensor:
         """Logits of the step's ``logits_indices`` rows (every row when None; a CUDA graph's until
-        the next step), after storing the step's keys and values and copying its forked slots."""
+        the next step), after storing the step's keys and values and copying its forked slots.
+        A step with ``hidden_indices`` runs eagerly and leaves those rows' final-normed hidden
+        states in ``last_hidden`` (None otherwise)."""
         writes = step.table_writes
         if len(writes):
             self.table[writes.rows, writes.positions] = writes.slots.to(torch.int32)
@@ -77,7 +80,12 @@ class ModelWorker:
             view = self.views.prefill(step.rows, step.prefix_lens, step.extend_lens, step.out_cache_loc)
         start = time.perf_counter()
         batch = len(step.rows)
-        if step.is_decode and self.graphs is not None and self.graphs.can_run(batch):
+        self.last_hidden = None
+        if step.hidden_indices is not None:
+            logits, self.last_hidden = self.model(
+                step.input_ids, step.positions, view, step.logits_indices, hidden_indices=step.hidden_indices
+            )
+        elif step.is_decode and self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(step.input_ids, step.positions, view)
         elif step.is_decode and self.cpu_decode is not None and self.cpu_decode.can_run(batch):
             logits = self.cpu_decode(step.input_ids, step.positions, view)

@@ -1,0 +1,126 @@
+"""Pooling requests (decoder models as embedders) against transformers' fp32 final hidden states
+(``model.model(...)``'s last_hidden_state, after the final norm): last and mean pooling, for llama
+and qwen3; normalization and Matryoshka ``dimensions``; the same embedding alone, in a batch,
+through chunked prefill and after prefix-cache hits; generation beside pooling unchanged; bad
+input refused before anything is allocated."""
+
+from __future__ import annotations
+
+import queue
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import hf_greedy, save_tiny_checkpoint
+from tokenmill import LLM, PoolingParams, SamplingParams
+from tokenmill.request import ParameterError, RequestOutput, accumulate
+
+PROMPTS = [
+    [5, 17, 33, 2, 60, 61, 8, 91, 44, 12, 12, 70, 3, 29, 50, 6, 77, 41, 19, 88, 23],
+    [9, 4, 71, 30],
+    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    return path, save_tiny_checkpoint(path, request.param)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint) -> LLM:
+    """Chunked prefill: the 21-token prompt runs in three steps of at most 8 tokens."""
+    engine = LLM(dtype="float32", model=str(checkpoint[0]), num_kv_slots=512, page_size=4, max_num_batched_tokens=8)
+    yield engine
+    engine.shutdown()
+
+
+def oracle(hf_model, prompt: list[int], pooling: str, dimensions: int | None = None, normalize: bool = True):
+    """transformers' embedding: the final-normed hidden states pooled, cut, normalized."""
+    with torch.no_grad():
+        hidden = hf_model.model(torch.tensor([prompt])).last_hidden_state[0].float()
+    vector = hidden[-1] if pooling == "last" else hidden.mean(0)
+    vector = vector[:dimensions] if dimensions is not None else vector
+    return torch.nn.functional.normalize(vector, dim=0) if normalize else vector
+
+
+def assert_close(embedding: list[float], expected: torch.Tensor) -> None:
+    got = torch.tensor(embedding)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert torch.nn.functional.cosine_similarity(got, expected, dim=0) >= 0.99999
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_embeddings_match_transformers_alone_in_a_batch_and_chunked(llm: LLM, checkpoint, pooling: str) -> None:
+    params = PoolingParams(pooling=pooling, normalize=False)
+    before = llm.engine.stats()["scheduler"]["chunked_prefills"]
+    alone = [llm.embed(p, params, use_tqdm=False)[0] for p in PROMPTS]
+    assert llm.engine.stats()["scheduler"]["chunked_prefills"] - before >= 2  # the long prompt ran in chunks
+    batch = llm.embed(PROMPTS, params, use_tqdm=False)
+    for prompt, one, many in zip(PROMPTS, alone, batch):
+        assert one.prompt_token_ids == prompt and one.finish_reason == "stop"
+        assert_close(one.outputs.embedding, oracle(checkpoint[1], prompt, pooling, normalize=False))
+        assert_close(many.outputs.embedding, oracle(checkpoint[1], prompt, pooling, normalize=False))
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_normalize_and_dimensions(llm: LLM, checkpoint, pooling: str) -> None:
+    prompt = PROMPTS[0]
+    full = llm.embed([prompt], PoolingParams(pooling=pooling), use_tqdm=False)[0].outputs.embedding
+    assert len(full) == 64 and torch.tensor(full).norm() == pytest.approx(1.0, abs=1e-5)
+    assert_close(full, oracle(checkpoint[1], prompt, pooling))
+    cut = llm.embed([prompt], PoolingParams(pooling=pooling, dimensions=16), use_tqdm=False)[0].outputs.embedding
+    assert len(cut) == 16 and torch.tensor(cut).norm() == pytest.approx(1.0, abs=1e-5)  # cut, then normalized
+    assert_close(cut, oracle(checkpoint[1], prompt, pooling, dimensions=16))
+
+
+def test_last_pooling_after_prefix_cache_hits(llm: LLM, checkpoint) -> None:
+    prompt = PROMPTS[2] + PROMPTS[1]
+    llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)  # its pages go to the prefix cache
+    hits = llm.engine.stats()["cache"]["prefix_hit_tokens"]
+    for pooling in ("last", "mean"):
+        out = llm.embed([prompt], PoolingParams(pooling=pooling), use_tqdm=False)[0]
+        assert_close(out.outputs.embedding, oracle(checkpoint[1], prompt, pooling))
+    assert llm.engine.stats()["cache"]["prefix_hit_tokens"] > hits  # "last" reused the cached pages
+
+
+def test_pooling_beside_generation_leaves_tokens_unchanged(llm: LLM, checkpoint) -> None:
+    gen_prompts = [PROMPTS[0][:9], PROMPTS[2]]
+    expected = [hf_greedy(checkpoint[1], p, 6) for p in gen_prompts]
+    deltas: queue.Queue[RequestOutput] = queue.Queue()
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i, prompt in enumerate(gen_prompts):
+        llm.engine.add_request(prompt, greedy, deltas.put, f"g{i}")
+    for i, prompt in enumerate(PROMPTS):
+        llm.engine.add_request(prompt, PoolingParams(pooling="mean"), deltas.put, f"e{i}")
+    results: dict[str, RequestOutput] = {}
+    while len(results) < 5 or not all(r.finished for r in results.values()):
+        delta = deltas.get(timeout=120)
+        results[delta.request_id] = accumulate(results.get(delta.request_id), delta)
+    assert [results[f"g{i}"].outputs[0].token_ids for i in range(2)] == expected
+    for i, prompt in enumerate(PROMPTS):
+        assert results[f"e{i}"].outputs[0].finish_reason == "stop"
+        assert_close(results[f"e{i}"].embedding, oracle(checkpoint[1], prompt, "mean"))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "param"),
+    [
+        ([], PoolingParams(), "prompt"),
+        ("", PoolingParams(), "prompt"),
+        ([1] * 600, PoolingParams(), "prompt"),
+        ([1, 2], PoolingParams(pooling="cls"), "pooling"),
+        ([1, 2], PoolingParams(dimensions=0), "dimensions"),
+        ([1, 2], PoolingParams(dimensions=65), "dimensions"),
+        ([1, 2], PoolingParams(normalize="yes"), "normalize"),
+    ],
+)
+def test_bad_input_refused_before_allocation(llm: LLM, prompt, params: PoolingParams, param: str) -> None:
+    free = llm.engine.stats()["kv_free_pages"]
+    with pytest.raises(ParameterError) as info:
+        llm.embed([prompt], params, use_tqdm=False)
+    assert info.value.param == param
+    assert llm.engine.stats()["kv_free_pages"] == free
