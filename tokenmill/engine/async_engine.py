@@ -7,6 +7,9 @@ taking every thread of the loop's default executor. Tokenizer work that generate
 tokens, detokenizing: :meth:`AsyncEngine.run_counting`) has a second pool of the same size, so it
 never delays a generation's tokenization. If the consumer stops iterating early (e.g. the HTTP
 client went away), the request is aborted and its KV freed at the next step boundary.
+
+``embed`` runs one call's pooling requests: every prompt is validated (and tokenized) before any is
+queued, so a bad one refuses the call with nothing allocated; it returns each one's final output.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from tokenmill.engine.engine import Engine
-from tokenmill.engine.request_state import new_request_id
-from tokenmill.request import RequestOutput, SamplingParams
+from tokenmill.engine.request_state import RequestState, new_request_id
+from tokenmill.request import PoolingParams, RequestOutput, SamplingParams
 
 T = TypeVar("T")
 
@@ -71,3 +74,37 @@ class AsyncEngine:
             if not finished:
                 gone.set()
                 self.engine.abort(rid)
+
+    async def embed(
+        self, prompts: list[str] | list[list[int]], params: PoolingParams, call_id: str
+    ) -> list[RequestOutput]:
+        """The final output of each prompt's pooling request (ids ``call_id``, or ``call_id-i`` for
+        several prompts), in prompt order. Refusals (ParameterError, EngineOverloadedError) raise
+        before anything runs; if the caller is cancelled, the unfinished requests are aborted."""
+        loop = asyncio.get_running_loop()
+        results: list[asyncio.Future[RequestOutput]] = [loop.create_future() for _ in prompts]
+        ids = [call_id] if len(prompts) == 1 else [f"{call_id}-{i}" for i in range(len(prompts))]
+
+        def deliver(result: asyncio.Future[RequestOutput]) -> Callable[[RequestOutput], None]:
+            def put(delta: RequestOutput) -> None:
+                if delta.finished:
+                    loop.call_soon_threadsafe(lambda: result.done() or result.set_result(delta))
+
+            return put
+
+        def intake() -> list[RequestState]:
+            return [
+                self.engine.intake(prompt, params, deliver(result), rid, call_id)
+                for prompt, result, rid in zip(prompts, results, ids)
+            ]
+
+        states = await self.run_tokenizer(intake)
+        submitted: list[str] = []
+        try:
+            for state in states:
+                submitted.append(self.engine.submit(state))
+            return list(await asyncio.gather(*results))
+        finally:
+            for rid, result in zip(submitted, results):
+                if not result.done():
+                    self.engine.abort(rid)

@@ -1,7 +1,7 @@
 """The HTTP app: middleware in front of every route, the error shapes, and the routers of each API.
 
 Routes: OpenAI's and vLLM's (:mod:`tokenmill.server.openai`: models, chat completions, completions,
-responses, tokenization), Anthropic's (:mod:`tokenmill.server.anthropic`: messages), and the
+responses, embeddings, tokenization), Anthropic's (:mod:`tokenmill.server.anthropic`: messages), and the
 operations routes (:mod:`tokenmill.server.operations`: health, metrics, status, version, RL control), and
 the chat page (:mod:`tokenmill.server.web`, unless ``web_ui`` is off).
 
@@ -29,7 +29,7 @@ from tokenmill.server.http.auth import APIKeyCheck
 from tokenmill.server.http.body_limit import BodyLimits
 from tokenmill.server.http.errors import install_error_handlers
 from tokenmill.server.http.state import ServerState
-from tokenmill.server.openai import chat, completions, models, responses, tokenization
+from tokenmill.server.openai import chat, completions, embeddings, models, responses, tokenization
 from tokenmill.server.operations import rl_control, status
 from tokenmill.server.web import page
 
@@ -60,7 +60,7 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
         )
     app.state.server = ServerState(engine, name, ServerMetrics(engine), config.allow_special_tokens_in_content)
     install_error_handlers(app, config.max_body_bytes)
-    for module in (models, chat, completions, responses, tokenization, messages, status):
+    for module in (models, chat, completions, responses, embeddings, tokenization, messages, status):
         app.include_router(module.router)
     app.include_router(rl_control.build_router(config.allowed_weight_roots))
     if config.web_ui:

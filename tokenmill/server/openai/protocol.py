@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI routes (chat completions, completions, responses; pydantic), with
+"""Request bodies of the OpenAI routes (chat completions, completions, responses, embeddings; pydantic), with
 vLLM's extras. The conventions (strict types, ignored unknown fields, ``None`` as the default, the
 depth cap) are :mod:`~tokenmill.server.shared.request_body`'s; tool-call arguments given as JSON
 text nest at most :data:`~tokenmill.server.http.nesting.MAX_NESTING_DEPTH` levels too.
@@ -156,6 +156,14 @@ class CompletionRequest(OpenAISampling):
     logprobs: StrictInt | None = None
     echo: StrictBool | None = None
     suffix: StrictStr | None = None
+
+
+class EmbeddingRequest(RequestBody):
+    model: StrictStr
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: StrictInt | None = None
+    user: StrictStr | None = None
 
 
 # ------------------------------------------------------------------------------ OpenAI Responses
