@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 import tokenmill.worker.model_worker as model_worker_module
 from tests.tiny_models import hf_greedy, save_tiny_checkpoint
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, PoolingParams, SamplingParams
 from tokenmill.model.weights import WeightError
 from tokenmill.request import RequestOutput
 
@@ -109,6 +109,19 @@ def test_greedy_tp2_equals_tp1_and_transformers_under_chunking_and_preemption(ki
         tp1.shutdown()
     assert got == expected
     assert got == [hf_greedy(hf_model, p, NEW_TOKENS) for p in batch]
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_embeddings_tp2_equal_transformers_under_chunking_and_preemption(pooling, checkpoints, tp2) -> None:
+    """Pooling steps carry ``hidden_indices`` to the worker too (its forward must match rank 0's)."""
+    hf_model = checkpoints["llama"][1]
+    batch = prompts(5)
+    outputs = tp2["llama"].embed(batch, PoolingParams(pooling=pooling, normalize=False), use_tqdm=False)
+    for prompt, output in zip(batch, outputs):
+        with torch.no_grad():
+            hidden = hf_model.model(torch.tensor([prompt])).last_hidden_state[0]
+        expected = hidden[-1] if pooling == "last" else hidden.mean(0)
+        torch.testing.assert_close(torch.tensor(output.outputs.embedding), expected, atol=1e-4, rtol=0)
 
 
 def test_seeded_sampling_tp2_equals_tp1(checkpoints, tp2) -> None:

@@ -106,6 +106,26 @@ def test_pooling_beside_generation_leaves_tokens_unchanged(llm: LLM, checkpoint)
         assert_close(results[f"e{i}"].embedding, oracle(checkpoint[1], prompt, "mean"))
 
 
+def test_mean_pooling_through_preemption(checkpoint) -> None:
+    """A generation admitted first grows into the pages a pooling prompt counted on: the prompt is
+    preempted part-way through its chunks and recomputed from position 0, each position counted once."""
+    path, hf_model = checkpoint
+    small = LLM(dtype="float32", model=str(path), num_kv_slots=48, page_size=4, max_num_batched_tokens=8)
+    prompt = (PROMPTS[0] + PROMPTS[2] + PROMPTS[1])[:36] + [7, 8, 9, 10]
+    deltas: queue.Queue[RequestOutput] = queue.Queue()
+    try:
+        small.engine.add_request([3, 4, 5, 6], SamplingParams(max_tokens=40, ignore_eos=True), deltas.put, "g")
+        small.engine.add_request(prompt, PoolingParams(pooling="mean"), deltas.put, "e")
+        results: dict[str, RequestOutput] = {}
+        while len(results) < 2 or not all(r.finished for r in results.values()):
+            delta = deltas.get(timeout=120)
+            results[delta.request_id] = accumulate(results.get(delta.request_id), delta)
+        assert small.engine.stats()["scheduler"]["preemptions"] > 0
+    finally:
+        small.shutdown()
+    assert_close(results["e"].embedding, oracle(hf_model, prompt, "mean"))
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "param"),
     [
