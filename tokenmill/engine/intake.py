@@ -134,6 +134,8 @@ class Intake:
         pooling = copy.deepcopy(params)
         pooling.validate(self.hidden_size)
         if isinstance(prompt, str):
+            if not prompt:  # refused even where the tokenizer would add a BOS token to it
+                raise ParameterError("prompt", "is empty")
             self.check_text_fits(prompt, max_tokens=0)
         text, ids = self._tokens(prompt)
         if len(ids) > self.context_limit:
