@@ -126,6 +126,21 @@ def test_mean_pooling_through_preemption(checkpoint) -> None:
     assert_close(results["e"].embedding, oracle(hf_model, prompt, "mean"))
 
 
+def test_an_aborted_pooling_request_ends_with_abort_and_no_embedding(llm: LLM) -> None:
+    engine = llm.engine
+    free = engine.stats()["kv_free_pages"]
+    deltas: queue.Queue[RequestOutput] = queue.Queue()
+    engine.pause_generation()
+    try:
+        engine.add_request(PROMPTS[0], PoolingParams(), deltas.put, "aborted")
+        engine.abort("aborted")
+        final = deltas.get(timeout=60)
+    finally:
+        engine.resume_generation()
+    assert final.finished and final.embedding is None and final.outputs[0].finish_reason == "abort"
+    assert engine.stats()["kv_free_pages"] == free and engine.stats()["active_requests"] == 0
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "param"),
     [
