@@ -421,14 +421,23 @@ class PoolingParams:
 
     ``pooling``: "last" (the last prompt token's final hidden state, after the final norm: the
     Qwen3-Embedding recipe) or "mean" (the mean over every prompt position); ``dimensions``: keep
-    the first ``d`` values (Matryoshka), then ``normalize`` (L2)."""
+    the first ``d`` values (Matryoshka), then ``normalize`` (L2); ``truncate_prompt_tokens``: embed
+    only the prompt's last ``k`` tokens when it is longer (None: a prompt over the context limit
+    is refused)."""
 
     pooling: str = "last"
     normalize: bool = True
     dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None
 
-    def validate(self, hidden_size: int) -> None:
+    def validate(self, hidden_size: int, context_limit: int) -> None:
         """Raise :class:`ParameterError` naming the first bad parameter."""
+        keep = self.truncate_prompt_tokens
+        _require(
+            keep is None or (_is_int(keep) and 1 <= keep <= context_limit),
+            "truncate_prompt_tokens",
+            f"must be an integer in [1, {context_limit}] (the context limit) or None, got {keep!r}",
+        )
         _require(self.pooling in ("last", "mean"), "pooling", f'must be "last" or "mean", got {self.pooling!r}')
         _require(isinstance(self.normalize, bool), "normalize", f"must be a boolean, got {self.normalize!r}")
         dims = self.dimensions

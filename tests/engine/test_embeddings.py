@@ -141,6 +141,20 @@ def test_an_aborted_pooling_request_ends_with_abort_and_no_embedding(llm: LLM) -
     assert engine.stats()["kv_free_pages"] == free and engine.stats()["active_requests"] == 0
 
 
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_truncate_prompt_tokens_embeds_the_last_tokens(llm: LLM, checkpoint, pooling: str) -> None:
+    """A prompt over the context limit (256 tokens here) is refused, unless truncated: then its
+    embedding is that of its last k tokens; a prompt shorter than k is embedded whole."""
+    long = [(7 * i) % 90 + 4 for i in range(600)]
+    with pytest.raises(ParameterError, match="truncate_prompt_tokens keeps only its last tokens"):
+        llm.embed([long], PoolingParams(pooling=pooling), use_tqdm=False)
+    (cut,) = llm.embed([long], PoolingParams(pooling=pooling, truncate_prompt_tokens=40), use_tqdm=False)
+    assert cut.prompt_token_ids == long[-40:]
+    assert_close(cut.outputs.embedding, oracle(checkpoint[1], long[-40:], pooling))
+    (whole,) = llm.embed([PROMPTS[1]], PoolingParams(pooling=pooling, truncate_prompt_tokens=40), use_tqdm=False)
+    assert_close(whole.outputs.embedding, oracle(checkpoint[1], PROMPTS[1], pooling))
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "param"),
     [
@@ -151,6 +165,8 @@ def test_an_aborted_pooling_request_ends_with_abort_and_no_embedding(llm: LLM) -
         ([1, 2], PoolingParams(dimensions=0), "dimensions"),
         ([1, 2], PoolingParams(dimensions=65), "dimensions"),
         ([1, 2], PoolingParams(normalize="yes"), "normalize"),
+        ([1, 2], PoolingParams(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        ([1, 2], PoolingParams(truncate_prompt_tokens=10**6), "truncate_prompt_tokens"),
     ],
 )
 def test_bad_input_refused_before_allocation(llm: LLM, prompt, params: PoolingParams, param: str) -> None:

@@ -84,6 +84,15 @@ def test_dimensions_and_token_id_inputs(client: openai.OpenAI, hf_model) -> None
     assert many.usage.total_tokens == 7
 
 
+def test_truncate_prompt_tokens_embeds_each_inputs_last_tokens(server: Server, hf_model) -> None:
+    long = [(7 * i) % 90 + 4 for i in range(600)]  # over the context limit: refused whole
+    body = {"model": MODEL, "input": [long, [9, 4, 71]], "encoding_format": "float", "truncate_prompt_tokens": 16}
+    reply = post(server, body).json()
+    assert_close(reply["data"][0]["embedding"], oracle(hf_model, long[-16:]))
+    assert_close(reply["data"][1]["embedding"], oracle(hf_model, [9, 4, 71]))
+    assert reply["usage"]["prompt_tokens"] == 16 + 3
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -96,6 +105,7 @@ def test_dimensions_and_token_id_inputs(client: openai.OpenAI, hf_model) -> None
         ({"input": "hello", "dimensions": 0}, "dimensions"),
         ({"input": "hello", "dimensions": 65}, "dimensions"),
         ({"input": "hello", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "hello", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_parameter(server: Server, body: dict, param: str) -> None:

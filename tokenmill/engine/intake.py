@@ -132,14 +132,21 @@ class Intake:
         if self.hidden_size is None:
             raise ParameterError("pooling_params", "needs the model's hidden size")
         pooling = copy.deepcopy(params)
-        pooling.validate(self.hidden_size)
+        pooling.validate(self.hidden_size, self.context_limit)
+        keep = pooling.truncate_prompt_tokens
         if isinstance(prompt, str):
             if not prompt:  # refused even where the tokenizer would add a BOS token to it
                 raise ParameterError("prompt", "is empty")
-            self.check_text_fits(prompt, max_tokens=0)
+            if keep is None:
+                self.check_text_fits(prompt, max_tokens=0)
         text, ids = self._tokens(prompt)
+        if keep is not None and len(ids) > keep:  # its last tokens, as vLLM truncates
+            ids = ids[-keep:]
         if len(ids) > self.context_limit:
-            raise ContextLengthError(f"({len(ids)} tokens) exceeds the context limit of {self.context_limit} tokens")
+            raise ContextLengthError(
+                f"({len(ids)} tokens) exceeds the context limit of {self.context_limit} tokens; "
+                "truncate_prompt_tokens keeps only its last tokens"
+            )
         params = SamplingParams(max_tokens=1)  # what the sequence machinery reads; nothing is sampled
         rid = request_id or new_request_id()
         metrics = RequestMetrics(arrival_time=now())

@@ -5,8 +5,9 @@ engine pooling request (:class:`~tokenmill.request.PoolingParams`, "last" poolin
 scheduled beside generation under the same budget and limits; every input is validated before any
 is queued (``AsyncEngine.embed``). ``dimensions`` keeps the first ``d``
 values before normalizing (1 .. the model's hidden size). ``encoding_format`` "float" (default) or
-"base64": the little-endian float32 bytes, base64-encoded, as OpenAI sends them. ``usage`` counts
-each input's tokens once. Refusals name the parameter: ``input`` (empty, too long, bad token ids),
+"base64": the little-endian float32 bytes, base64-encoded, as OpenAI sends them.
+``truncate_prompt_tokens`` (vLLM's) embeds each input's last ``k`` tokens. ``usage`` counts each
+input's tokens once (after truncation). Refusals name the parameter: ``input`` (empty, too long, bad token ids),
 ``dimensions``.
 """
 
@@ -52,7 +53,7 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: State) -> 
         )
     check_unicode(inputs, "input")
     rid = f"embd-{uuid.uuid4().hex}"
-    params = PoolingParams(dimensions=body.dimensions)
+    params = PoolingParams(dimensions=body.dimensions, truncate_prompt_tokens=body.truncate_prompt_tokens)
     with engine_errors(ALIASES):
         outputs = await until_disconnected(request, state.async_engine.embed(inputs, params, rid))
     for output in outputs:

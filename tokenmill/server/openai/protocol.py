@@ -164,6 +164,7 @@ class EmbeddingRequest(RequestBody):
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: StrictInt | None = None
     user: StrictStr | None = None
+    truncate_prompt_tokens: StrictInt | None = None  # vLLM's: embed each input's last k tokens
 
 
 # ------------------------------------------------------------------------------ OpenAI Responses
