@@ -243,3 +243,4 @@ def test_dead_engine_fails_fast_with_503(checkpoint: Path) -> None:
         error = openai_error(post(live, "/v1/chat/completions", CHAT), 503)
         assert error["code"] == "engine_dead"
         assert httpx.get(f"{live.url}/metrics").status_code == 200  # without the engine's gauges
+        assert openai_error(httpx.get(f"{live.url}/status"), 503)["code"] == "engine_dead"

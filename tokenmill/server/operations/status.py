@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenmill import __version__
+from tokenmill.server.http.errors import engine_errors
 from tokenmill.server.http.state import State
 
 router = APIRouter()
@@ -34,7 +35,8 @@ async def status(state: State) -> dict[str, Any]:
     """The model and its settings, requests running and waiting, KV pages (used by requests, cached
     only, free), the prefix cache's hit rate and the output tokens served so far."""
     engine = state.engine
-    stats = await asyncio.to_thread(engine.stats)
+    with engine_errors({}):  # a dead engine: 503
+        stats = await asyncio.to_thread(engine.stats)
     cache = stats["cache"]
     free, cached = stats["kv_free_pages"], stats["kv_cached_pages"]
     queried = cache["prefix_query_tokens"]
