@@ -3,9 +3,9 @@ continuation of a sequence, run on the engine thread with a model worker and KV 
 
 Per sequence the proposer keeps the draft's KV (a row and pages of its own cache) for the tokens it
 last saw: the sequence's tokens then its own proposal but the last. At the next proposal it keeps
-the longest common prefix with the sequence's tokens now (the proposals the target accepted),
-drops the rest (a length change), computes the new tokens in one prefill forward and then decodes
-``k - 1`` more tokens one at a time. A greedy proposal is a point mass, for which the verifier's
+the sequence's tokens and the proposals the target accepted (compared past the tokens it had
+confirmed), drops the rest (a length change), computes the new tokens in one forward and then
+decodes ``k - 1`` more tokens one at a time. A greedy proposal is a point mass, for which the verifier's
 rule (sample the target, accept on equality) is the speculative-sampling rule, so the output's
 distribution is the target's whatever the draft proposes. Sequences that stop decoding (finished,
 preempted, or speculation switched off for the step's batch) give their draft KV back at the next
@@ -40,9 +40,13 @@ MAX_DECODE_ROWS = 8
 
 @dataclasses.dataclass
 class _DraftKV:
+    """The draft's KV of one sequence: positions ``0 .. confirmed-1`` hold the sequence's own
+    tokens, the ``guesses`` after them the draft's last proposal but its final token
+    (``kv.n_kv == confirmed + len(guesses)``)."""
+
     kv: KVHandle
-    tokens: list[int]  # the tokens whose KV the draft holds, in order
-    confirmed: int = 0  # how many of them were the sequence's own (not proposals) when last seen
+    confirmed: int = 0
+    guesses: list[int] = dataclasses.field(default_factory=list)
 
 
 class DraftModelProposer:
@@ -113,36 +117,36 @@ class DraftModelProposer:
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """The draft's ``k`` most likely next tokens after ``seq``'s, one at a time (empty when its
-        cache has no room)."""
-        tokens = seq.all_token_ids
+        cache has no room). Only the tokens past the confirmed ones are read (a sequence's tokens
+        never change), so a step's cost does not grow with the sequence."""
         held = self._held.get(seq.seq_id)
         if held is None:
-            held = _DraftKV(KVHandle(), [])
-            if not self.cache.alloc(held.kv, tokens, use_prefix_cache=False):
+            held = _DraftKV(KVHandle())
+            if not self.cache.alloc(held.kv, [], use_prefix_cache=False):  # no prefix cache: no tokens needed
                 return []
             self._held[seq.seq_id] = held
-        # a sequence's tokens never change, so only those past the confirmed ones are compared
-        start = held.confirmed
-        kept = start + _common_prefix(held.tokens[start:], tokens[start:], len(tokens) - 1 - start)
-        self.cache.truncate(held.kv, kept)  # at least one token is left to compute: its logits are needed
-        held.tokens = held.tokens[:kept]
+        n = seq.n_tokens
+        start = min(held.confirmed, n - 1)  # at least one token is left to compute: its logits are needed
+        guesses = held.guesses if start == held.confirmed else []
+        taken = seq.tokens(start, start + min(len(guesses), n - 1 - start))
+        kept = start + _common_prefix(guesses, taken)
+        self.cache.truncate(held.kv, kept)
         proposal: list[int] = []
-        new = tokens[kept:]
+        new = seq.tokens(kept, n)
         while len(proposal) < k:
             slots = self.cache.extend(held.kv, len(new))
             if slots is None:
                 break
             proposal.append(self._next_token(held.kv, new, slots))
-            held.tokens += new
             new = proposal[-1:]
-        held.confirmed = min(len(tokens), len(held.tokens))
+        held.confirmed = min(n, held.kv.n_kv)
+        held.guesses = proposal[: held.kv.n_kv - held.confirmed]
         return proposal
 
     def retain(self, seq_ids: set[int]) -> None:
         """Give back the draft KV of every sequence but ``seq_ids``."""
         for seq_id in [s for s in self._held if s not in seq_ids]:
-            held = self._held.pop(seq_id)
-            self.cache.free(held.kv, held.tokens, cache_pages=False)
+            self.cache.free(self._held.pop(seq_id).kv, [], cache_pages=False)
 
     def _next_token(self, kv: KVHandle, new: list[int], slots: torch.Tensor) -> int:
         """The draft's most likely token after computing ``new`` (the last ``len(new)`` positions of
@@ -171,10 +175,9 @@ class DraftModelProposer:
         return int(logits[-1, : self.vocab_size].argmax())
 
 
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
-    n = min(len(a), len(b), limit)
-    for i in range(n):
-        if a[i] != b[i]:
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
             return i
-    return n
+    return min(len(a), len(b))
