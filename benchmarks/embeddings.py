@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from fresh_process import answer, call
 
 THREADS = 2
 
@@ -92,19 +93,6 @@ def st_task(spec: dict[str, Any]) -> dict[str, Any]:
     return {"elapsed_s": elapsed, "embeddings": vectors[: spec["keep"]].tolist()}
 
 
-def call(python: str, task: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """``task`` in a fresh process of ``python``; its JSON answer."""
-    with tempfile.TemporaryDirectory() as folder:
-        spec_file, answer = Path(folder) / "spec.json", Path(folder) / "answer.json"
-        spec_file.write_text(json.dumps(spec))
-        done = subprocess.run(
-            [python, __file__, "--worker", task, str(spec_file), str(answer)], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{task} failed:\n{done.stderr[-3000:]}")
-        return json.loads(answer.read_text())
-
-
 def cosines(a: list[list[float]], b: list[list[float]]) -> list[float]:
     import torch
 
@@ -115,9 +103,9 @@ def main(args: argparse.Namespace) -> None:
     model = str(make_model(Path(args.work_dir) / "qwen3-bge-small-shape"))
     texts = sentences(args.sentences)
     spec = {"model": model, "texts": texts, "keep": 50}
-    st = call(str(args.st_python), "st", spec)
-    fp32 = call(sys.executable, "tokenmill", {**spec, "dtype": "float32"})
-    auto = call(sys.executable, "tokenmill", {**spec, "dtype": "auto"})
+    st = call(__file__, str(args.st_python), "st", spec)
+    fp32 = call(__file__, sys.executable, "tokenmill", {**spec, "dtype": "float32"})
+    auto = call(__file__, sys.executable, "tokenmill", {**spec, "dtype": "auto"})
     rate = {name: len(texts) / run["elapsed_s"] for name, run in (("st", st), ("fp32", fp32), ("auto", auto))}
     agreement = cosines(st["embeddings"], fp32["embeddings"])
     result = {
@@ -141,9 +129,7 @@ if __name__ == "__main__":
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     ARGS = parser.parse_args()
     if ARGS.worker:
-        task, spec_file, answer = ARGS.worker
-        work = json.loads(Path(spec_file).read_text())
-        Path(answer).write_text(json.dumps({"tokenmill": tokenmill_task, "st": st_task}[task](work)))
+        answer(ARGS.worker, {"tokenmill": tokenmill_task, "st": st_task})
     elif ARGS.st_python is None:
         sys.exit("--st-python is needed (a venv with sentence-transformers)")
     else:

