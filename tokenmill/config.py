@@ -140,6 +140,18 @@ class EngineConfig:
         "Share full KV pages between requests with identical prefixes (radix cache).",
         section="KV cache",
     )
+    kv_cache_disk_dir: str | None = option(
+        None,
+        "Directory of the KV cache's disk tier: prefixes the prefix cache computed are also written "
+        "there in the background (blocks of 64 tokens) and read back instead of recomputed, also after "
+        "a restart with the same model and settings. One server per directory (locked). None: no tier.",
+        section="KV cache",
+    )
+    kv_cache_disk_bytes: int = option(
+        4 * 1024**3,
+        "Bytes the disk tier's files may take (least recently used blocks are deleted past it).",
+        section="KV cache",
+    )
 
     max_running_requests: int = option(
         128,
@@ -312,6 +324,13 @@ class EngineConfig:
         speculative = self.speculative()  # raises on a bad setting
         if speculative is not None and speculative.model is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config: a draft model is not supported with tensor parallelism")
+        if self.kv_cache_disk_dir is not None:
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_cache_disk_dir needs enable_prefix_caching (the disk tier holds cached prefixes)")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_cache_disk_dir is not supported with tensor parallelism yet")
+            if self.kv_cache_disk_bytes < 1:
+                raise ValueError(f"kv_cache_disk_bytes must be >= 1, got {self.kv_cache_disk_bytes}")
         if self.num_kv_slots is not None and self.num_kv_slots < self.page_size:
             raise ValueError(f"num_kv_slots must be >= page_size ({self.page_size}), got {self.num_kv_slots}")
 

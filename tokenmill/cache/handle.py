@@ -5,7 +5,7 @@ The engine's sequence keeps a handle and reads it; the cache never sees the engi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenmill.cache.radix import RadixNode
 
@@ -19,3 +19,5 @@ class KVHandle:
     prefix_node: RadixNode | None = None  # radix node locked on behalf of the sequence
     n_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
     epoch: int = -1  # the prefix-cache epoch its KV was computed in (see CacheManager.epoch)
+    block_keys: list[str] = field(default_factory=list)  # disk-tier names of its whole blocks, as far as computed
+    keys_epoch: int = -1  # the epoch ``block_keys`` were computed in

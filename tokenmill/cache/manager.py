@@ -11,6 +11,14 @@ slots there are.
 Epochs: ``reset_prefix_cache`` (e.g. after a weight update) starts a new epoch; a handle
 admitted in an older epoch never inserts its KV into the radix cache, so no later request can
 reuse KV computed under old weights.
+
+The disk tier (optional, ``cache/disk_tier.py``): whole blocks of a prefix that enter the radix
+cache are queued to be saved, and an admission whose device match ends where the tier holds the
+next blocks loads them instead of computing them (when reading is measured faster than prefill).
+The manager never touches KV data: ``take_tier_moves`` hands the step's executor the slots to
+save from (before any later forward can overwrite them) and the blocks to store into freshly
+allocated slots (before the forward that reads them). A handle's positions waiting for a load
+count as computed, except that nothing caches them before the load is applied.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import Any
 import torch
 
 from tokenmill.cache.allocator import PageAllocator
+from tokenmill.cache.disk_tier import DiskKVTier, block_keys
 from tokenmill.cache.handle import KVHandle
 from tokenmill.cache.radix import RadixCache
 from tokenmill.cache.storage import ReqToTokenPool
@@ -37,9 +46,23 @@ class CacheStats:
     prefix_query_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class TierLoad:
+    """Keys and values read from the disk tier for ``slots`` of ``kv`` (``[n_layers, len(slots), heads, dim]``)."""
+
+    kv: KVHandle
+    position: int  # of slots[0] in kv's sequence
+    slots: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
 class CacheManager:
-    def __init__(self, config: EngineConfig, n_slots: int, req_pool: ReqToTokenPool) -> None:
-        """``n_slots``: the KV storage's slots (``n_slots // page_size`` pages); ``req_pool``: layer 2."""
+    def __init__(
+        self, config: EngineConfig, n_slots: int, req_pool: ReqToTokenPool, tier: DiskKVTier | None = None
+    ) -> None:
+        """``n_slots``: the KV storage's slots (``n_slots // page_size`` pages); ``req_pool``: layer 2;
+        ``tier``: the disk tier (needs the radix cache; its blocks a whole number of pages)."""
         self.config = config
         self.page_size = config.page_size
         self.req_pool = req_pool
@@ -47,6 +70,11 @@ class CacheManager:
         self.radix = RadixCache(self.allocator) if config.enable_prefix_caching else None
         self.stats = CacheStats()
         self.epoch = 0
+        assert tier is None or (self.radix is not None and tier.block_tokens % self.page_size == 0)
+        self.tier = tier
+        self._saves: dict[str, torch.Tensor] = {}  # block name -> its slots, until take_tier_moves
+        self._loads: list[TierLoad] = []
+        self._prefill_seconds_per_token: float | None = None
 
     # ----------------------------------------------------------------- capacity
     @property
@@ -83,7 +111,8 @@ class CacheManager:
     def snapshot(self) -> dict[str, Any]:
         """Counters and occupancy for metrics: ``cache`` (the :class:`CacheStats`), ``kv_usage`` (pages
         of live sequences), ``kv_prefix_cache_usage`` (pages only the prefix cache holds), free,
-        capacity and cached pages, free request rows. Walks the prefix tree once."""
+        capacity and cached pages, free request rows, the disk tier's counters (None without one).
+        Walks the prefix tree once."""
         live_usage, prefix_cache_usage = self.usage()
         return {
             "cache": asdict(self.stats),
@@ -93,6 +122,7 @@ class CacheManager:
             "kv_capacity_pages": self.allocator.capacity,
             "kv_cached_pages": self.radix.n_cached_pages if self.radix is not None else 0,
             "free_rows": self.req_pool.n_free,
+            "disk_tier": self.tier.snapshot() if self.tier is not None else None,
         }
 
     # ----------------------------------------------------------------- lifecycle
@@ -121,6 +151,8 @@ class CacheManager:
                 kv.n_kv = kv.n_cached_tokens = match.n_tokens
             self.radix.lock(match.node)
             kv.prefix_node = match.node
+            if self.tier is not None:
+                self._load_from_tier(kv, tokens)
         return True
 
     def extend(self, kv: KVHandle, n_tokens: int) -> torch.Tensor | None:
@@ -203,6 +235,7 @@ class CacheManager:
         if kv.prefix_node is not None:
             self.radix.unlock(kv.prefix_node)
         kv.prefix_node = match.node
+        self._save_to_tier(kv, tokens)
 
     def fork(self, parent: KVHandle, child: KVHandle) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Give ``child`` (holding nothing) ``parent``'s positions ``0 .. n_kv-1``: a row that shares
@@ -239,11 +272,13 @@ class CacheManager:
         hits (positions past ``tokens``, a speculative step's proposals, never do)."""
         if kv.row is None:
             return
-        n_full = min(kv.n_kv, len(tokens)) // self.page_size * self.page_size
+        computed = min(kv.n_kv, len(tokens), self._drop_loads(kv))
+        n_full = computed // self.page_size * self.page_size
         pages = self._row_pages(kv.row, kv.n_kv)
         if self.radix is not None:
             if cache_pages and n_full and kv.epoch == self.epoch:
                 self.radix.insert(tokens[:n_full], pages[: n_full // self.page_size])
+                self._save_to_tier(kv, tokens[:n_full])
             if kv.prefix_node is not None:
                 self.radix.unlock(kv.prefix_node)
         if pages.numel():
@@ -252,10 +287,106 @@ class CacheManager:
         kv.row, kv.n_kv, kv.prefix_node = None, 0, None
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (e.g. after a weight update). Running sequences keep theirs."""
+        """Forget every cached prefix of the device (e.g. after a weight update). Running sequences
+        keep theirs; nothing computed before joins the disk tier."""
         if self.radix is not None:
             self.radix.reset()
+        self._saves.clear()
         self.epoch += 1
+
+    def clear_tiers(self) -> None:
+        """Forget every cached prefix, on the device and on disk."""
+        self.reset_prefix_cache()
+        if self.tier is not None:
+            self.tier.clear()
+
+    def rename_tier(self, namespace: str) -> None:
+        """The weights changed: the disk tier serves ``namespace`` from now on (its blocks deleted)."""
+        if self.tier is not None:
+            self._saves.clear()
+            self.tier.renamespace(namespace)
+
+    # ----------------------------------------------------------------- disk tier
+    def take_tier_moves(self) -> tuple[list[tuple[str, torch.Tensor]], list[TierLoad]]:
+        """``(saves, loads)`` queued since the last call: blocks to save (name, the slots holding them
+        now) and blocks read for new slots. Saves must be read before loads are stored, both before
+        the next forward."""
+        saves, loads = list(self._saves.items()), self._loads
+        self._saves, self._loads = {}, []
+        return saves, loads
+
+    def observe_prefill(self, n_tokens: int, seconds: float) -> None:
+        """A forward computed ``n_tokens`` prompt tokens in ``seconds``: the speed loading competes with."""
+        if n_tokens < 16 or seconds <= 0:
+            return
+        per_token = seconds / n_tokens
+        previous = self._prefill_seconds_per_token
+        self._prefill_seconds_per_token = per_token if previous is None else 0.8 * previous + 0.2 * per_token
+
+    def tier_load_pays(self) -> bool:
+        """Whether reading a token's KV from disk is faster than computing it (True until both are measured)."""
+        tier, per_token = self.tier, self._prefill_seconds_per_token
+        read_speed = tier.read_bytes_per_second() if tier is not None else None
+        if tier is None or read_speed is None or per_token is None:
+            return tier is not None
+        return tier.payload_bytes / tier.block_tokens / read_speed < per_token
+
+    def _block_keys(self, kv: KVHandle, tokens: Sequence[int]) -> list[str]:
+        """The disk-tier names of the whole blocks of ``tokens`` (``kv``'s sequence's first tokens)."""
+        assert self.tier is not None
+        if kv.keys_epoch != self.epoch:
+            kv.block_keys, kv.keys_epoch = [], self.epoch
+        keys = block_keys(self.tier.namespace, tokens, self.tier.block_tokens, kv.block_keys)
+        return keys[: len(tokens) // self.tier.block_tokens]
+
+    def _load_from_tier(self, kv: KVHandle, tokens: Sequence[int]) -> None:
+        """Extend ``kv`` (holding its device match of ``tokens``) with the blocks the tier holds next,
+        read now and queued to be stored; nothing when reading does not pay or pages lack."""
+        tier = self.tier
+        assert tier is not None and kv.row is not None
+        bt, start = tier.block_tokens, kv.n_kv
+        first = start // bt
+        tier.stats.query_tokens += len(tokens) - start
+        keys = self._block_keys(kv, tokens)[first:]
+        held = 0
+        while held < len(keys) and tier.contains(keys[held]):
+            held += 1
+        if not held or not self.tier_load_pays():
+            return
+        blocks = []
+        for key in keys[:held]:
+            block = tier.load(key)
+            if block is None:
+                break
+            blocks.append(block)
+        n = (first + len(blocks)) * bt - start
+        slots = self.extend(kv, n) if n > 0 else None
+        if slots is None:
+            return
+        position, offset = start, start - first * bt
+        for k, v in blocks:
+            part = slots[position - start : position - start + bt - offset]
+            self._loads.append(TierLoad(kv, position, part, k[:, offset:], v[:, offset:]))
+            position += part.numel()
+            offset = 0
+        kv.n_cached_tokens = kv.n_kv
+        tier.stats.hit_tokens += n
+
+    def _save_to_tier(self, kv: KVHandle, tokens: Sequence[int]) -> None:
+        """Queue the whole blocks of ``tokens`` (computed in ``kv``'s row) that the tier lacks."""
+        if self.tier is None or kv.epoch != self.epoch:
+            return
+        bt = self.tier.block_tokens
+        for b, key in enumerate(self._block_keys(kv, tokens)):
+            if key not in self._saves and not self.tier.contains(key):
+                self._saves[key] = self.req_pool.table[kv.row, b * bt : (b + 1) * bt].long().cpu()
+
+    def _drop_loads(self, kv: KVHandle) -> int:
+        """Forget ``kv``'s loads not yet stored; the first position they covered (a large number: none)."""
+        mine = [load.position for load in self._loads if load.kv is kv]
+        if mine:
+            self._loads = [load for load in self._loads if load.kv is not kv]
+        return min(mine, default=1 << 62)
 
     # ----------------------------------------------------------------- internals
     def _alloc_pages(self, n: int) -> torch.Tensor | None:

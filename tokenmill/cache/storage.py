@@ -56,6 +56,17 @@ class KVStorage:
         self.k_buffer[:, dst] = self.k_buffer[:, src]
         self.v_buffer[:, dst] = self.v_buffer[:, src]
 
+    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies (on the CPU) of the keys and values of ``slots``: ``[n_layers, len(slots), n_kv_heads, head_dim]``."""
+        slots = slots.to(self.k_buffer.device)
+        return self.k_buffer[:, slots].cpu(), self.v_buffer[:, slots].cpu()
+
+    def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k`` and ``v`` (shaped as ``read_slots`` returns them) as the keys and values of ``slots``."""
+        slots = slots.to(self.k_buffer.device)
+        self.k_buffer[:, slots] = k.to(self.k_buffer.device)
+        self.v_buffer[:, slots] = v.to(self.v_buffer.device)
+
     @staticmethod
     def bytes_per_slot(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes that one token's keys and values take over all layers."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import traceback
 from dataclasses import asdict
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.cache.disk_tier import DiskKVTier, open_disk_tier
+from tokenmill.cache.fingerprint import checkpoint_fingerprint
 from tokenmill.cache.manager import CacheManager
 from tokenmill.cache.storage import ReqToTokenPool
 from tokenmill.config import EngineConfig
@@ -79,6 +82,8 @@ class Engine(EngineLoop):
         self.step_time = 0.0  # wall seconds in steps that ran a forward
         self.forward_time = 0.0  # of which inside the model forward
         self.workers: WorkerGroup | None = None  # the other tensor-parallel ranks (tensor_parallel_size > 1)
+        self.tier: DiskKVTier | None = None  # the KV cache's disk tier (kv_cache_disk_dir)
+        self.executor: StepExecutor | None = None
         super().__init__()
         self._start()
 
@@ -97,7 +102,9 @@ class Engine(EngineLoop):
         agree = self.workers.agree_on_slots if self.workers else None
         self.worker = build_model_worker(cfg, tp, self.device, req_pool.table, agree)
         self.model = self.worker.model
-        self.cache = CacheManager(cfg, self.worker.storage.n_slots, req_pool)
+        if cfg.kv_cache_disk_dir is not None:
+            self.tier = open_disk_tier(cfg, self.worker.storage, self._tier_namespace())
+        self.cache = CacheManager(cfg, self.worker.storage.n_slots, req_pool, self.tier)
         self.context_limit = min(self.max_context_len, self.cache.capacity_tokens)
         speculative = cfg.speculative()
         self.speculator = None
@@ -231,10 +238,16 @@ class Engine(EngineLoop):
                 self._abort_all()
             if flush_cache:
                 self.cache.reset_prefix_cache()
+            self.cache.rename_tier(self._tier_namespace(f"weights updated to {new_version}, {secrets.token_hex(8)}"))
             self.weight_version = new_version
             return new_version
 
         return self.call(apply)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, on the device and on the disk tier (between steps; running
+        sequences keep their KV)."""
+        self.call(self.cache.clear_tiers)
 
     def stats(self, timeout: float | None = 60.0) -> dict[str, Any]:
         """A consistent snapshot of scheduler, cache and request counters (taken between steps;
@@ -293,10 +306,23 @@ class Engine(EngineLoop):
     def _release(self) -> None:
         if self.workers is not None:
             self.workers.shutdown()
+        if self.tier is not None:
+            if self.executor is not None:
+                self.executor.move_tier_blocks()
+            self.tier.close()
 
     def _before_idle(self) -> None:
         if self.threads is not None:
             self.threads.rest()
+        if self.executor is not None:
+            self.executor.move_tier_blocks()
+
+    def _tier_namespace(self, *extra: str) -> str:
+        """The name of the KV this engine computes: its checkpoint, dtypes, quantization, block size."""
+        cfg = self.config
+        settings = (cfg.quantization, cfg.quantization_group_size, cfg.tensor_parallel_size, cfg.page_size)
+        kv_dtype = cfg.resolved_kv_dtype(self.dtype)
+        return checkpoint_fingerprint(cfg.model_path(), str(self.dtype), str(kv_dtype), repr(settings), *extra)
 
     def _step(self) -> None:
         if self.threads is not None:
@@ -339,5 +365,6 @@ class Engine(EngineLoop):
                 output.fail(
                     [v.seq for v in plan.verify], f"internal error in verification: {type(exc).__name__}: {exc}"
                 )
+        self.executor.move_tier_blocks()
         self.step_time += now() - started
         self.forward_time += self.worker.last_forward_time

@@ -41,9 +41,12 @@ class StepExecutor:
         ``plan.verify`` (``1 + k`` per verification), after the forward on every rank, the computed
         prompts cached and the step's prompt logprobs and pooling hidden states collected."""
         step = self.forward_step(plan)
+        self.move_tier_blocks()
         hold = self.workers.step(step) if self.workers is not None else contextlib.nullcontext()
         with hold:
             logits = self.worker.execute(step)
+        if plan.prefill and not plan.decode and not plan.verify:
+            self.cache.observe_prefill(sum(n for _, n in plan.prefill), self.worker.last_forward_time)
         sample_seqs = plan.sample_seqs
         for seq in sample_seqs[len(plan.decode) :]:  # computed prompts, each parent before its forked children
             self.cache.cache_prompt(seq.kv, seq.all_token_ids)
@@ -56,6 +59,18 @@ class StepExecutor:
             assert self.worker.last_hidden is not None, "a step with pooling positions returns hidden states"
             pooler.gather(plan.pooling, self.worker.last_hidden)
         return logits[:n_sample], logits[n_sample:n_scored]
+
+    def move_tier_blocks(self) -> None:
+        """Hand the disk tier the blocks the cache queued for it (read from their slots now, before a
+        forward can overwrite them), then store the blocks it read into their new slots. Call before
+        every forward and after the step's output stage (so nothing waits for the next step)."""
+        saves, loads = self.cache.take_tier_moves()
+        storage, tier = self.worker.storage, self.cache.tier
+        for key, slots in saves:
+            assert tier is not None
+            tier.save(key, *storage.read_slots(slots))
+        for load in loads:
+            storage.write_slots(load.slots, load.k, load.v)
 
     def forward_step(self, plan: StepPlan) -> ForwardStep:
         """The plan as plain data, with the table entries written since the previous step. A
