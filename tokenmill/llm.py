@@ -108,6 +108,10 @@ class LLM:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, on the device and on disk (:meth:`tokenmill.Engine.reset_prefix_cache`)."""
+        self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

@@ -1,0 +1,246 @@
+"""The KV disk tier through the engine: prefixes served from disk after a restart and after device
+eviction equal transformers and the run that computed them; another model, new weights, a corrupt
+or partial file, a kill mid-write are never served; bad settings fail at start."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import hf_greedy, save_tiny_checkpoint
+from tokenmill import LLM, SamplingParams
+from tokenmill.cache.disk_tier import SUFFIX, DiskTierError
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    path = tmp_path_factory.mktemp("tier-llama")
+    hf_model = save_tiny_checkpoint(path, "llama", max_position_embeddings=1024)
+    hf_model.generation_config.eos_token_id = None
+    return path, hf_model
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 97) for _ in range(length)] for _ in range(n)]
+
+
+def engine(model: Path, tier: Path, **overrides: object) -> LLM:
+    options = dict(dtype="float32", model=str(model), num_kv_slots=2048, kv_cache_disk_dir=str(tier))
+    return LLM(**{**options, **overrides})
+
+
+def run(llm: LLM, batch: list[list[int]], params: SamplingParams = GREEDY) -> list[tuple[list[int], int]]:
+    """Each prompt's tokens and the prompt tokens it did not compute (from any cache tier)."""
+    outputs = llm.generate(batch, [params] * len(batch), use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.num_cached_tokens) for o in outputs]
+
+
+def tier_stats(llm: LLM) -> dict:
+    return llm.engine.stats()["disk_tier"]
+
+
+def blocks(tier: Path) -> list[Path]:
+    return sorted(tier.glob(f"*{SUFFIX}"))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_restart_serves_prefix_from_disk_equal_to_transformers(checkpoint, tmp_path: Path, page_size: int) -> None:
+    path, hf_model = checkpoint
+    batch = prompts(2, 300)
+    llm = engine(path, tmp_path, page_size=page_size)
+    try:
+        first = run(llm, batch)
+        assert [cached for _, cached in first] == [0, 0]
+    finally:
+        llm.shutdown()
+    assert len(blocks(tmp_path)) == 2 * (308 // 64)  # each sequence's whole blocks, output tokens included
+    llm = engine(path, tmp_path, page_size=page_size)
+    try:
+        second = run(llm, batch)
+        stats = tier_stats(llm)
+    finally:
+        llm.shutdown()
+    assert [cached for _, cached in second] == [256, 256]  # 4 blocks of 64; the rest computed
+    assert stats["hit_tokens"] == 512 and stats["rejected_files"] == 0
+    for (tokens, _), (again, _), prompt in zip(first, second, batch):
+        assert again == tokens == hf_greedy(hf_model, prompt, 8)
+
+
+def test_pool_smaller_than_prefixes_reads_evicted_blocks_back(checkpoint, tmp_path: Path) -> None:
+    """Eight 200-token prefixes cycle through a pool of 512 slots: the device evicts them, the disk
+    tier serves them back (a run without it computes every prompt whole), with outputs equal to that
+    run; chunked prefill runs beside the loads."""
+    path, _ = checkpoint
+    shared = prompts(8, 200, seed=1)
+    batch = [shared[i % 8] + [4 + i] for i in range(24)]
+    small = dict(num_kv_slots=512, max_num_batched_tokens=96, page_size=4)
+    plain = LLM(dtype="float32", model=str(path), **small)
+    try:
+        expected = run(plain, batch)
+    finally:
+        plain.shutdown()
+    llm = engine(path, tmp_path, **small)
+    try:
+        got = run(llm, batch)
+        stats = tier_stats(llm)
+    finally:
+        llm.shutdown()
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    assert stats["hit_tokens"] == 16 * 192, stats  # every repeat's 3 blocks come back from disk
+    assert sum(cached for _, cached in got) > sum(cached for _, cached in expected)
+
+
+def test_another_model_never_reads_the_blocks(checkpoint, tmp_path: Path) -> None:
+    path, _ = checkpoint
+    other = tmp_path / "other"
+    other_hf = save_tiny_checkpoint(other, "llama", seed=1, max_position_embeddings=1024)
+    other_hf.generation_config.eos_token_id = None
+    batch = prompts(1, 200)
+    llm = engine(path, tmp_path / "tier")
+    try:
+        run(llm, batch)
+    finally:
+        llm.shutdown()
+    assert blocks(tmp_path / "tier")
+    llm = engine(other, tmp_path / "tier")
+    try:
+        ((tokens, cached),) = run(llm, batch)
+    finally:
+        llm.shutdown()
+    assert cached == 0 and tokens == hf_greedy(other_hf, batch[0], 8)
+
+
+def test_weight_update_invalidates_the_tier(checkpoint, tmp_path: Path) -> None:
+    path, hf_model = checkpoint
+    batch = prompts(1, 200, seed=2)
+    llm = engine(path, tmp_path)
+    try:
+        run(llm, batch)
+        assert blocks(tmp_path)
+        name = "model.layers.0.mlp.down_proj.weight"
+        new = dict(hf_model.named_parameters())[name].detach() + 0.5
+        llm.update_weights([(name, new)])
+        assert not blocks(tmp_path)  # the old weights' blocks are gone at once
+        ((tokens, cached),) = run(llm, batch)
+        assert cached == 0
+        with torch.no_grad():
+            updated = save_tiny_checkpoint(tmp_path / "updated", "llama", max_position_embeddings=1024)
+            updated.load_state_dict(hf_model.state_dict())
+            dict(updated.named_parameters())[name].copy_(new)
+        updated.generation_config.eos_token_id = None
+        assert tokens == hf_greedy(updated, batch[0], 8)
+        assert blocks(tmp_path)  # blocks of the new weights
+    finally:
+        llm.shutdown()
+    llm = engine(path, tmp_path)  # a restart loads the files' weights: the updated weights' blocks must not serve
+    try:
+        ((tokens, cached),) = run(llm, batch)
+    finally:
+        llm.shutdown()
+    assert cached == 0 and tokens == hf_greedy(hf_model, batch[0], 8)
+
+
+def test_corrupt_and_partial_files_are_deleted_and_recomputed(checkpoint, tmp_path: Path) -> None:
+    path, hf_model = checkpoint
+    batch = prompts(1, 300, seed=3)
+    llm = engine(path, tmp_path)
+    try:
+        run(llm, batch)
+    finally:
+        llm.shutdown()
+    files = blocks(tmp_path)
+    data = bytearray(files[0].read_bytes())
+    data[-5] ^= 0xFF
+    for file in files:  # which file holds the first block is unknown: damage every one differently
+        file.write_bytes(bytes(data) if file == files[0] else file.read_bytes()[: len(data) // 2])
+    (tmp_path / f"{'0' * 32}.tmp").write_bytes(b"partial")
+    llm = engine(path, tmp_path)
+    try:
+        ((tokens, cached),) = run(llm, batch)
+        stats = tier_stats(llm)
+    finally:
+        llm.shutdown()
+    assert cached == 0 and tokens == hf_greedy(hf_model, batch[0], 8)
+    assert stats["rejected_files"] == 1  # the first block failed its check: nothing past it is read
+    assert not (tmp_path / f"{'0' * 32}.tmp").exists()
+
+
+def test_kill_mid_write_leaves_nothing_served_wrong(checkpoint, tmp_path: Path) -> None:
+    """A process writing blocks is killed with SIGKILL at once after its first step: a restart serves
+    only whole, checked blocks and its outputs equal transformers'."""
+    path, hf_model = checkpoint
+    batch = prompts(6, 600, seed=4)
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from tokenmill import LLM, SamplingParams
+        llm = LLM(dtype="float32", model={str(path)!r}, num_kv_slots=8192, kv_cache_disk_dir={str(tmp_path)!r})
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        print("ready", flush=True)
+        llm.generate({batch!r}, [params] * {len(batch)}, use_tqdm=False)
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 60
+        while not blocks(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(30)
+    llm = engine(path, tmp_path, num_kv_slots=8192)
+    try:
+        got = run(llm, batch)
+        stats = tier_stats(llm)
+    finally:
+        llm.shutdown()
+    assert stats["rejected_files"] == 0
+    for (tokens, _), prompt in zip(got, batch):
+        assert tokens == hf_greedy(hf_model, prompt, 8)
+
+
+def test_reset_prefix_cache_clears_the_tiers(checkpoint, tmp_path: Path) -> None:
+    path, _ = checkpoint
+    batch = prompts(1, 200, seed=5)
+    llm = engine(path, tmp_path)
+    try:
+        run(llm, batch)
+        assert run(llm, batch)[0][1] == 199  # a device hit: every token but the last
+        llm.reset_prefix_cache()
+        assert not blocks(tmp_path) and tier_stats(llm)["files"] == 0
+        assert run(llm, batch)[0][1] == 0
+    finally:
+        llm.shutdown()
+
+
+def test_bad_settings_fail_at_start(checkpoint, tmp_path: Path) -> None:
+    path, _ = checkpoint
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(DiskTierError, match="not usable"):
+        engine(path, a_file)
+    llm = engine(path, tmp_path / "tier")
+    try:
+        with pytest.raises(DiskTierError, match="in use by another"):
+            engine(path, tmp_path / "tier")
+    finally:
+        llm.shutdown()
+    with pytest.raises(DiskTierError, match="cannot hold one block"):
+        engine(path, tmp_path / "tier", kv_cache_disk_bytes=1000)
+    with pytest.raises(ValueError, match="needs enable_prefix_caching"):
+        engine(path, tmp_path / "tier", enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        engine(path, tmp_path / "tier", tensor_parallel_size=2)
