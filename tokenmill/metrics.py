@@ -66,7 +66,8 @@ class _EngineCollector(Collector):
         self._engine = engine
 
     def describe(self) -> Iterable[Metric]:
-        return [family(name, doc) for name, doc, family, _ in _ENGINE_METRICS] + _speculation_metrics(None)
+        engine = [family(name, doc) for name, doc, family, _ in _ENGINE_METRICS]
+        return engine + _speculation_metrics(None) + _tier_metrics(None)
 
     def collect(self) -> Iterable[Metric]:
         try:
@@ -74,7 +75,55 @@ class _EngineCollector(Collector):
         except EngineDeadError:
             return []
         engine = [family(name, doc, value=value(stats)) for name, doc, family, value in _ENGINE_METRICS]
-        return engine + _speculation_metrics(stats)
+        return engine + _speculation_metrics(stats) + _tier_metrics(stats)
+
+
+# name, help, family, value from the disk tier's counters (engine stats' "disk_tier")
+_TIER_METRICS: list[tuple[str, str, type[Metric], Callable[[Stats], float]]] = [
+    (
+        "tokenmill_kv_tier_hit_tokens",
+        "Prompt tokens served from a KV cache tier (device: the prefix cache; disk: read back from files).",
+        CounterMetricFamily,
+        lambda tier: tier["hit_tokens"],
+    ),
+    (
+        "tokenmill_kv_tier_query_tokens",
+        "Prompt tokens looked up in a KV cache tier (the disk tier sees those past the device's match).",
+        CounterMetricFamily,
+        lambda tier: tier["query_tokens"],
+    ),
+    ("tokenmill_kv_tier_bytes", "Bytes a KV cache tier's blocks take.", GaugeMetricFamily, lambda t: t["bytes"]),
+    ("tokenmill_kv_tier_read_bytes", "Bytes read back from a tier.", CounterMetricFamily, lambda t: t["read_bytes"]),
+    ("tokenmill_kv_tier_read_seconds", "Seconds reading them.", CounterMetricFamily, lambda t: t["read_seconds"]),
+    ("tokenmill_kv_tier_write_bytes", "Bytes written to a tier.", CounterMetricFamily, lambda t: t["write_bytes"]),
+    ("tokenmill_kv_tier_write_seconds", "Seconds writing them.", CounterMetricFamily, lambda t: t["write_seconds"]),
+    (
+        "tokenmill_kv_tier_dropped_writes",
+        "Blocks not written (writer queue full, disk full, write error): requests never wait for a write.",
+        CounterMetricFamily,
+        lambda t: t["dropped_writes"],
+    ),
+    (
+        "tokenmill_kv_tier_rejected_files",
+        "Corrupt, truncated or foreign block files deleted instead of served.",
+        CounterMetricFamily,
+        lambda t: t["rejected_files"],
+    ),
+]
+
+
+def _tier_metrics(stats: Stats | None) -> list[Metric]:
+    """Per tier (label ``tier``): the device's prefix cache (hits and lookups) and the disk tier
+    (every counter; no samples without one). ``stats`` None: the families only."""
+    families = {name: family(name, doc, labels=["tier"]) for name, doc, family, _ in _TIER_METRICS}
+    if stats is not None:
+        cache = stats["cache"]
+        families["tokenmill_kv_tier_hit_tokens"].add_metric(["device"], cache["prefix_hit_tokens"])
+        families["tokenmill_kv_tier_query_tokens"].add_metric(["device"], cache["prefix_query_tokens"])
+        disk = stats["disk_tier"]
+        for name, _, _, value in _TIER_METRICS if disk is not None else ():
+            families[name].add_metric(["disk"], value(disk))
+    return list(families.values())
 
 
 def _speculation_metrics(stats: Stats | None) -> list[Metric]:

@@ -30,7 +30,7 @@ from tokenmill.server.http.body_limit import BodyLimits
 from tokenmill.server.http.errors import install_error_handlers
 from tokenmill.server.http.state import ServerState
 from tokenmill.server.openai import chat, completions, embeddings, models, responses, tokenization
-from tokenmill.server.operations import rl_control, status
+from tokenmill.server.operations import cache_control, rl_control, status
 from tokenmill.server.web import page
 
 
@@ -60,7 +60,7 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
         )
     app.state.server = ServerState(engine, name, ServerMetrics(engine), config.allow_special_tokens_in_content)
     install_error_handlers(app, config.max_body_bytes)
-    for module in (models, chat, completions, responses, embeddings, tokenization, messages, status):
+    for module in (models, chat, completions, responses, embeddings, tokenization, messages, status, cache_control):
         app.include_router(module.router)
     app.include_router(rl_control.build_router(config.allowed_weight_roots))
     if config.web_ui:

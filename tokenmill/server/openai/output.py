@@ -32,7 +32,7 @@ async def prompt_logprobs_json(
 
 
 def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """OpenAI's ``usage`` object; ``cached_tokens``: prompt tokens served from the prefix cache."""
+    """OpenAI's ``usage`` object; ``cached_tokens``: prompt tokens served from a KV cache tier (device or disk)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
