@@ -173,8 +173,10 @@ class DiskKVTier:
     def save(self, key: str, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Queue block ``key`` (``k``, ``v``: CPU tensors of ``block_shape`` the caller no longer
         writes) for writing; False when it is dropped (already held, too much queued, not writing)."""
-        if k.shape != self.block_shape or v.shape != self.block_shape or k.dtype != self.dtype:
-            raise ValueError(f"a block is {self.block_shape} {self.dtype}, got {tuple(k.shape)} {k.dtype}")
+        for part in (k, v):
+            if part.shape != self.block_shape or part.dtype != self.dtype:
+                raise ValueError(f"a block is {self.block_shape} {self.dtype}, got {tuple(part.shape)} {part.dtype}")
+        k, v = k.contiguous(), v.contiguous()
         with self._lock:
             if key in self._index or key in self._pending:
                 return False
@@ -202,6 +204,9 @@ class DiskKVTier:
         try:
             with open(path, "rb") as file:
                 payload = self._read_checked(file, key)
+        except FileNotFoundError:  # evicted by the writer since the index said it was there
+            self._forget(key)
+            return None
         except (OSError, ValueError, AttributeError, struct.error) as exc:
             logger.warning("disk KV tier: %s is unusable (%s): deleted", path.name, exc)
             self.stats.rejected_files += 1
@@ -219,6 +224,7 @@ class DiskKVTier:
             self._generation += 1
             self._pending.clear()
             self._pending_bytes = 0
+            self._writing = True  # a full disk may have room now
             names = list(self._index)
             self._index.clear()
             self._bytes = 0
@@ -258,8 +264,8 @@ class DiskKVTier:
         if max_bytes < self.payload_bytes + 4096:
             lock_file.close()
             raise DiskTierError(
-                f"kv_cache_disk_bytes {max_bytes} cannot hold one block of {self.block_tokens} tokens "
-                f"({self.payload_bytes} bytes)"
+                f"KV disk directory {where}: kv_cache_disk_bytes {max_bytes} cannot hold one block of "
+                f"{self.block_tokens} tokens ({self.payload_bytes} bytes)"
             )
         held = sum(p.stat().st_size for p in where.glob(f"*{SUFFIX}"))
         free = shutil.disk_usage(where).free
@@ -343,6 +349,7 @@ class DiskKVTier:
         while self._bytes > self.max_bytes and self._index:
             name, size = self._index.popitem(last=False)
             self._bytes -= size
+            self._index_dirty = True
             self._path(name).unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ writer thread
@@ -364,10 +371,12 @@ class DiskKVTier:
                 last_index = time.monotonic()
 
     def _write_one(self, key: str) -> None:
+        """Write queued block ``key`` to a temporary file and rename it into place, unless ``clear``
+        came meanwhile (then the write is discarded and ``clear`` already dropped its queue entry)."""
         with self._lock:
             block = self._pending.get(key)
             generation = self._generation
-        if block is None:  # cleared while queued
+        if block is None:  # cleared while queued, or written under an earlier queue entry
             return
         k, v = block
         started = time.perf_counter()
@@ -380,23 +389,22 @@ class DiskKVTier:
                 file.write(payload_k)
                 file.write(payload_v)
             size = tmp.stat().st_size
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             tmp.unlink(missing_ok=True)
-            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
             then = ": the disk is full, the tier stops writing" if full else ""
             logger.warning("disk KV tier: writing a block failed (%s)%s", exc, then)
             with self._lock:
-                self._pending.pop(key, None)
-                self._pending_bytes -= self.payload_bytes
-                self.stats.dropped_writes += 1
-                self._writing = self._writing and not full
+                if generation == self._generation:
+                    self._unqueue(key)
+                    self.stats.dropped_writes += 1
+                    self._writing = self._writing and not full
             return
         with self._lock:
-            self._pending.pop(key, None)
-            self._pending_bytes -= self.payload_bytes
             if generation != self._generation:  # cleared while it was written
                 tmp.unlink(missing_ok=True)
                 return
+            self._unqueue(key)
             os.replace(tmp, final)
             self._index[key] = size
             self._bytes += size
@@ -404,6 +412,11 @@ class DiskKVTier:
             self._evict_over_budget()
             self.stats.write_bytes += size
             self.stats.write_seconds += time.perf_counter() - started
+
+    def _unqueue(self, key: str) -> None:
+        """Forget queued block ``key`` (lock held)."""
+        del self._pending[key]
+        self._pending_bytes -= self.payload_bytes
 
     def _write_index(self) -> None:
         with self._lock:
