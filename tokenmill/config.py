@@ -29,6 +29,8 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+KV_DTYPES: dict[str, torch.dtype] = {**DTYPES, "int8": torch.int8}
+"""KV cache dtypes: the model dtypes, and int8 (symmetric, one fp32 scale per token and KV head)."""
 
 
 def option(default: Any, help: str, section: str, metavar: str | None = None, comma_separated: bool = False) -> Any:
@@ -107,7 +109,9 @@ class EngineConfig:
 
     kv_cache_dtype: str = option(
         "auto",
-        '"auto" (the model\'s dtype), "float32", "bfloat16" or "float16" (CPU backends: fp32 or bf16).',
+        '"auto" (the model\'s dtype), "float32", "bfloat16", "float16" (CPU backends: fp32 or bf16) or '
+        '"int8" (each token\'s keys and values per KV head as int8 with an fp32 scale: about half of '
+        "bf16's bytes; the torch and cpu backends).",
         section="KV cache",
     )
     page_size: int = option(
@@ -279,9 +283,9 @@ class EngineConfig:
             raise ValueError(f"quantization_group_size must be None, 32, 64 or 128, got {self.quantization_group_size}")
         if self.page_size < 1 or self.page_size > 256 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two in [1, 256], got {self.page_size}")
-        for name in ("dtype", "kv_cache_dtype"):
-            if getattr(self, name) != "auto" and getattr(self, name) not in DTYPES:
-                raise ValueError(f"{name} must be 'auto' or one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
+        for name, table in (("dtype", DTYPES), ("kv_cache_dtype", KV_DTYPES)):
+            if getattr(self, name) != "auto" and getattr(self, name) not in table:
+                raise ValueError(f"{name} must be 'auto' or one of {sorted(table)}, got {getattr(self, name)!r}")
         if self.attention_backend != "auto" and self.attention_backend not in ATTENTION_BACKENDS:
             choices = ", ".join(repr(name) for name in ("auto", *ATTENTION_BACKENDS))
             raise ValueError(f"attention_backend must be one of {choices}, got {self.attention_backend!r}")
@@ -329,6 +333,8 @@ class EngineConfig:
                 raise ValueError("kv_cache_disk_dir needs enable_prefix_caching (the disk tier holds cached prefixes)")
             if self.tensor_parallel_size > 1:
                 raise ValueError("kv_cache_disk_dir is not supported with tensor parallelism yet")
+            if self.kv_cache_dtype == "int8":
+                raise ValueError("kv_cache_disk_dir is not supported with kv_cache_dtype int8 yet")
             if self.kv_cache_disk_bytes < 1:
                 raise ValueError(f"kv_cache_disk_bytes must be >= 1, got {self.kv_cache_disk_bytes}")
         if self.num_kv_slots is not None and self.num_kv_slots < self.page_size:
@@ -383,7 +389,7 @@ class EngineConfig:
 
     def resolved_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's dtype: the model's for "auto"."""
-        return model_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
+        return model_dtype if self.kv_cache_dtype == "auto" else KV_DTYPES[self.kv_cache_dtype]
 
     def resolved_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """ "auto": on CPU bf16 where the CPU multiplies bf16 natively (AMX or AVX512-BF16), else fp32

@@ -59,7 +59,9 @@ class Pair:
         self.head_dim = head_dim
         self.layout = PagedLayout(page_size, n_pages=96 // page_size + 2, rows=4, context=64)
         self.storage = make_storage(2, self.layout.allocator.n_pages * page_size, self.n_kv, head_dim, dtype)
-        self.ref = SimpleNamespace(k_buffer=self.storage.k_buffer.float(), v_buffer=self.storage.v_buffer.float())
+        self.ref = SimpleNamespace(
+            k_buffer=self.storage.k_buffer.float(), v_buffer=self.storage.v_buffer.float(), k_scale=None, v_scale=None
+        )
         self.triton = self.triton_with()
         self.torch = TorchNativeBackend(N_HEADS, self.n_kv, head_dim)
 
@@ -225,7 +227,12 @@ def test_unsupported_calls_raise(monkeypatch: pytest.MonkeyPatch) -> None:
     view = make_prefill_view(pair.storage, pair.layout.pool.table, rows[:1], [0], [3], loc)
     q, k, v = pair.qkv(3)
     with pytest.raises(ValueError, match="bfloat16"):
-        bf16 = SimpleNamespace(k_buffer=pair.storage.k_buffer.bfloat16(), v_buffer=pair.storage.v_buffer.bfloat16())
+        bf16 = SimpleNamespace(
+            k_buffer=pair.storage.k_buffer.bfloat16(),
+            v_buffer=pair.storage.v_buffer.bfloat16(),
+            k_scale=None,
+            v_scale=None,
+        )
         bf16_view = make_prefill_view(bf16, pair.layout.pool.table, rows[:1], [0], [3], loc)
         pair.triton.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0, pair.triton.plan(bf16_view))
     with pytest.raises(ValueError, match="its own plan"):

@@ -120,6 +120,8 @@ class AttentionBackend(ABC, Generic[PlanT]):
             raise ValueError(f"KV buffer heads/dim {tuple(buffer.shape[2:])} do not match the backend's")
         if k.dtype != q.dtype or v.dtype != q.dtype:
             raise ValueError(f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype} must be equal")
+        if buffer.dtype == torch.int8 and not self.capabilities.kv_int8:
+            raise ValueError(f"the {self.name} backend does not read an int8 KV cache")
         if buffer.dtype != q.dtype and not self.capabilities.converts_kv_dtype:
             raise ValueError(f"the {self.name} backend needs a KV cache of q's dtype {q.dtype}, got {buffer.dtype}")
         if kv_view.out_cache_loc.numel() != n_tokens:

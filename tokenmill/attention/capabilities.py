@@ -23,6 +23,8 @@ class BackendCapabilities:
     """Model (q/k/v) dtypes, and the KV cache dtypes it can read."""
     converts_kv_dtype: bool
     """The KV cache may hold another of ``dtypes`` than the model's: stored and read converted."""
+    kv_int8: bool
+    """Reads an int8 KV cache (``cache/kv_quant.py``: a scale per token and KV head) in place."""
     sliding_window: bool
     """Applies a layer's sliding window."""
     softcap: bool
@@ -44,4 +46,6 @@ class BackendCapabilities:
 
     def reads_kv(self, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
         """Whether it runs a ``dtype`` model over a ``kv_dtype`` KV cache."""
+        if kv_dtype == torch.int8:
+            return self.kv_int8
         return kv_dtype in self.dtypes and (kv_dtype == dtype or self.converts_kv_dtype)

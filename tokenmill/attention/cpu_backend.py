@@ -2,7 +2,8 @@
 
 Decode rows (a decode step, or the one-token rows of a mixed step) are attended by
 ``paged_decode_attention``, which reads each request's keys and values in place through the
-request-to-token table (the torch path gathers them into padded batches for SDPA). Prefill rows
+request-to-token table, an int8 cache's with their scales (the torch path gathers them into padded
+batches for SDPA). Prefill rows
 of at least ``MIN_KERNEL_QUERY_ROWS`` are two matmuls around the fused ``causal_softmax_`` kernel.
 Both apply a layer's sliding window by reading only the keys inside it (decode: each request's last
 ``sliding_window``; prefill: those of some query row of the block) and masking the rest.
@@ -19,6 +20,7 @@ import torch
 
 from tokenmill.attention.capabilities import BackendCapabilities
 from tokenmill.attention.torch_native import TorchNativeBackend
+from tokenmill.cache.kv_quant import LayerKV
 from tokenmill.kernels.cpu import load_cpu_kernels
 
 SCORE_BUFFER_FLOATS = 4 * 1024 * 1024
@@ -38,6 +40,7 @@ class CpuBackend(TorchNativeBackend):
         devices=("cpu",),
         dtypes=SUPPORTED_DTYPES,
         converts_kv_dtype=True,
+        kv_int8=True,
         sliding_window=True,
         softcap=True,
         cuda_graphs=False,
@@ -60,30 +63,32 @@ class CpuBackend(TorchNativeBackend):
     def _decode(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerKV,
         req_pool_indices: torch.Tensor,
         seq_lens: torch.Tensor,
         max_len: int,
         req_to_token: torch.Tensor,
         window: int | None,
     ) -> torch.Tensor:
-        if q.device.type != "cpu" or q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in SUPPORTED_DTYPES:
+        kv_dtype = cache.k.dtype
+        if q.device.type != "cpu" or q.dtype not in SUPPORTED_DTYPES or kv_dtype not in (*SUPPORTED_DTYPES, torch.int8):
             raise ValueError(
-                f"the cpu attention backend supports fp32/bf16 CPU tensors, got {q.dtype} q and "
-                f"{k_cache.dtype} KV on {q.device}"
+                f"the cpu attention backend supports fp32/bf16 CPU tensors and int8 KV, got {q.dtype} q and "
+                f"{kv_dtype} KV on {q.device}"
             )
         if self.softcap is not None:  # the decode kernel does not soft-cap
-            return super()._decode(q, k_cache, v_cache, req_pool_indices, seq_lens, max_len, req_to_token, window)
+            return super()._decode(q, cache, req_pool_indices, seq_lens, max_len, req_to_token, window)
         return self._decode_kernel(
             q,
-            k_cache,
-            v_cache,
+            cache.k,
+            cache.v,
             req_to_token,
             req_pool_indices.contiguous(),
             seq_lens.contiguous(),
             self.scale,
             window or 0,
+            cache.k_scale,
+            cache.v_scale,
         )
 
     def _attend_causal(

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from tokenmill.attention.base import AttentionBackend
 from tokenmill.attention.capabilities import BackendCapabilities
+from tokenmill.cache.kv_quant import LayerKV
 from tokenmill.cache.views import DecodeKVCache, KVView, PrefillKVCache
 
 DECODE_GROUP = 16  # decode requests padded together (sorted by length) in one attention call
@@ -28,6 +29,7 @@ class TorchNativeBackend(AttentionBackend[KVView]):
         devices=None,
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
         converts_kv_dtype=True,
+        kv_int8=True,
         sliding_window=True,
         softcap=True,
         cuda_graphs=False,
@@ -47,31 +49,26 @@ class TorchNativeBackend(AttentionBackend[KVView]):
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         self._check_fwd(q, k, v, layer_id, kv_view, sliding_window)
-        k_cache = kv_view.k_buffer[layer_id]
-        v_cache = kv_view.v_buffer[layer_id]
-        # index_copy_: far faster than index_put on CPU; .to: the cache may hold another dtype
-        k_cache.index_copy_(0, kv_view.out_cache_loc, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, kv_view.out_cache_loc, v.to(v_cache.dtype))
+        cache = LayerKV.of(kv_view, layer_id)
+        cache.store(kv_view.out_cache_loc, k, v)
         if isinstance(kv_view, DecodeKVCache):
             return self._decode(
                 q,
-                k_cache,
-                v_cache,
+                cache,
                 kv_view.req_pool_indices,
                 kv_view.seq_lens,
                 kv_view.max_seq_len,
                 kv_view.req_to_token,
                 sliding_window,
             )
-        return self._prefill(q, k, v, k_cache, v_cache, kv_view, sliding_window)
+        return self._prefill(q, k, v, cache, kv_view, sliding_window)
 
     def _prefill(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerKV,
         view: PrefillKVCache,
         window: int | None,
     ) -> torch.Tensor:
@@ -84,8 +81,7 @@ class TorchNativeBackend(AttentionBackend[KVView]):
             max_len = max(view.prefix_lens_cpu[i] + 1 for i in single)
             out[rows] = self._decode(
                 q[rows],
-                k_cache,
-                v_cache,
+                cache,
                 view.req_pool_indices[idx],
                 view.seq_lens[idx],
                 max_len,
@@ -100,12 +96,10 @@ class TorchNativeBackend(AttentionBackend[KVView]):
         for i, (row, prefix, n) in enumerate(zip(rows, view.prefix_lens_cpu, extend)):
             if i not in done:
                 first = 0 if window is None else max(0, prefix - window + 1)  # first key any row sees
-                if prefix == 0:  # nothing cached: this step's k/v are the whole context
+                if prefix == 0 and not cache.quantized:  # nothing cached: this step's k/v are the whole context
                     keys, values = k[start : start + n], v[start : start + n]
-                else:
-                    slots = view.req_to_token[row, first : prefix + n].long()
-                    keys = k_cache.index_select(0, slots).to(q.dtype)
-                    values = v_cache.index_select(0, slots).to(q.dtype)
+                else:  # (an int8 cache's rows are read back: attention sees the values it stored)
+                    keys, values = cache.read(view.req_to_token[row, first : prefix + n].long(), q.dtype)
                 out[start : start + n] = self._attend_causal(q[start : start + n], keys, values, prefix - first, window)
             start += n
         return out
@@ -147,8 +141,7 @@ class TorchNativeBackend(AttentionBackend[KVView]):
     def _decode(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerKV,
         req_pool_indices: torch.Tensor,
         seq_lens: torch.Tensor,
         max_len: int,
@@ -163,7 +156,7 @@ class TorchNativeBackend(AttentionBackend[KVView]):
         """
         batch = q.shape[0]
         if batch <= DECODE_GROUP:
-            return self._decode_padded(q, k_cache, v_cache, req_pool_indices, seq_lens, max_len, req_to_token, window)
+            return self._decode_padded(q, cache, req_pool_indices, seq_lens, max_len, req_to_token, window)
         lens = seq_lens.tolist()
         order = sorted(range(batch), key=lens.__getitem__)
         out = torch.empty_like(q)
@@ -171,15 +164,14 @@ class TorchNativeBackend(AttentionBackend[KVView]):
             members = order[start : start + DECODE_GROUP]
             idx = torch.tensor(members, device=q.device)
             out[idx] = self._decode_padded(
-                q[idx], k_cache, v_cache, req_pool_indices[idx], seq_lens[idx], lens[members[-1]], req_to_token, window
+                q[idx], cache, req_pool_indices[idx], seq_lens[idx], lens[members[-1]], req_to_token, window
             )
         return out
 
     def _decode_padded(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerKV,
         req_pool_indices: torch.Tensor,
         seq_lens: torch.Tensor,
         max_len: int,
@@ -197,10 +189,8 @@ class TorchNativeBackend(AttentionBackend[KVView]):
             positions = first[:, None] + torch.arange(window, device=q.device)[None, :]
             table = req_to_token[req_pool_indices[:, None], positions]
         valid = positions < seq_lens[:, None]  # [B, L]
-        slots = torch.where(valid, table, 0).long().view(-1)
-        shape = (batch, max_len, self.n_kv_heads, self.head_dim)
-        keys = k_cache.index_select(0, slots).to(q.dtype).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_cache.index_select(0, slots).to(q.dtype).view(shape).transpose(1, 2)
+        keys, values = cache.read(torch.where(valid, table, 0).long(), q.dtype)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, L, D]
         queries = q.view(batch, self.n_kv_heads, group, self.head_dim)  # [B, Hkv, G, D]
         attn = self._sdpa(queries, keys, values, valid[:, None, None, :])
         return attn.reshape(batch, self.n_heads, self.head_dim)

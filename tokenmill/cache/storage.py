@@ -22,7 +22,9 @@ NO_WRITES = (_EMPTY, _EMPTY, _EMPTY)
 
 
 class KVStorage:
-    """``k_buffer`` / ``v_buffer`` of shape ``[n_layers, n_slots, n_kv_heads, head_dim]``.
+    """``k_buffer`` / ``v_buffer`` of shape ``[n_layers, n_slots, n_kv_heads, head_dim]``; with dtype
+    int8 also ``k_scale`` / ``v_scale`` ``[n_layers, n_slots, n_kv_heads]`` fp32 (a slot's values
+    are ``buffer * scale``, see ``cache/kv_quant.py``; None otherwise).
 
     Buffers are allocated uninitialized (untouched memory costs nothing until used): every slot
     is written before it is read, except ``RESERVED_SLOT``, which padded or masked reads may touch and
@@ -45,6 +47,11 @@ class KVStorage:
         self.v_buffer = torch.empty(shape, dtype=dtype, device=device)
         self.k_buffer[:, RESERVED_SLOT].zero_()
         self.v_buffer[:, RESERVED_SLOT].zero_()
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if dtype == torch.int8:
+            self.k_scale = torch.zeros(shape[:3], dtype=torch.float32, device=device)
+            self.v_scale = torch.zeros(shape[:3], dtype=torch.float32, device=device)
 
     @property
     def n_slots(self) -> int:
@@ -55,9 +62,13 @@ class KVStorage:
         src, dst = src.to(self.k_buffer.device), dst.to(self.k_buffer.device)
         self.k_buffer[:, dst] = self.k_buffer[:, src]
         self.v_buffer[:, dst] = self.v_buffer[:, src]
+        if self.k_scale is not None and self.v_scale is not None:
+            self.k_scale[:, dst] = self.k_scale[:, src]
+            self.v_scale[:, dst] = self.v_scale[:, src]
 
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies (on the CPU) of the keys and values of ``slots``: ``[n_layers, len(slots), n_kv_heads, head_dim]``."""
+        """Copies (on the CPU) of the keys and values of ``slots``: ``[n_layers, len(slots), n_kv_heads,
+        head_dim]`` (not for an int8 cache: its scales stay behind)."""
         slots = slots.to(self.k_buffer.device)
         return self.k_buffer[:, slots].cpu(), self.v_buffer[:, slots].cpu()
 
@@ -69,8 +80,9 @@ class KVStorage:
 
     @staticmethod
     def bytes_per_slot(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes that one token's keys and values take over all layers."""
-        return 2 * n_layers * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        """Bytes that one token's keys and values take over all layers (an int8 cache's scales included)."""
+        scales = 4 if dtype == torch.int8 else 0
+        return 2 * n_layers * n_kv_heads * (head_dim * torch.empty((), dtype=dtype).element_size() + scales)
 
 
 class ReqToTokenPool:

@@ -40,6 +40,8 @@ def make_prefill_view(
         max_seq_len=max(p + e for p, e in zip(prefix_lens, extend_lens)),
         extend_lens_cpu=list(extend_lens),
         prefix_lens_cpu=list(prefix_lens),
+        k_scale=storage.k_scale,
+        v_scale=storage.v_scale,
     )
 
 
@@ -60,4 +62,6 @@ def make_decode_view(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
         out_cache_loc=out_cache_loc.to(device, torch.int64),
         max_seq_len=max(seq_lens),
+        k_scale=storage.k_scale,
+        v_scale=storage.v_scale,
     )

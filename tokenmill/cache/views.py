@@ -34,6 +34,8 @@ class PrefillKVCache:
     max_seq_len: int
     extend_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
+    k_scale: torch.Tensor | None = None  # [n_layers, n_slots, n_kv_heads] fp32: an int8 cache's scales
+    v_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -51,6 +53,8 @@ class DecodeKVCache:
     seq_lens: torch.Tensor  # [B] int64 KV length including this step's token
     out_cache_loc: torch.Tensor  # [B] int64
     max_seq_len: int
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 KVView = PrefillKVCache | DecodeKVCache

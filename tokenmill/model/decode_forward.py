@@ -26,7 +26,7 @@ from tokenmill.model.capabilities import cpu_decode_forward_applies
 from tokenmill.model.causal_lm import CausalLM, CpuDecodeWeights
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-"""Model dtypes of the kernel (its cache must have the model's dtype)."""
+"""Model dtypes of the kernel (its cache has the model's dtype, or is int8: ``cache/kv_quant.py``)."""
 
 
 class CpuDecodeForward:
@@ -47,10 +47,11 @@ class CpuDecodeForward:
     @classmethod
     def build(cls, model: CausalLM, backend: AttentionBackend, kv_dtype: torch.dtype) -> CpuDecodeForward | None:
         """The C++ decode forward of ``model`` attending like ``backend`` over a ``kv_dtype`` cache;
-        None where not supported (the kernel stores and reads a cache in the model's dtype, fp32 or bf16)."""
+        None where not supported (the kernel stores and reads a cache in the model's dtype, fp32 or bf16,
+        or an int8 one)."""
         softcap = backend.softcap is not None
         applies = cpu_decode_forward_applies(backend.capabilities, model.capabilities, softcap, model.tp.size)
-        if not applies or kv_dtype not in KERNEL_DTYPES:
+        if not applies or kv_dtype not in (*KERNEL_DTYPES, torch.int8):
             return None
         weights = model.cpu_decode_weights()
         if weights is None:
@@ -62,10 +63,11 @@ class CpuDecodeForward:
 
     def can_run(self, batch_size: int) -> bool:
         """Whether a decode step of ``batch_size`` requests fits the kernel: CPU weights in the cache's
-        dtype, and at most ``BLOCKED_MAX_ROWS`` requests (``PANEL_MAX_ROWS`` for fp32 without blocked
+        dtype (or an int8 cache), and at most ``BLOCKED_MAX_ROWS`` requests (``PANEL_MAX_ROWS`` for fp32 without blocked
         weights, beyond which the functional linear may need oneDNN)."""
         embed = self.weights.embed
-        if not embed.is_cpu or embed.dtype != self._kv_dtype:
+        cache_fits = embed.dtype == self._kv_dtype or self._kv_dtype == torch.int8
+        if not embed.is_cpu or not cache_fits:
             return False
         plain_fp32 = embed.dtype == torch.float32 and torch.float32 not in linear_kernels.BLOCKED_MIN_ROWS
         return 1 <= batch_size <= (linear_kernels.PANEL_MAX_ROWS if plain_fp32 else linear_kernels.BLOCKED_MAX_ROWS)
@@ -106,4 +108,6 @@ class CpuDecodeForward:
             self._qscales,
             self._qmins,
             STREAM_MAX_ROWS,
+            view.k_scale,
+            view.v_scale,
         )

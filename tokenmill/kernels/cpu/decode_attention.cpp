@@ -1,5 +1,6 @@
-// Paged decode attention on CPU: one query token (fp32 or bf16) per request; keys and values (fp32
-// or bf16, widened to fp32 as they are read) are read in place from the token-slot KV storage
+// Paged decode attention on CPU: one query token (fp32 or bf16) per request; keys and values (fp32,
+// bf16, or int8 with an fp32 scale per slot and KV head; widened to fp32 as they are read, an int8
+// key's scale applied to its score and a value's to its weight) are read in place from the token-slot KV storage
 // through the request-to-token table (no gather copies, no padding to the longest request). The
 // math is fp32; the output has the query's dtype. With a sliding window W > 0 a request reads only
 // its last W keys (positions max(0, len - W) .. len - 1), as the query at position len - 1 sees them.
@@ -83,6 +84,8 @@ struct Problem {
   const float* q;  // [batch, n_heads, head_dim]
   const KV* k_cache;  // [n_slots, n_kv_heads, head_dim]
   const KV* v_cache;
+  const float* k_scale;  // [n_slots, n_kv_heads] for an int8 cache (else unused)
+  const float* v_scale;
   float* out;  // like q
   const int32_t* table;  // req_to_token rows
   int64_t table_stride;
@@ -92,6 +95,25 @@ struct Problem {
   int64_t window;  // keys per request: its last `window` (all of them when <= 0)
   float scale;
 };
+
+// The scale of the key (value) of `slot`, KV head `head`: an int8 cache's, else 1.
+template <typename KV>
+inline float key_scale(const Problem<KV>& p, int64_t slot, int64_t head) {
+  if constexpr (std::is_same_v<KV, int8_t>) {
+    return p.k_scale[slot * p.n_kv_heads + head];
+  } else {
+    return 1.f;
+  }
+}
+
+template <typename KV>
+inline float value_scale(const Problem<KV>& p, int64_t slot, int64_t head) {
+  if constexpr (std::is_same_v<KV, int8_t>) {
+    return p.v_scale[slot * p.n_kv_heads + head];
+  } else {
+    return 1.f;
+  }
+}
 
 // A request's keys in [begin, end): one chunk of its context.
 struct Chunk {
@@ -157,7 +179,9 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
             }
           }
           const tokenmill_simd::vec4 sums = tokenmill_simd::horizontal_sum4(acc[0], acc[1], acc[2], acc[3]);
-          for (int64_t j = 0; j < 4; ++j) s[r * len + l + j] = sums[j] * p.scale;
+          for (int64_t j = 0; j < 4; ++j) {
+            s[r * len + l + j] = sums[j] * p.scale * key_scale<KV>(p, slots[l + j], kv_begin + h);
+          }
         }
       }
     }
@@ -168,7 +192,8 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
     }
     const KV* keys = p.k_cache + slots[l] * slot_stride + offset;  // the keys after the last four
     for (int64_t r = 0; r < n_rows; ++r) {
-      s[r * len + l] = dot<kHeadDim>(queries + r * dim, keys + (r / p.group) * dim, dim) * p.scale;
+      s[r * len + l] = dot<kHeadDim>(queries + r * dim, keys + (r / p.group) * dim, dim) * p.scale *
+                       key_scale<KV>(p, slots[l], kv_begin + r / p.group);
     }
   }
   for (int64_t r = 0; r < n_rows; ++r) {
@@ -190,15 +215,17 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
       for (int64_t h = 0, r = 0; h < kv_end - kv_begin; ++h) {
         vec16 v[kHeadDim / 16];
         for (int64_t i = 0; i < kHeadDim / 16; ++i) v[i] = load16(values + h * kHeadDim + 16 * i);
+        const float v_scale = value_scale<KV>(p, slots[l], kv_begin + h);
         for (int64_t g = 0; g < p.group; ++g, ++r) {
-          const float weight = s[r * len + l];
+          const float weight = s[r * len + l] * v_scale;
           float* o = out + r * kHeadDim;
           for (int64_t i = 0; i < kHeadDim / 16; ++i) store16(o + 16 * i, load16(o + 16 * i) + weight * v[i]);
         }
       }
     } else {
       for (int64_t r = 0; r < n_rows; ++r) {
-        axpy<kHeadDim>(s[r * len + l], values + (r / p.group) * dim, out + r * dim, dim);
+        const float weight = s[r * len + l] * value_scale<KV>(p, slots[l], kv_begin + r / p.group);
+        axpy<kHeadDim>(weight, values + (r / p.group) * dim, out + r * dim, dim);
       }
     }
   }
@@ -288,7 +315,7 @@ void run_for_head_dim(const Problem<KV>& p, int64_t batch) {
 template <typename KV>
 void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                double scale, int64_t window, at::Tensor& out) {
+                double scale, int64_t window, const float* k_scale, const float* v_scale, at::Tensor& out) {
   const int64_t batch = q.size(0);
   Problem<KV> p{};
   p.n_heads = q.size(1);
@@ -300,6 +327,8 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   p.q = q.data_ptr<float>();
   p.k_cache = static_cast<const KV*>(k_cache.data_ptr());
   p.v_cache = static_cast<const KV*>(v_cache.data_ptr());
+  p.k_scale = k_scale;
+  p.v_scale = v_scale;
   p.out = out.data_ptr<float>();
   p.table = req_to_token.data_ptr<int32_t>();
   p.table_stride = req_to_token.stride(0);
@@ -316,18 +345,30 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 
 }  // namespace
 
-// q [B, H, D] fp32 or bf16; k_cache/v_cache [S, Hkv, D], both fp32 or both bf16; req_to_token [R, C]
-// int32; req_pool_indices [B] and seq_lens [B] int64. Request b attends to slots
+// q [B, H, D] fp32 or bf16; k_cache/v_cache [S, Hkv, D], both fp32, bf16 or int8 (then k_scale/v_scale
+// [S, Hkv] fp32: a slot's values are the int8 ones times its scale); req_to_token [R, C] int32;
+// req_pool_indices [B] and seq_lens [B] int64. Request b attends to slots
 // req_to_token[req_pool_indices[b], 0:seq_lens[b]], or only the last `window` of them when window > 0 (a
 // sliding window). The math is fp32; the output has q's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                                  const at::Tensor& seq_lens, double scale, int64_t window) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window,
+                                  const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "bad q/k/v ranks");
   const auto kv_type = k_cache.scalar_type();
   TORCH_CHECK((q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16) &&
-                  v_cache.scalar_type() == kv_type && (kv_type == at::kFloat || kv_type == at::kBFloat16),
-              "q fp32 or bf16; k/v caches both fp32 or both bf16");
+                  v_cache.scalar_type() == kv_type &&
+                  (kv_type == at::kFloat || kv_type == at::kBFloat16 || kv_type == at::kChar),
+              "q fp32 or bf16; k/v caches both fp32, both bf16 or both int8");
+  const bool int8 = kv_type == at::kChar;
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), "scales come with an int8 cache only");
+  if (int8) {
+    for (const at::Tensor* s : {&*k_scale, &*v_scale}) {
+      TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 2 &&
+                      s->size(0) == k_cache.size(0) && s->size(1) == k_cache.size(1),
+                  "k_scale/v_scale: contiguous fp32 [S, Hkv]");
+    }
+  }
   const at::Tensor q = q_in.to(at::kFloat).contiguous();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k/v caches must be contiguous");
   TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
@@ -336,16 +377,21 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
                   req_pool_indices.is_contiguous() && seq_lens.is_contiguous(), "indices: contiguous int64");
   auto out = at::empty_like(q);
   if (kv_type == at::kFloat) {
-    attend_all<float>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, out);
-  } else {
+    attend_all<float>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, nullptr, nullptr,
+                      out);
+  } else if (kv_type == at::kBFloat16) {
     attend_all<tokenmill_simd::bf16_t>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window,
-                                       out);
+                                       nullptr, nullptr, out);
+  } else {
+    attend_all<int8_t>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window,
+                       k_scale->data_ptr<float>(), v_scale->data_ptr<float>(), out);
   }
   return out.to(q_in.scalar_type());
 }
 
 TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
-        "Tensor req_pool_indices, Tensor seq_lens, float scale, int window) -> Tensor");
+        "Tensor req_pool_indices, Tensor seq_lens, float scale, int window, Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
 }

@@ -72,7 +72,8 @@ struct PlainLinear {
 // projection kept quantized (quant_linear.cpp's layout; its weight slot then holds the packed int8
 // or uint8 weight: 8 or 4 bits; min None for int8) or None for one that is not, multiplied by
 // quantized_linear with stream_max_rows as kernels/quant_linear.py calls it; k_buffer/v_buffer
-// [layers, slots, Hkv, D] in the model's dtype; windows: each layer's sliding window (0: global attention). Returns the logits [B, V'].
+// [layers, slots, Hkv, D] in the model's dtype, or int8 with k_scale_buffer/v_scale_buffer [layers, slots, Hkv]
+// (kv_quant's format); windows: each layer's sliding window (0: global attention). Returns the logits [B, V'].
 at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& embed,
                           const at::Tensor& cos_table, const at::Tensor& sin_table, at::TensorList weights,
                           const c10::List<std::optional<at::Tensor>>& blocked, const at::Tensor& final_norm,
@@ -82,7 +83,9 @@ at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positio
                           int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, double eps, double scale,
                           int64_t skinny_max_rows, int64_t panel_max_rows,
                           const c10::List<std::optional<at::Tensor>>& qscales,
-                          const c10::List<std::optional<at::Tensor>>& qmins, int64_t stream_max_rows) {
+                          const c10::List<std::optional<at::Tensor>>& qmins, int64_t stream_max_rows,
+                          const c10::optional<at::Tensor>& k_scale_buffer,
+                          const c10::optional<at::Tensor>& v_scale_buffer) {
   const int64_t n_layers = k_buffer.size(0), batch = input_ids.numel();
   TORCH_CHECK(static_cast<int64_t>(windows.size()) == n_layers, "one window per layer");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == n_layers * kWeightsPerLayer, "expected ", kWeightsPerLayer,
@@ -129,10 +132,15 @@ at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positio
       x = add_rms_norm(h, residual, w[0], eps);
     }
     at::Tensor k_cache = k_buffer.select(0, layer), v_cache = v_buffer.select(0, layer);
+    c10::optional<at::Tensor> k_scale, v_scale;  // an int8 cache's scales of this layer
+    if (k_scale_buffer.has_value() && v_scale_buffer.has_value()) {
+      k_scale = k_scale_buffer->select(0, layer);
+      v_scale = v_scale_buffer->select(0, layer);
+    }
     const at::Tensor q = rotary_store_kv(project(x, p, w[1]), cos, sin, k_cache, v_cache, out_cache_loc,
-                                         n_heads, n_kv_heads, head_dim);
-    const at::Tensor attn =
-        paged_decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, windows[layer]);
+                                         n_heads, n_kv_heads, head_dim, k_scale, v_scale);
+    const at::Tensor attn = paged_decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                                                   scale, windows[layer], k_scale, v_scale);
     x = add_rms_norm(project(attn.view({batch, n_heads * head_dim}), p + 1, w[2]), residual, w[3], eps);
     h = project(silu_and_mul(project(x, p + 2, w[4])), p + 3, w[5]);
   }
@@ -144,7 +152,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
         "Tensor[] weights, Tensor?[] blocked, Tensor final_norm, Tensor lm_head, Tensor(a!) k_buffer, "
         "Tensor(b!) v_buffer, Tensor out_cache_loc, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
         "int[] windows, int n_heads, int n_kv_heads, int head_dim, float eps, float scale, int skinny_max_rows, "
-        "int panel_max_rows, Tensor?[] qscales, Tensor?[] qmins, int stream_max_rows) -> Tensor");
+        "int panel_max_rows, Tensor?[] qscales, Tensor?[] qmins, int stream_max_rows, Tensor? k_scale_buffer=None, "
+        "Tensor? v_scale_buffer=None) -> Tensor");
   m.impl("decode_forward", c10::DispatchKey::CPU, &decode_forward);
   // fp32 blocked weights are oneDNN tensors, which dispatch the call to this key
   m.impl("decode_forward", c10::DispatchKey::MkldnnCPU, &decode_forward);

@@ -214,22 +214,64 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split_qkv(const at::Tensor
   return {q, k, v};
 }
 
+// Rows [T, Hkv, D] of `src` into int8 rows out_cache_loc[t] of `dst` [S, Hkv, D] with one scale per
+// token and head into `scales` [S, Hkv]: scale = max|x| / 127, q = x / scale rounded to nearest even
+// (0 for an all-zero head), exactly as kv_quant.quantize computes them.
+template <typename T>
+void quantize_rows(const T* src, int8_t* dst, float* scales, const int64_t* slots, int64_t tokens, int64_t n_kv_heads,
+                   int64_t head_dim) {
+  at::parallel_for(0, tokens * n_kv_heads, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t t = row / n_kv_heads, h = row % n_kv_heads;
+      const T* x = src + row * head_dim;
+      float amax = 0.f;
+      for (int64_t i = 0; i < head_dim; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+      const float scale = amax / 127.f, safe = scale > 0.f ? scale : 1.f;
+      int8_t* q = dst + (slots[t] * n_kv_heads + h) * head_dim;
+      for (int64_t i = 0; i < head_dim; ++i) {
+        q[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(to_float(x[i]) / safe))));
+      }
+      scales[slots[t] * n_kv_heads + h] = scale;
+    }
+  });
+}
+
 // As rotary_split_qkv, but token t's keys and values go straight to the cache slot
-// out_cache_loc[t] of k_cache/v_cache [S, Hkv, D] (what the attention backend's store does);
-// returns q [T, H, D].
+// out_cache_loc[t] of k_cache/v_cache [S, Hkv, D] (what the attention backend's store does): in qkv's
+// dtype, or int8 with their scales into k_scale/v_scale [S, Hkv] (kv_quant's format); returns q [T, H, D].
 at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                            at::Tensor& v_cache, const at::Tensor& out_cache_loc, int64_t n_heads,
-                           int64_t n_kv_heads, int64_t head_dim) {
+                           int64_t n_kv_heads, int64_t head_dim, const c10::optional<at::Tensor>& k_scale,
+                           const c10::optional<at::Tensor>& v_scale) {
   check_qkv(qkv, cos, sin, n_heads, n_kv_heads, head_dim);
   const int64_t n_slots = k_cache.size(0);
-  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type() &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  const auto kv_type = int8 ? at::kChar : qkv.scalar_type();
+  TORCH_CHECK(k_cache.scalar_type() == kv_type && v_cache.scalar_type() == kv_type && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.numel() == n_slots * n_kv_heads * head_dim,
-              "k_cache/v_cache must be contiguous [S, Hkv, D] in qkv's dtype");
+              "k_cache/v_cache must be contiguous [S, Hkv, D] in qkv's dtype or int8");
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), "scales come with an int8 cache only");
+  if (int8) {
+    for (const at::Tensor* s : {&*k_scale, &*v_scale}) {
+      TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->numel() == n_slots * n_kv_heads,
+                  "k_scale/v_scale: contiguous fp32 [S, Hkv]");
+    }
+  }
   TORCH_CHECK(out_cache_loc.scalar_type() == at::kLong && out_cache_loc.is_contiguous() &&
                   out_cache_loc.numel() == qkv.size(0), "out_cache_loc: contiguous int64, one slot per token");
   const int64_t* slots = out_cache_loc.data_ptr<int64_t>();
   for (int64_t t = 0; t < qkv.size(0); ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < n_slots, "cache slot out of range");
+  if (int8) {
+    auto [q, k, v] = rotary_split_qkv(qkv, cos, sin, n_heads, n_kv_heads, head_dim);
+    dispatch(qkv, [&](auto tag) {
+      using T = decltype(tag);
+      quantize_rows(ptr<T>(k), ptr<int8_t>(k_cache), ptr<float>(*k_scale), slots, qkv.size(0), n_kv_heads, head_dim);
+      quantize_rows(ptr<T>(v), ptr<int8_t>(v_cache), ptr<float>(*v_scale), slots, qkv.size(0), n_kv_heads, head_dim);
+      return 0;
+    });
+    return q;
+  }
   return dispatch(qkv, [&](auto tag) {
     using T = decltype(tag);
     return rotate_tokens(qkv, cos, sin, ptr<T>(k_cache), ptr<T>(v_cache), [slots](int64_t t) { return slots[t]; },

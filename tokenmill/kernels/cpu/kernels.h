@@ -20,7 +20,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split_qkv(const at::Tensor
                                                                int64_t n_kv_heads, int64_t head_dim);
 at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                            at::Tensor& v_cache, const at::Tensor& out_cache_loc, int64_t n_heads,
-                           int64_t n_kv_heads, int64_t head_dim);
+                           int64_t n_kv_heads, int64_t head_dim, const c10::optional<at::Tensor>& k_scale,
+                           const c10::optional<at::Tensor>& v_scale);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                                  const at::Tensor& seq_lens, double scale, int64_t window);
+                                  const at::Tensor& seq_lens, double scale, int64_t window,
+                                  const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale);

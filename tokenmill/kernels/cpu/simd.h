@@ -38,6 +38,16 @@ inline vec8 load8(const bf16_t* p) {
 
 inline float to_float(float x) { return x; }
 
+// int8 values (an int8 KV cache's, before their scale) widened to fp32.
+inline vec8 load8(const int8_t* p) {
+  typedef int8_t i8x8 __attribute__((vector_size(8)));
+  i8x8 b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, vec8);
+}
+
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
 inline float to_float(bf16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
   float f;
@@ -83,6 +93,13 @@ inline vec16 load16(const bf16_t* p) {
   vec16 v;
   std::memcpy(&v, &bits, sizeof(v));
   return v;
+}
+
+inline vec16 load16(const int8_t* p) {
+  typedef int8_t i8x16 __attribute__((vector_size(16)));
+  i8x16 b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, vec16);
 }
 
 inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
