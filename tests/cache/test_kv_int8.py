@@ -18,7 +18,7 @@ from tests.tiny_models import save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention.cpu_backend import CpuBackend
 from tokenmill.attention.torch_native import TorchNativeBackend
-from tokenmill.cache.kv_quant import dequantize, quantize
+from tokenmill.cache.kv_quant import LayerKV, dequantize, quantize
 from tokenmill.cache.storage import KVStorage
 from tokenmill.cache.view_builder import make_decode_view, make_prefill_view
 
@@ -34,6 +34,29 @@ def test_quantize_rounds_each_head_to_its_own_scale() -> None:
     assert int(q.abs().max()) == 127 and torch.equal(q[2, 1], torch.zeros(16, dtype=torch.int8))
     error = (dequantize(q, scale, torch.float32) - x).abs()
     assert bool((error <= scale[..., None] / 2 * (1 + 1e-6)).all())  # round to nearest: half a step at most
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_store_and_read_equal_the_torch_code(dtype: torch.dtype) -> None:
+    """``kv_int8.cpp`` stores and reads exactly what ``kv_quant``'s torch code does, ties to even included."""
+    from tokenmill.kernels.cpu import load_cpu_kernels
+
+    x = (torch.randn(40, 3, 24) * 4).to(dtype)
+    x[0, 0] = 0.0
+    x[1, 0, :2] = torch.tensor([127.0, 0.5])  # scale 1: 0.5 is a tie, rounded to even
+    slots = torch.randperm(99)[:40] + 1
+    stores = []
+    for kernels in (None, load_cpu_kernels()):
+        storage = KVStorage(1, 100, 3, 24, torch.int8, "cpu")
+        cache = LayerKV(storage.k_buffer[0], storage.v_buffer[0], storage.k_scale[0], storage.v_scale[0], kernels)
+        cache.store(slots, x, -x)
+        stores.append((storage, cache.read(slots.flip(0), dtype)))
+    (torch_storage, torch_read), (cpp_storage, cpp_read) = stores
+    for name in ("k_buffer", "v_buffer", "k_scale", "v_scale"):  # the written slots (the rest is uninitialized)
+        assert torch.equal(getattr(torch_storage, name)[0, slots], getattr(cpp_storage, name)[0, slots]), name
+    assert int(torch_storage.k_buffer[0, slots[1], 0, 1]) == 0
+    assert torch.equal(torch_read[0], cpp_read[0]) and torch.equal(torch_read[1], cpp_read[1])
 
 
 def int8_storage(n_slots: int, n_kv: int, head_dim: int) -> KVStorage:

@@ -21,6 +21,7 @@ import torch
 from tokenmill.attention.capabilities import BackendCapabilities
 from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.cache.kv_quant import LayerKV
+from tokenmill.cache.views import KVView
 from tokenmill.kernels.cpu import load_cpu_kernels
 
 SCORE_BUFFER_FLOATS = 4 * 1024 * 1024
@@ -57,8 +58,13 @@ class CpuBackend(TorchNativeBackend):
                 "attention_backend='cpu' needs its C++ kernels, which failed to build (see the log: a C++ "
                 "compiler and `pip install ninja` are required); use attention_backend='torch'"
             )
+        self._kernels = kernels
         self._decode_kernel = kernels.paged_decode_attention
         self._causal_softmax = kernels.causal_softmax_
+
+    def _layer_kv(self, view: KVView, layer: int) -> LayerKV:
+        """An int8 cache stored and read by the C++ ops (``kv_int8.cpp``; the torch path's results)."""
+        return LayerKV.of(view, layer, self._kernels)
 
     def _decode(
         self,

@@ -49,7 +49,7 @@ class TorchNativeBackend(AttentionBackend[KVView]):
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         self._check_fwd(q, k, v, layer_id, kv_view, sliding_window)
-        cache = LayerKV.of(kv_view, layer_id)
+        cache = self._layer_kv(kv_view, layer_id)
         cache.store(kv_view.out_cache_loc, k, v)
         if isinstance(kv_view, DecodeKVCache):
             return self._decode(
@@ -62,6 +62,10 @@ class TorchNativeBackend(AttentionBackend[KVView]):
                 sliding_window,
             )
         return self._prefill(q, k, v, cache, kv_view, sliding_window)
+
+    def _layer_kv(self, view: KVView, layer: int) -> LayerKV:
+        """Layer ``layer`` of the view's cache, stored and read in plain PyTorch."""
+        return LayerKV.of(view, layer)
 
     def _prefill(
         self,

@@ -15,6 +15,7 @@ from typing import Any
 
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.workload import PRESETS, WORKLOAD_HELP, Workload, make_random_model, make_workload
+from tokenmill.config import KV_DTYPES
 from tokenmill.llm import LLM
 from tokenmill.request import RequestOutput, SamplingParams
 
@@ -36,6 +37,7 @@ class ThroughputResult:
     dtype: str  # what the engine runs (dtype "auto" resolved for this machine)
     attention_backend: str
     quantization: str  # the weights' scheme, or "none"
+    kv_cache_dtype: str
     weight_bytes: int  # resident bytes of the model's weights (quantized ones at their packed size)
     spec_proposed_tokens: int = 0  # speculative decoding (0 when off): tokens proposed in the run
     spec_accepted_tokens: int = 0  # of which emitted
@@ -84,6 +86,7 @@ def run_throughput(llm: LLM, work: Workload) -> tuple[ThroughputResult, list[Req
         dtype=str(llm.engine.dtype).removeprefix("torch."),
         attention_backend=llm.engine.model.backend.name,
         quantization=llm.engine.model.quantization.name if llm.engine.model.quantization else "none",
+        kv_cache_dtype=str(llm.engine.worker.storage.k_buffer.dtype).removeprefix("torch."),
         weight_bytes=llm.engine.model.weight_bytes(),
         **_speculation(before, after),
     )
@@ -161,6 +164,12 @@ def add_arguments(parser: Any) -> None:
         help="the engine's option of that name (default: none)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", *KV_DTYPES),
+        default="auto",
+        help="the engine's option of that name (default: %(default)s)",
+    )
+    parser.add_argument(
         "--speculative-config",
         type=json.loads,
         default=None,
@@ -181,6 +190,7 @@ def main(args: Any) -> int:
         max_running_requests=args.max_running_requests,
         max_num_batched_tokens=args.max_num_batched_tokens,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=args.speculative_config,
     )
     try:
@@ -194,7 +204,8 @@ def main(args: Any) -> int:
         return 0
     print(
         f"requests: {result.n_requests}, prompt tokens: {result.prompt_tokens}, output tokens: {result.output_tokens}"
-        f" ({result.dtype}, attention backend {result.attention_backend}, weights {result.quantization}"
+        f" ({result.dtype}, KV {result.kv_cache_dtype}, attention backend {result.attention_backend}, weights"
+        f" {result.quantization}"
         f" {result.weight_bytes / 2**20:.2f} MiB)"
     )
     print(

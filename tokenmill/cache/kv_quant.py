@@ -10,6 +10,7 @@ times its scale, never through a dequantized copy of the cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,21 +35,25 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 @dataclass(frozen=True)
 class LayerKV:
-    """One layer's keys and values ``[n_slots, n_kv_heads, head_dim]`` (and an int8 cache's scales)."""
+    """One layer's keys and values ``[n_slots, n_kv_heads, head_dim]`` (and an int8 cache's scales).
+    With ``kernels`` (the C++ CPU ops) an int8 cache is stored and read by ``kv_int8.cpp``, with
+    the same results as the torch code here."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    kernels: Any = None
 
     @staticmethod
-    def of(view: KVView, layer: int) -> LayerKV:
+    def of(view: KVView, layer: int, kernels: Any = None) -> LayerKV:
         quantized = view.k_scale is not None and view.v_scale is not None
         return LayerKV(
             view.k_buffer[layer],
             view.v_buffer[layer],
             view.k_scale[layer] if quantized else None,
             view.v_scale[layer] if quantized else None,
+            kernels,
         )
 
     @property
@@ -62,6 +67,11 @@ class LayerKV:
             self.k.index_copy_(0, slots, k.to(self.k.dtype))
             self.v.index_copy_(0, slots, v.to(self.v.dtype))
             return
+        if self.kernels is not None and k.dtype in (torch.float32, torch.bfloat16):
+            self.kernels.store_kv_int8_(
+                k.contiguous(), v.contiguous(), self.k, self.v, self.k_scale, self.v_scale, slots
+            )
+            return
         for values, buffer, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
             q, scale = quantize(values)
             buffer.index_copy_(0, slots, q)
@@ -73,6 +83,10 @@ class LayerKV:
         shape = (*slots.shape, *self.k.shape[1:])
         if self.k_scale is None or self.v_scale is None:
             keys, values = self.k.index_select(0, flat).to(dtype), self.v.index_select(0, flat).to(dtype)
+        elif self.kernels is not None and dtype in (torch.float32, torch.bfloat16):
+            bf16 = dtype == torch.bfloat16
+            keys = self.kernels.read_kv_int8(self.k, self.k_scale, flat.contiguous(), bf16)
+            values = self.kernels.read_kv_int8(self.v, self.v_scale, flat.contiguous(), bf16)
         else:
             keys = dequantize(self.k.index_select(0, flat), self.k_scale.index_select(0, flat), dtype)
             values = dequantize(self.v.index_select(0, flat), self.v_scale.index_select(0, flat), dtype)

@@ -45,6 +45,7 @@ SOURCES = [
         "decode_attention.cpp",
         "decode_forward.cpp",
         "elementwise.cpp",
+        "kv_int8.cpp",
         "panel_linear.cpp",
         "quant_int8_dot.cpp",
         "quant_linear.cpp",

@@ -115,6 +115,15 @@ inline float value_scale(const Problem<KV>& p, int64_t slot, int64_t head) {
   }
 }
 
+// Ask for a slot's row of keys (or values) of the item's heads ahead of use, and for an int8 cache
+// the line holding their scales too (one more stream the hardware prefetchers cannot follow).
+template <typename KV>
+inline void prefetch_slot(const KV* cache, const float* scales, const Problem<KV>& p, int64_t slot,
+                          int64_t slot_stride, int64_t offset, int64_t row_bytes, int64_t kv_begin) {
+  tokenmill_simd::prefetch_range(cache + slot * slot_stride + offset, row_bytes);
+  if constexpr (std::is_same_v<KV, int8_t>) __builtin_prefetch(scales + slot * p.n_kv_heads + kv_begin, 0, 3);
+}
+
 // A request's keys in [begin, end): one chunk of its context.
 struct Chunk {
   int64_t request, begin, end;
@@ -151,7 +160,7 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
     constexpr int64_t kVecs = kHeadDim / 16;
     for (; l + 4 <= len; l += 4) {
       for (int64_t j = 0; j < 4 && l + ahead + j < len; ++j) {
-        tokenmill_simd::prefetch_range(p.k_cache + slots[l + ahead + j] * slot_stride + offset, row_bytes);
+        prefetch_slot(p.k_cache, p.k_scale, p, slots[l + ahead + j], slot_stride, offset, row_bytes, kv_begin);
       }
       const KV* key_rows[4];
       for (int64_t j = 0; j < 4; ++j) key_rows[j] = p.k_cache + slots[l + j] * slot_stride + offset;
@@ -188,7 +197,7 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
   }
   for (; l < len; ++l) {
     if (l + ahead < len) {
-      tokenmill_simd::prefetch_range(p.k_cache + slots[l + ahead] * slot_stride + offset, row_bytes);
+      prefetch_slot(p.k_cache, p.k_scale, p, slots[l + ahead], slot_stride, offset, row_bytes, kv_begin);
     }
     const KV* keys = p.k_cache + slots[l] * slot_stride + offset;  // the keys after the last four
     for (int64_t r = 0; r < n_rows; ++r) {
@@ -208,7 +217,7 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
   std::memset(out, 0, n_rows * dim * sizeof(float));
   for (int64_t l = 0; l < len; ++l) {
     if (l + ahead < len) {
-      tokenmill_simd::prefetch_range(p.v_cache + slots[l + ahead] * slot_stride + offset, row_bytes);
+      prefetch_slot(p.v_cache, p.v_scale, p, slots[l + ahead], slot_stride, offset, row_bytes, kv_begin);
     }
     const KV* values = p.v_cache + slots[l] * slot_stride + offset;
     if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {  // each value head widened once, for its whole group

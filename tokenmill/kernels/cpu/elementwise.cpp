@@ -5,7 +5,8 @@
 //   add_rms_norm      residual += x (in place); out = rms_norm(residual)
 //   silu_and_mul      [T, 2I] -> [T, I]: silu(gate) * up
 //   rotary_split_qkv  fused qkv rows [T, (H + 2 Hkv) D] -> contiguous q, k (rotate_half RoPE) and v
-//   rotary_store_kv   the same, with k and v written to their KV-cache slots (decode_forward.cpp)
+//   rotary_store_kv   the same, with k and v written to their KV-cache slots (decode_forward.cpp); an int8
+//                     cache's through kv_int8.cpp
 //   causal_softmax_   in place over fp32 attention scores: scale, causal (and sliding-window) mask, softmax
 // Rows are split over torch's intra-op threads. Loops are written for the compiler to vectorize
 // (exp is a polynomial, so silu vectorizes too).
@@ -20,6 +21,7 @@
 #include <limits>
 #include <tuple>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -214,28 +216,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split_qkv(const at::Tensor
   return {q, k, v};
 }
 
-// Rows [T, Hkv, D] of `src` into int8 rows out_cache_loc[t] of `dst` [S, Hkv, D] with one scale per
-// token and head into `scales` [S, Hkv]: scale = max|x| / 127, q = x / scale rounded to nearest even
-// (0 for an all-zero head), exactly as kv_quant.quantize computes them.
-template <typename T>
-void quantize_rows(const T* src, int8_t* dst, float* scales, const int64_t* slots, int64_t tokens, int64_t n_kv_heads,
-                   int64_t head_dim) {
-  at::parallel_for(0, tokens * n_kv_heads, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t t = row / n_kv_heads, h = row % n_kv_heads;
-      const T* x = src + row * head_dim;
-      float amax = 0.f;
-      for (int64_t i = 0; i < head_dim; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
-      const float scale = amax / 127.f, safe = scale > 0.f ? scale : 1.f;
-      int8_t* q = dst + (slots[t] * n_kv_heads + h) * head_dim;
-      for (int64_t i = 0; i < head_dim; ++i) {
-        q[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(to_float(x[i]) / safe))));
-      }
-      scales[slots[t] * n_kv_heads + h] = scale;
-    }
-  });
-}
-
 // As rotary_split_qkv, but token t's keys and values go straight to the cache slot
 // out_cache_loc[t] of k_cache/v_cache [S, Hkv, D] (what the attention backend's store does): in qkv's
 // dtype, or int8 with their scales into k_scale/v_scale [S, Hkv] (kv_quant's format); returns q [T, H, D].
@@ -264,12 +244,8 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
   for (int64_t t = 0; t < qkv.size(0); ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < n_slots, "cache slot out of range");
   if (int8) {
     auto [q, k, v] = rotary_split_qkv(qkv, cos, sin, n_heads, n_kv_heads, head_dim);
-    dispatch(qkv, [&](auto tag) {
-      using T = decltype(tag);
-      quantize_rows(ptr<T>(k), ptr<int8_t>(k_cache), ptr<float>(*k_scale), slots, qkv.size(0), n_kv_heads, head_dim);
-      quantize_rows(ptr<T>(v), ptr<int8_t>(v_cache), ptr<float>(*v_scale), slots, qkv.size(0), n_kv_heads, head_dim);
-      return 0;
-    });
+    at::Tensor k_scales = *k_scale, v_scales = *v_scale;  // handles to the caller's tensors
+    store_kv_int8(k, v, k_cache, v_cache, k_scales, v_scales, out_cache_loc);
     return q;
   }
   return dispatch(qkv, [&](auto tag) {

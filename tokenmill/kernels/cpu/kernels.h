@@ -1,6 +1,6 @@
 // The kernels' C++ entry points, for decode_forward.cpp to call them directly (not through the
 // dispatcher). Each is defined in its own .cpp; all but rotary_store_kv (decode_forward.cpp's alone)
-// are also registered as torch.ops.tokenmill_cpu ops.
+// are also registered as torch.ops.tokenmill_cpu ops (store_kv_int8 as store_kv_int8_).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,6 +22,8 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
                            at::Tensor& v_cache, const at::Tensor& out_cache_loc, int64_t n_heads,
                            int64_t n_kv_heads, int64_t head_dim, const c10::optional<at::Tensor>& k_scale,
                            const c10::optional<at::Tensor>& v_scale);
+void store_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                   at::Tensor& k_scale, at::Tensor& v_scale, const at::Tensor& slots);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                                   const at::Tensor& seq_lens, double scale, int64_t window,

@@ -8,6 +8,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace tokenmill_simd {
 
@@ -38,12 +41,21 @@ inline vec8 load8(const bf16_t* p) {
 
 inline float to_float(float x) { return x; }
 
-// int8 values (an int8 KV cache's, before their scale) widened to fp32.
+// int8 values (an int8 KV cache's, before their scale) widened to fp32: sign-extend + convert
+// instructions where the CPU has them (GCC's __builtin_convertvector from int8 goes element by
+// element), plain vector code elsewhere.
 inline vec8 load8(const int8_t* p) {
+#if defined(__AVX2__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  vec8 v;
+  std::memcpy(&v, &f, sizeof(v));
+  return v;
+#else
   typedef int8_t i8x8 __attribute__((vector_size(8)));
   i8x8 b;
   std::memcpy(&b, p, sizeof(b));
   return __builtin_convertvector(b, vec8);
+#endif
 }
 
 inline float to_float(int8_t x) { return static_cast<float>(x); }
@@ -96,10 +108,16 @@ inline vec16 load16(const bf16_t* p) {
 }
 
 inline vec16 load16(const int8_t* p) {
-  typedef int8_t i8x16 __attribute__((vector_size(16)));
-  i8x16 b;
-  std::memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, vec16);
+  vec16 v;
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&v, &f, sizeof(v));
+#else
+  const vec8 lo = load8(p), hi = load8(p + 8);
+  std::memcpy(&v, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+#endif
+  return v;
 }
 
 inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }

@@ -1,0 +1,110 @@
+"""The int8 KV cache against the model-dtype one: decode throughput and accuracy.
+
+* ``throughput``: ``tokenmill bench throughput`` (the reference workload: 64 requests at once,
+  32-512 prompt and 32-256 output tokens, the random ~100M Llama, the machine's default dtype)
+  with ``--kv-cache-dtype auto`` and ``int8``, each in a fresh process, alternating, ``--rounds``
+  times; reports the median output tokens/s of each and their ratio.
+* ``accuracy``: on the default model (or ``--model``), the perplexity of a text (this repository's
+  README, ``--tokens`` tokens in windows of 1,024) from prompt logprobs with each KV dtype, and how
+  many of 16 greedy continuations of 64 tokens are identical (and how long each agrees).
+
+    python benchmarks/kv_int8.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from fresh_process import answer, call
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def throughput_part(rounds: int) -> dict[str, Any]:
+    rates: dict[str, list[float]] = {"auto": [], "int8": []}
+    for _ in range(rounds):
+        for kv in rates:
+            command = [sys.executable, "-m", "tokenmill.cli", "bench", "throughput", "--kv-cache-dtype", kv, "--json"]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            rates[kv].append(json.loads(done.stdout.strip().splitlines()[-1])["output_tok_per_s"])
+    median = {kv: statistics.median(values) for kv, values in rates.items()}
+    return {
+        "output_tok_s": rates,
+        "median_model_dtype_kv": median["auto"],
+        "median_int8_kv": median["int8"],
+        "ratio": median["int8"] / median["auto"],
+    }
+
+
+def accuracy_task(spec: dict[str, Any]) -> dict[str, Any]:
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(model=spec["model"], kv_cache_dtype=spec["kv"], max_num_batched_tokens=256)
+    tokenizer = llm.engine.tokenizer.hf
+    ids = tokenizer(README.read_text())["input_ids"][: spec["tokens"]]
+    windows = [ids[i : i + 1024] for i in range(0, len(ids), 1024) if len(ids[i : i + 1024]) > 1]
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    nll, count = 0.0, 0
+    for output in llm.generate(windows, [scoring] * len(windows), use_tqdm=False):
+        for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]):
+            nll -= entry[token].logprob
+            count += 1
+    starts = [ids[i : i + 32] for i in range(0, 16 * 97, 97)]
+    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    continuations = [o.outputs[0].token_ids for o in llm.generate(starts, [greedy] * len(starts), use_tqdm=False)]
+    kv_dtype = str(llm.engine.worker.storage.k_buffer.dtype)
+    llm.shutdown()
+    return {"perplexity": math.exp(nll / count), "tokens_scored": count, "greedy": continuations, "kv": kv_dtype}
+
+
+def accuracy_part(model: str, tokens: int) -> dict[str, Any]:
+    spec = {"model": model, "tokens": tokens}
+    plain = call(__file__, sys.executable, "accuracy", {**spec, "kv": "auto"})
+    int8 = call(__file__, sys.executable, "accuracy", {**spec, "kv": "int8"})
+    same = sum(a == b for a, b in zip(plain["greedy"], int8["greedy"]))
+    agreed = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        for a, b in zip(plain["greedy"], int8["greedy"])
+    ]
+    return {
+        "model_dtype_kv": plain["kv"],
+        "perplexity_model_dtype_kv": plain["perplexity"],
+        "perplexity_int8_kv": int8["perplexity"],
+        "perplexity_increase": int8["perplexity"] / plain["perplexity"] - 1,
+        "tokens_scored": plain["tokens_scored"],
+        "identical_greedy_continuations": f"{same} of {len(plain['greedy'])}",
+        "greedy_tokens_before_the_first_difference": agreed,
+    }
+
+
+def main(args: argparse.Namespace) -> None:
+    from tokenmill.default_model import default_model
+
+    result: dict[str, Any] = {}
+    if "accuracy" in args.parts:
+        result["accuracy"] = accuracy_part(args.model or str(default_model()), args.tokens)
+    if "throughput" in args.parts:
+        result["throughput"] = throughput_part(args.rounds)
+    print(json.dumps(result, indent=None if args.json else 1))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--parts", nargs="+", default=["accuracy", "throughput"], choices=["accuracy", "throughput"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    ARGS = parser.parse_args()
+    if ARGS.worker:
+        answer(ARGS.worker, {"accuracy": accuracy_task})
+    else:
+        main(ARGS)
