@@ -6,7 +6,8 @@
   times; reports the median output tokens/s of each and their ratio.
 * ``accuracy``: on the default model (or ``--model``), the perplexity of a text (this repository's
   README, ``--tokens`` tokens in windows of 1,024) from prompt logprobs with each KV dtype, and how
-  many of 16 greedy continuations of 64 tokens are identical (and how long each agrees).
+  many of 16 greedy continuations of 64 tokens are identical (and how long each agrees), beside the
+  same for an fp32 KV cache (how much near-ties alone move greedy tokens).
 
     python benchmarks/kv_int8.py --json
 """
@@ -51,36 +52,47 @@ def accuracy_task(spec: dict[str, Any]) -> dict[str, Any]:
     ids = tokenizer(README.read_text())["input_ids"][: spec["tokens"]]
     windows = [ids[i : i + 1024] for i in range(0, len(ids), 1024) if len(ids[i : i + 1024]) > 1]
     scoring = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-    nll, count = 0.0, 0
-    for output in llm.generate(windows, [scoring] * len(windows), use_tqdm=False):
-        for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]):
-            nll -= entry[token].logprob
-            count += 1
+    logprobs = [
+        entry[token].logprob
+        for output in llm.generate(windows, [scoring] * len(windows), use_tqdm=False)
+        for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:])
+    ]
     starts = [ids[i : i + 32] for i in range(0, 16 * 97, 97)]
     greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     continuations = [o.outputs[0].token_ids for o in llm.generate(starts, [greedy] * len(starts), use_tqdm=False)]
     kv_dtype = str(llm.engine.worker.storage.k_buffer.dtype)
     llm.shutdown()
-    return {"perplexity": math.exp(nll / count), "tokens_scored": count, "greedy": continuations, "kv": kv_dtype}
+    perplexity = math.exp(-sum(logprobs) / len(logprobs))
+    return {"perplexity": perplexity, "logprobs": logprobs, "greedy": continuations, "kv": kv_dtype}
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
+    """How many continuations are identical, and how many tokens each pair agrees before differing."""
+    before = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, b)]
+    same = sum(p == q for p, q in zip(a, b))
+    return {"identical": f"{same} of {len(a)}", "tokens_before_the_first_difference": before}
 
 
 def accuracy_part(model: str, tokens: int) -> dict[str, Any]:
     spec = {"model": model, "tokens": tokens}
     plain = call(__file__, sys.executable, "accuracy", {**spec, "kv": "auto"})
     int8 = call(__file__, sys.executable, "accuracy", {**spec, "kv": "int8"})
-    same = sum(a == b for a, b in zip(plain["greedy"], int8["greedy"]))
-    agreed = [
-        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-        for a, b in zip(plain["greedy"], int8["greedy"])
-    ]
+    fp32 = call(__file__, sys.executable, "accuracy", {**spec, "kv": "float32"})
+    gaps = [abs(a - b) for a, b in zip(plain["logprobs"], int8["logprobs"])]
     return {
         "model_dtype_kv": plain["kv"],
         "perplexity_model_dtype_kv": plain["perplexity"],
         "perplexity_int8_kv": int8["perplexity"],
-        "perplexity_increase": int8["perplexity"] / plain["perplexity"] - 1,
-        "tokens_scored": plain["tokens_scored"],
-        "identical_greedy_continuations": f"{same} of {len(plain['greedy'])}",
-        "greedy_tokens_before_the_first_difference": agreed,
+        "perplexity_float32_kv": fp32["perplexity"],
+        "perplexity_increase_int8": int8["perplexity"] / plain["perplexity"] - 1,
+        "tokens_scored": len(plain["logprobs"]),
+        "text_token_logprob_abs_difference_int8": {
+            "mean": statistics.fmean(gaps),
+            "p99": sorted(gaps)[int(0.99 * len(gaps))],
+            "max": max(gaps),
+        },
+        "greedy_int8_vs_model_dtype_kv": agreement(plain["greedy"], int8["greedy"]),
+        "greedy_float32_vs_model_dtype_kv": agreement(plain["greedy"], fp32["greedy"]),
     }
 
 
