@@ -160,6 +160,7 @@ def test_bench_throughput_reports_the_requested_workload(tmp_path: Path) -> None
         assert set(s) == {"mean", "p50", "p99"} and 0 < min(s.values()) and s["p50"] <= s["p99"]
     assert 0 <= report["peak_kv_usage"] <= 1 and 0 <= report["engine_overhead"] <= 1
     assert report["quantization"] == "none" and report["weight_bytes"] > 0
+    assert report["kv_cache_dtype"] == report["dtype"]  # "auto": the model's
 
     text = tokenmill("bench", "throughput", *workload, "--quantization", "int8").stdout.splitlines()
     number = r"\d+(\.\d+)?"
@@ -167,7 +168,8 @@ def test_bench_throughput_reports_the_requested_workload(tmp_path: Path) -> None
     assert mib is not None and float(mib.group(1)) < report["weight_bytes"] / 2**20  # int8: fewer bytes
     expected_lines = [
         rf"requests: 2, prompt tokens: {report['prompt_tokens']}, output tokens: {report['output_tokens']} "
-        rf"\({report['dtype']}, attention backend {report['attention_backend']}, weights int8-per-channel "
+        rf"\({report['dtype']}, KV {report['kv_cache_dtype']}, attention backend {report['attention_backend']}, "
+        rf"weights int8-per-channel "
         rf"{number} MiB\)",
         rf"elapsed {number} s: {number} req/s, {number} input tok/s, {number} output tok/s",
         rf"TTFT ms: mean {number}, p50 {number}, p99 {number}",
