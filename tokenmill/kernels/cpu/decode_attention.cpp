@@ -96,20 +96,12 @@ struct Problem {
   float scale;
 };
 
-// The scale of the key (value) of `slot`, KV head `head`: an int8 cache's, else 1.
+// The scale of a key or value of `slot`, KV head `head` (from `scales`: p.k_scale or p.v_scale) in an
+// int8 cache; 1 in any other.
 template <typename KV>
-inline float key_scale(const Problem<KV>& p, int64_t slot, int64_t head) {
+inline float slot_scale(const Problem<KV>& p, const float* scales, int64_t slot, int64_t head) {
   if constexpr (std::is_same_v<KV, int8_t>) {
-    return p.k_scale[slot * p.n_kv_heads + head];
-  } else {
-    return 1.f;
-  }
-}
-
-template <typename KV>
-inline float value_scale(const Problem<KV>& p, int64_t slot, int64_t head) {
-  if constexpr (std::is_same_v<KV, int8_t>) {
-    return p.v_scale[slot * p.n_kv_heads + head];
+    return scales[slot * p.n_kv_heads + head];
   } else {
     return 1.f;
   }
@@ -189,7 +181,7 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
           }
           const tokenmill_simd::vec4 sums = tokenmill_simd::horizontal_sum4(acc[0], acc[1], acc[2], acc[3]);
           for (int64_t j = 0; j < 4; ++j) {
-            s[r * len + l + j] = sums[j] * p.scale * key_scale<KV>(p, slots[l + j], kv_begin + h);
+            s[r * len + l + j] = sums[j] * p.scale * slot_scale<KV>(p, p.k_scale, slots[l + j], kv_begin + h);
           }
         }
       }
@@ -202,7 +194,7 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
     const KV* keys = p.k_cache + slots[l] * slot_stride + offset;  // the keys after the last four
     for (int64_t r = 0; r < n_rows; ++r) {
       s[r * len + l] = dot<kHeadDim>(queries + r * dim, keys + (r / p.group) * dim, dim) * p.scale *
-                       key_scale<KV>(p, slots[l], kv_begin + r / p.group);
+                       slot_scale<KV>(p, p.k_scale, slots[l], kv_begin + r / p.group);
     }
   }
   for (int64_t r = 0; r < n_rows; ++r) {
@@ -224,7 +216,7 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
       for (int64_t h = 0, r = 0; h < kv_end - kv_begin; ++h) {
         vec16 v[kHeadDim / 16];
         for (int64_t i = 0; i < kHeadDim / 16; ++i) v[i] = load16(values + h * kHeadDim + 16 * i);
-        const float v_scale = value_scale<KV>(p, slots[l], kv_begin + h);
+        const float v_scale = slot_scale<KV>(p, p.v_scale, slots[l], kv_begin + h);
         for (int64_t g = 0; g < p.group; ++g, ++r) {
           const float weight = s[r * len + l] * v_scale;
           float* o = out + r * kHeadDim;
@@ -233,7 +225,7 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
       }
     } else {
       for (int64_t r = 0; r < n_rows; ++r) {
-        const float weight = s[r * len + l] * value_scale<KV>(p, slots[l], kv_begin + r / p.group);
+        const float weight = s[r * len + l] * slot_scale<KV>(p, p.v_scale, slots[l], kv_begin + r / p.group);
         axpy<kHeadDim>(weight, values + (r / p.group) * dim, out + r * dim, dim);
       }
     }
