@@ -333,8 +333,6 @@ class EngineConfig:
                 raise ValueError("kv_cache_disk_dir needs enable_prefix_caching (the disk tier holds cached prefixes)")
             if self.tensor_parallel_size > 1:
                 raise ValueError("kv_cache_disk_dir is not supported with tensor parallelism yet")
-            if self.kv_cache_dtype == "int8":
-                raise ValueError("kv_cache_disk_dir is not supported with kv_cache_dtype int8 yet")
             if self.kv_cache_disk_bytes < 1:
                 raise ValueError(f"kv_cache_disk_bytes must be >= 1, got {self.kv_cache_disk_bytes}")
         if self.num_kv_slots is not None and self.num_kv_slots < self.page_size:

@@ -600,3 +600,18 @@ def test_a_block_saved_again_after_clear_during_its_write_is_kept(tiers: Tiers, 
     gate.release()
     tier = tiers.reopen(tier)  # close drains the queue: the block queued last is on disk
     assert_block_equal(tier.load(key(1)), make_block(11))
+
+
+def test_an_int8_block_carries_its_scales_through_a_reopen(tiers: Tiers) -> None:
+    """int8 blocks have four parts (keys, values, their fp32 scales [n_layers, block_tokens,
+    n_kv_heads]); a block without its scales is refused."""
+    tier = tiers.open(dtype=torch.int8)
+    k, v = (torch.randint(-127, 128, SHAPE, dtype=torch.int8) for _ in range(2))
+    k_scale, v_scale = torch.rand(SHAPE[:3]), torch.rand(SHAPE[:3])
+    with pytest.raises(ValueError, match="4 parts"):
+        tier.save(key(1), k, v)
+    assert tier.save(key(1), k, v, k_scale, v_scale)
+    tier = tiers.reopen(tier)
+    loaded = tier.load(key(1))
+    assert loaded is not None and len(loaded) == 4
+    assert all(torch.equal(a, b) for a, b in zip(loaded, (k, v, k_scale, v_scale)))

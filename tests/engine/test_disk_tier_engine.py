@@ -78,6 +78,35 @@ def test_restart_serves_prefix_from_disk_equal_to_transformers(checkpoint, tmp_p
         assert again == tokens == hf_greedy(hf_model, prompt, 8)
 
 
+def test_int8_blocks_carry_their_scales(checkpoint, tmp_path: Path) -> None:
+    """An int8 cache's blocks are written with their scales: after a restart the prefix read back
+    gives exactly the tokens and logprobs the run that computed it gave."""
+    path, _ = checkpoint
+    batch = prompts(2, 300, seed=6)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    results = []
+    for _ in range(2):
+        llm = engine(path, tmp_path, kv_cache_dtype="int8")
+        try:
+            outputs = llm.generate(batch, [params] * 2, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        results.append(
+            [
+                (
+                    o.outputs[0].token_ids,
+                    [e[t].logprob for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+                    o.num_cached_tokens,
+                )
+                for o in outputs
+            ]
+        )
+    (first, second) = results
+    assert [cached for *_, cached in first] == [0, 0] and [cached for *_, cached in second] == [256, 256]
+    for (tokens, logprobs, _), (again, again_logprobs, _) in zip(first, second):
+        assert again == tokens and again_logprobs == pytest.approx(logprobs, abs=1e-5)
+
+
 def test_pool_smaller_than_prefixes_reads_evicted_blocks_back(checkpoint, tmp_path: Path) -> None:
     """Eight 200-token prefixes cycle through a pool of 512 slots: the device evicts them, the disk
     tier serves them back (a run without it computes every prompt whole), with outputs equal to that

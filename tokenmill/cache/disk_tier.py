@@ -1,7 +1,8 @@
 """DiskKVTier: the KV cache's second tier, blocks of keys and values in files of a directory.
 
 A block holds the keys and values of ``block_tokens`` consecutive tokens of a prefix, for every
-layer (``[n_layers, block_tokens, n_kv_heads, head_dim]`` each), and is named by a chain hash of
+layer (``[n_layers, block_tokens, n_kv_heads, head_dim]`` each; an int8 block also their fp32
+scales, ``[n_layers, block_tokens, n_kv_heads]`` each, see ``cache/kv_quant.py``), and is named by a chain hash of
 all the tokens up to its end (``block_keys``), rooted at the tier's namespace: the same prefix
 under the same model always has the same names, and nothing else does.
 
@@ -102,7 +103,7 @@ def open_disk_tier(config: EngineConfig, storage: KVStorage, namespace: str) -> 
 
 class DiskKVTier:
     """Blocks of ``block_shape`` (``[n_layers, block_tokens, n_kv_heads, head_dim]``) keys and values
-    of ``dtype`` in ``directory``; see the module docstring for the contracts."""
+    of ``dtype`` (int8: with their scales) in ``directory``; see the module docstring for the contracts."""
 
     def __init__(
         self,
@@ -121,13 +122,14 @@ class DiskKVTier:
         self.dtype = dtype
         self.max_bytes = max_bytes
         self.max_pending_bytes = max_pending_bytes
-        half = torch.Size(block_shape).numel() * torch.empty((), dtype=dtype).element_size()
-        self.payload_bytes = 2 * half
+        scales = [(block_shape[:3], torch.float32)] * 2 if dtype == torch.int8 else []
+        self.parts: list[tuple[tuple[int, ...], torch.dtype]] = [(block_shape, dtype)] * 2 + scales
+        self.payload_bytes = sum(_part_bytes(shape, part_dtype) for shape, part_dtype in self.parts)
         self.stats = DiskTierStats()
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # name -> file bytes, least recently used first
         self._bytes = 0
-        self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending: dict[str, tuple[torch.Tensor, ...]] = {}
         self._pending_bytes = 0
         self._queue: Queue[str | None] = Queue()
         self._writing = True
@@ -170,26 +172,29 @@ class DiskKVTier:
         with self._lock:
             return key in self._index or key in self._pending
 
-    def save(self, key: str, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Queue block ``key`` (``k``, ``v``: CPU tensors of ``block_shape`` the caller no longer
-        writes) for writing; False when it is dropped (already held, too much queued, not writing)."""
-        for part in (k, v):
-            if part.shape != self.block_shape or part.dtype != self.dtype:
-                raise ValueError(f"a block is {self.block_shape} {self.dtype}, got {tuple(part.shape)} {part.dtype}")
-        k, v = k.contiguous(), v.contiguous()
+    def save(self, key: str, *parts: torch.Tensor) -> bool:
+        """Queue block ``key`` (``parts``: keys, values and for int8 their scales, CPU tensors the
+        caller no longer writes) for writing; False when it is dropped (already held, too much
+        queued, not writing)."""
+        if len(parts) != len(self.parts):
+            raise ValueError(f"a block has {len(self.parts)} parts (keys, values, int8 scales), got {len(parts)}")
+        for part, (shape, dtype) in zip(parts, self.parts):
+            if part.shape != shape or part.dtype != dtype:
+                raise ValueError(f"a block part is {shape} {dtype}, got {tuple(part.shape)} {part.dtype}")
+        parts = tuple(part.contiguous() for part in parts)
         with self._lock:
             if key in self._index or key in self._pending:
                 return False
             if not self._writing or self._pending_bytes + self.payload_bytes > self.max_pending_bytes:
                 self.stats.dropped_writes += 1
                 return False
-            self._pending[key] = (k, v)
+            self._pending[key] = parts
             self._pending_bytes += self.payload_bytes
         self._queue.put(key)
         return True
 
-    def load(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Block ``key``'s keys and values, or None when it is not held (or its file failed its
+    def load(self, key: str) -> tuple[torch.Tensor, ...] | None:
+        """Block ``key``'s keys and values (and int8 scales), or None when it is not held (or its file failed its
         checks: then the file is deleted and the failure logged)."""
         with self._lock:
             queued = self._pending.get(key)
@@ -214,9 +219,12 @@ class DiskKVTier:
             return None
         self.stats.read_seconds += time.perf_counter() - started
         self.stats.read_bytes += len(payload)
-        flat = torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype)
-        k, v = flat.view(2, *self.block_shape).unbind(0)
-        return k, v
+        flat, parts, start = torch.frombuffer(payload, dtype=torch.uint8), [], 0
+        for shape, dtype in self.parts:
+            n = _part_bytes(shape, dtype)
+            parts.append(flat[start : start + n].view(dtype).view(shape))
+            start += n
+        return tuple(parts)
 
     def clear(self) -> None:
         """Delete every block (on disk and queued)."""
@@ -378,16 +386,17 @@ class DiskKVTier:
             generation = self._generation
         if block is None:  # cleared while queued, or written under an earlier queue entry
             return
-        k, v = block
         started = time.perf_counter()
         final, tmp = self._path(key), self._path(key).with_suffix(TMP_SUFFIX)
         try:
-            payload_k, payload_v = k.view(torch.uint8).numpy(), v.view(torch.uint8).numpy()
-            crc = zlib.crc32(payload_v, zlib.crc32(payload_k))
+            payloads = [part.view(torch.uint8).numpy() for part in block]
+            crc = 0
+            for payload in payloads:
+                crc = zlib.crc32(payload, crc)
             with open(tmp, "wb") as file:
                 file.write(self._header(key, crc))
-                file.write(payload_k)
-                file.write(payload_v)
+                for payload in payloads:
+                    file.write(payload)
             size = tmp.stat().st_size
         except (OSError, ValueError) as exc:
             tmp.unlink(missing_ok=True)
@@ -428,6 +437,10 @@ class DiskKVTier:
             _replace_with(self.directory / "index.json", json.dumps(names).encode())
         except OSError as exc:
             logger.warning("disk KV tier: writing its index failed: %s", exc)
+
+
+def _part_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
 
 
 def _replace_with(path: Path, data: bytes) -> None:

@@ -48,13 +48,13 @@ class CacheStats:
 
 @dataclass(frozen=True)
 class TierLoad:
-    """Keys and values read from the disk tier for ``slots`` of ``kv`` (``[n_layers, len(slots), heads, dim]``)."""
+    """Keys and values (and an int8 cache's scales) read from the disk tier for ``slots`` of ``kv``
+    (each part ``[n_layers, len(slots), ...]``, as ``KVStorage.read_slots`` returns them)."""
 
     kv: KVHandle
     position: int  # of slots[0] in kv's sequence
     slots: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
+    parts: tuple[torch.Tensor, ...]
 
 
 class CacheManager:
@@ -364,9 +364,9 @@ class CacheManager:
         if slots is None:
             return
         position, offset = start, start - first * bt
-        for k, v in blocks:
+        for block in blocks:
             part = slots[position - start : position - start + bt - offset]
-            self._loads.append(TierLoad(kv, position, part, k[:, offset:], v[:, offset:]))
+            self._loads.append(TierLoad(kv, position, part, tuple(p[:, offset:] for p in block)))
             position += part.numel()
             offset = 0
         kv.n_cached_tokens = kv.n_kv

@@ -66,17 +66,21 @@ class KVStorage:
             self.k_scale[:, dst] = self.k_scale[:, src]
             self.v_scale[:, dst] = self.v_scale[:, src]
 
-    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies (on the CPU) of the keys and values of ``slots``: ``[n_layers, len(slots), n_kv_heads,
-        head_dim]`` (not for an int8 cache: its scales stay behind)."""
+    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Copies (on the CPU) of the keys and values of ``slots`` (``[n_layers, len(slots), n_kv_heads,
+        head_dim]``), and of an int8 cache's key and value scales (``[n_layers, len(slots), n_kv_heads]``)."""
         slots = slots.to(self.k_buffer.device)
-        return self.k_buffer[:, slots].cpu(), self.v_buffer[:, slots].cpu()
+        return tuple(buffer[:, slots].cpu() for buffer in self._buffers())
 
-    def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k`` and ``v`` (shaped as ``read_slots`` returns them) as the keys and values of ``slots``."""
+    def write_slots(self, slots: torch.Tensor, *parts: torch.Tensor) -> None:
+        """Store ``parts`` (as ``read_slots`` returns them) as the contents of ``slots``."""
         slots = slots.to(self.k_buffer.device)
-        self.k_buffer[:, slots] = k.to(self.k_buffer.device)
-        self.v_buffer[:, slots] = v.to(self.v_buffer.device)
+        for buffer, part in zip(self._buffers(), parts, strict=True):
+            buffer[:, slots] = part.to(buffer.device)
+
+    def _buffers(self) -> list[torch.Tensor]:
+        scales = [self.k_scale, self.v_scale] if self.k_scale is not None and self.v_scale is not None else []
+        return [self.k_buffer, self.v_buffer, *scales]
 
     @staticmethod
     def bytes_per_slot(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -70,7 +70,7 @@ class StepExecutor:
             assert tier is not None
             tier.save(key, *storage.read_slots(slots))
         for load in loads:
-            storage.write_slots(load.slots, load.k, load.v)
+            storage.write_slots(load.slots, *load.parts)
 
     def forward_step(self, plan: StepPlan) -> ForwardStep:
         """The plan as plain data, with the table entries written since the previous step. A
