@@ -43,6 +43,9 @@ def test_restarted_server_serves_the_prefix_from_disk(checkpoint: Path, tmp_path
         assert (again, cached) == (text, 256)
         assert tier_metric(live.url, "tokenmill_kv_tier_hit_tokens_total") == 256
         assert tier_metric(live.url, "tokenmill_kv_tier_bytes") > 0
+        status = httpx.get(f"{live.url}/status", headers={"Authorization": f"Bearer {KEY}"}).json()
+        assert status["kv_cache_dtype"] == "float32"
+        assert status["disk_tier"]["blocks"] == 4 and status["disk_tier"]["hit_rate"] == 256 / 299
         assert httpx.post(f"{live.url}/reset_prefix_cache").status_code == 401
         reply = httpx.post(f"{live.url}/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"})
         assert reply.status_code == 200 and reply.json() == {"success": True}

@@ -242,8 +242,14 @@ async function refreshStatus() {
     ["Waiting requests", status.waiting], ["KV pages used", status.kv_pages_used],
     ["KV pages cached (reclaimable)", status.kv_pages_cached], ["KV pages free", status.kv_pages_free],
     ["Prefix cache hit rate", `${(100 * status.prefix_cache_hit_rate).toFixed(1)}%`],
-    ["Output tokens so far", status.generation_tokens],
+    ["KV cache dtype", status.kv_cache_dtype],
   ];
+  if (status.disk_tier) {
+    const tier = status.disk_tier;
+    rows.push(["Disk tier hit rate", `${(100 * tier.hit_rate).toFixed(1)}%`],
+      ["Disk tier blocks", `${tier.blocks} (${(tier.bytes / 2 ** 20).toFixed(1)} of ${(tier.max_bytes / 2 ** 20).toFixed(0)} MiB)`]);
+  }
+  rows.push(["Output tokens so far", status.generation_tokens]);
   const tbody = $("status-table").tBodies[0];
   tbody.replaceChildren(...rows.map(([name, value]) => {
     const tr = document.createElement("tr");
