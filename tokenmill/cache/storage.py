@@ -60,11 +60,8 @@ class KVStorage:
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the keys and values of slots ``src`` into slots ``dst``, in every layer."""
         src, dst = src.to(self.k_buffer.device), dst.to(self.k_buffer.device)
-        self.k_buffer[:, dst] = self.k_buffer[:, src]
-        self.v_buffer[:, dst] = self.v_buffer[:, src]
-        if self.k_scale is not None and self.v_scale is not None:
-            self.k_scale[:, dst] = self.k_scale[:, src]
-            self.v_scale[:, dst] = self.v_scale[:, src]
+        for buffer in self._buffers():  # an int8 cache's scales too
+            buffer[:, dst] = buffer[:, src]
 
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Copies (on the CPU) of the keys and values of ``slots`` (``[n_layers, len(slots), n_kv_heads,
