@@ -51,6 +51,16 @@ def tier_stats(llm: LLM) -> dict:
     return llm.engine.stats()["disk_tier"]
 
 
+def run_fresh(model: Path, tier: Path, batch: list[list[int]], **overrides: object) -> tuple[list, dict]:
+    """``batch`` run by a fresh engine on ``tier`` that then shuts down cleanly (a server's start and
+    stop): ``run``'s results and the tier's counters."""
+    llm = engine(model, tier, **overrides)
+    try:
+        return run(llm, batch), tier_stats(llm)
+    finally:
+        llm.shutdown()
+
+
 def blocks(tier: Path) -> list[Path]:
     return sorted(tier.glob(f"*{SUFFIX}"))
 
@@ -59,19 +69,10 @@ def blocks(tier: Path) -> list[Path]:
 def test_restart_serves_prefix_from_disk_equal_to_transformers(checkpoint, tmp_path: Path, page_size: int) -> None:
     path, hf_model = checkpoint
     batch = prompts(2, 300)
-    llm = engine(path, tmp_path, page_size=page_size)
-    try:
-        first = run(llm, batch)
-        assert [cached for _, cached in first] == [0, 0]
-    finally:
-        llm.shutdown()
+    first, _ = run_fresh(path, tmp_path, batch, page_size=page_size)
+    assert [cached for _, cached in first] == [0, 0]
     assert len(blocks(tmp_path)) == 2 * (308 // 64)  # each sequence's whole blocks, output tokens included
-    llm = engine(path, tmp_path, page_size=page_size)
-    try:
-        second = run(llm, batch)
-        stats = tier_stats(llm)
-    finally:
-        llm.shutdown()
+    second, stats = run_fresh(path, tmp_path, batch, page_size=page_size)
     assert [cached for _, cached in second] == [256, 256]  # 4 blocks of 64; the rest computed
     assert stats["hit_tokens"] == 512 and stats["rejected_files"] == 0
     for (tokens, _), (again, _), prompt in zip(first, second, batch):
@@ -120,12 +121,7 @@ def test_pool_smaller_than_prefixes_reads_evicted_blocks_back(checkpoint, tmp_pa
         expected = run(plain, batch)
     finally:
         plain.shutdown()
-    llm = engine(path, tmp_path, **small)
-    try:
-        got = run(llm, batch)
-        stats = tier_stats(llm)
-    finally:
-        llm.shutdown()
+    got, stats = run_fresh(path, tmp_path, batch, **small)
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
     assert stats["hit_tokens"] == 16 * 192, stats  # every repeat's 3 blocks come back from disk
     assert sum(cached for _, cached in got) > sum(cached for _, cached in expected)
@@ -137,17 +133,9 @@ def test_another_model_never_reads_the_blocks(checkpoint, tmp_path: Path) -> Non
     other_hf = save_tiny_checkpoint(other, "llama", seed=1, max_position_embeddings=1024)
     other_hf.generation_config.eos_token_id = None
     batch = prompts(1, 200)
-    llm = engine(path, tmp_path / "tier")
-    try:
-        run(llm, batch)
-    finally:
-        llm.shutdown()
+    run_fresh(path, tmp_path / "tier", batch)
     assert blocks(tmp_path / "tier")
-    llm = engine(other, tmp_path / "tier")
-    try:
-        ((tokens, cached),) = run(llm, batch)
-    finally:
-        llm.shutdown()
+    ((tokens, cached),), _ = run_fresh(other, tmp_path / "tier", batch)
     assert cached == 0 and tokens == hf_greedy(other_hf, batch[0], 8)
 
 
@@ -173,34 +161,22 @@ def test_weight_update_invalidates_the_tier(checkpoint, tmp_path: Path) -> None:
         assert blocks(tmp_path)  # blocks of the new weights
     finally:
         llm.shutdown()
-    llm = engine(path, tmp_path)  # a restart loads the files' weights: the updated weights' blocks must not serve
-    try:
-        ((tokens, cached),) = run(llm, batch)
-    finally:
-        llm.shutdown()
+    # a restart loads the files' weights: the updated weights' blocks must not serve
+    ((tokens, cached),), _ = run_fresh(path, tmp_path, batch)
     assert cached == 0 and tokens == hf_greedy(hf_model, batch[0], 8)
 
 
 def test_corrupt_and_partial_files_are_deleted_and_recomputed(checkpoint, tmp_path: Path) -> None:
     path, hf_model = checkpoint
     batch = prompts(1, 300, seed=3)
-    llm = engine(path, tmp_path)
-    try:
-        run(llm, batch)
-    finally:
-        llm.shutdown()
+    run_fresh(path, tmp_path, batch)
     files = blocks(tmp_path)
     data = bytearray(files[0].read_bytes())
     data[-5] ^= 0xFF
     for file in files:  # which file holds the first block is unknown: damage every one differently
         file.write_bytes(bytes(data) if file == files[0] else file.read_bytes()[: len(data) // 2])
     (tmp_path / f"{'0' * 32}.tmp").write_bytes(b"partial")
-    llm = engine(path, tmp_path)
-    try:
-        ((tokens, cached),) = run(llm, batch)
-        stats = tier_stats(llm)
-    finally:
-        llm.shutdown()
+    ((tokens, cached),), stats = run_fresh(path, tmp_path, batch)
     assert cached == 0 and tokens == hf_greedy(hf_model, batch[0], 8)
     assert stats["rejected_files"] == 1  # the first block failed its check: nothing past it is read
     assert not (tmp_path / f"{'0' * 32}.tmp").exists()
@@ -230,12 +206,7 @@ def test_kill_mid_write_leaves_nothing_served_wrong(checkpoint, tmp_path: Path) 
         os.kill(child.pid, signal.SIGKILL)
     finally:
         child.wait(30)
-    llm = engine(path, tmp_path, num_kv_slots=8192)
-    try:
-        got = run(llm, batch)
-        stats = tier_stats(llm)
-    finally:
-        llm.shutdown()
+    got, stats = run_fresh(path, tmp_path, batch, num_kv_slots=8192)
     assert stats["rejected_files"] == 0
     for (tokens, _), prompt in zip(got, batch):
         assert tokens == hf_greedy(hf_model, prompt, 8)

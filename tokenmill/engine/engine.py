@@ -83,6 +83,7 @@ class Engine(EngineLoop):
         self.forward_time = 0.0  # of which inside the model forward
         self.workers: WorkerGroup | None = None  # the other tensor-parallel ranks (tensor_parallel_size > 1)
         self.tier: DiskKVTier | None = None  # the KV cache's disk tier (kv_cache_disk_dir)
+        self._checkpoint_namespace = ""  # the tier's namespace for the checkpoint's own weights
         self.executor: StepExecutor | None = None
         super().__init__()
         self._start()
@@ -104,6 +105,7 @@ class Engine(EngineLoop):
         self.model = self.worker.model
         if cfg.kv_cache_disk_dir is not None:
             self.tier = open_disk_tier(cfg, self.worker.storage, self._tier_namespace())
+            self._checkpoint_namespace = self.tier.namespace
         self.cache = CacheManager(cfg, self.worker.storage.n_slots, req_pool, self.tier)
         self.context_limit = min(self.max_context_len, self.cache.capacity_tokens)
         speculative = cfg.speculative()
@@ -238,7 +240,8 @@ class Engine(EngineLoop):
                 self._abort_all()
             if flush_cache:
                 self.cache.reset_prefix_cache()
-            self.cache.rename_tier(self._tier_namespace(f"weights updated to {new_version}, {secrets.token_hex(8)}"))
+            if self.tier is not None:  # a namespace no restart computes: these weights are in no file
+                self.cache.rename_tier(f"{self._checkpoint_namespace}, weights {new_version} {secrets.token_hex(8)}")
             self.weight_version = new_version
             return new_version
 
@@ -317,12 +320,13 @@ class Engine(EngineLoop):
         if self.executor is not None:
             self.executor.move_tier_blocks()
 
-    def _tier_namespace(self, *extra: str) -> str:
-        """The name of the KV this engine computes: its checkpoint, dtypes, quantization, block size."""
+    def _tier_namespace(self) -> str:
+        """The name of the KV this engine computes from its checkpoint's weights: the checkpoint,
+        dtypes, quantization, page size (reads a few megabytes of the weight files)."""
         cfg = self.config
         settings = (cfg.quantization, cfg.quantization_group_size, cfg.tensor_parallel_size, cfg.page_size)
         kv_dtype = cfg.resolved_kv_dtype(self.dtype)
-        return checkpoint_fingerprint(cfg.model_path(), str(self.dtype), str(kv_dtype), repr(settings), *extra)
+        return checkpoint_fingerprint(cfg.model_path(), str(self.dtype), str(kv_dtype), repr(settings))
 
     def _step(self) -> None:
         if self.threads is not None:

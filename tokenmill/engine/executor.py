@@ -64,10 +64,12 @@ class StepExecutor:
         """Hand the disk tier the blocks the cache queued for it (read from their slots now, before a
         forward can overwrite them), then store the blocks it read into their new slots. Call before
         every forward and after the step's output stage (so nothing waits for the next step)."""
+        tier = self.cache.tier
+        if tier is None:
+            return
         saves, loads = self.cache.take_tier_moves()
-        storage, tier = self.worker.storage, self.cache.tier
+        storage = self.worker.storage
         for key, slots in saves:
-            assert tier is not None
             tier.save(key, *storage.read_slots(slots))
         for load in loads:
             storage.write_slots(load.slots, *load.parts)
