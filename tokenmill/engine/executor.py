@@ -3,6 +3,8 @@
 tensor parallelism the step is broadcast first and rank 0's worker runs inside the broadcast's
 hold on the group); then, where the data is, the computed prompts go into the prefix cache and the
 prompt logprobs and pooling hidden states the step produced are collected into their sequences.
+With a disk tier, the blocks the cache queued move between the KV storage and the tier
+(``move_tier_blocks``) before each forward and after each step's output stage.
 
 Batch order: decode sequences (one token each), verifications (a sequence's last token and its
 proposal, as one-token requests), then prefill chunks. Logits come back for the sampled rows
