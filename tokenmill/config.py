@@ -269,6 +269,29 @@ class EngineConfig:
         section="Speculative decoding",
         metavar="JSON",
     )
+    enable_lora: bool = option(
+        False,
+        "Serve LoRA adapters (PEFT folders) on top of the model, chosen per request (vLLM's flag).",
+        section="LoRA",
+    )
+    max_loras: int = option(
+        1,
+        "Adapters resident at once: a step's requests may use up to this many different adapters; "
+        "others wait until a slot frees up (least recently used adapters leave first).",
+        section="LoRA",
+    )
+    max_lora_rank: int = option(
+        16,
+        "Highest adapter rank accepted; every slot holds matrices of this rank (memory and work grow with it).",
+        section="LoRA",
+    )
+    lora_modules: tuple[str, ...] = option(
+        (),
+        "Adapters loaded at start, each NAME=PATH (a PEFT adapter folder); requests name them "
+        "(the API's model field, LoRARequest in Python). Needs enable_lora.",
+        section="LoRA",
+        metavar="NAME=PATH",
+    )
     tokenizer_threads: int = option(
         4,
         "Threads that tokenize off the event loop (AsyncEngine and the HTTP server); more concurrent "
@@ -335,6 +358,19 @@ class EngineConfig:
                 raise ValueError("kv_cache_disk_dir is not supported with tensor parallelism yet")
             if self.kv_cache_disk_bytes < 1:
                 raise ValueError(f"kv_cache_disk_bytes must be >= 1, got {self.kv_cache_disk_bytes}")
+        if isinstance(self.lora_modules, dict):  # {name: path} from Python
+            self.lora_modules = tuple(f"{name}={path}" for name, path in self.lora_modules.items())
+        self.lora_modules = tuple(self.lora_modules)
+        self.lora_adapters()  # raises on a bad entry
+        if self.enable_lora:
+            if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 512:
+                raise ValueError(
+                    f"max_loras must be >= 1 and max_lora_rank in [1, 512], got {self.max_loras}, {self.max_lora_rank}"
+                )
+            if self.tensor_parallel_size > 1:
+                raise ValueError("enable_lora is not supported with tensor parallelism yet")
+        elif self.lora_modules:
+            raise ValueError("lora_modules needs enable_lora")
         if self.num_kv_slots is not None and self.num_kv_slots < self.page_size:
             raise ValueError(f"num_kv_slots must be >= page_size ({self.page_size}), got {self.num_kv_slots}")
 
@@ -350,6 +386,19 @@ class EngineConfig:
     def speculative(self) -> SpeculativeConfig | None:
         """``speculative_config`` validated (raises ValueError naming the bad key), or None when off."""
         return None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """``lora_modules`` as name -> path (ValueError for an entry that is not NAME=PATH, or a name
+        given twice)."""
+        adapters: dict[str, str] = {}
+        for entry in self.lora_modules:
+            name, sep, path = str(entry).partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"lora_modules entries must be NAME=PATH, got {entry!r}")
+            if name.strip() in adapters:
+                raise ValueError(f"lora_modules names {name.strip()!r} twice")
+            adapters[name.strip()] = path.strip()
+        return adapters
 
     def request_limits(self, vocab_size: int) -> RequestLimits:
         """The caps above, for a model with ``vocab_size`` tokens."""

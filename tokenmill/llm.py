@@ -1,5 +1,5 @@
-"""LLM: the offline batch API, with vLLM's names (``LLM(model=...).generate(prompts, params)``,
-``LLM.embed(prompts, pooling_params)``)."""
+"""LLM: the offline batch API, with vLLM's names (``LLM(model=...).generate(prompts, params,
+lora_request=...)``, ``LLM.embed(prompts, pooling_params)``, ``LLM.load_lora(...)``)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tokenmill.engine.overload import EngineOverloadedError
 from tokenmill.engine.request_state import new_request_id
 from tokenmill.request import (
     EmbeddingRequestOutput,
+    LoRARequest,
     ParameterError,
     PoolingParams,
     RequestOutput,
@@ -45,18 +46,51 @@ class LLM:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs in input order.
 
         ``prompts``: a string, a list of token ids, ``{"prompt_token_ids": [...]}`` or
-        ``{"prompt": "..."}``, or a list of those. All prompts are validated before any runs, so a
+        ``{"prompt": "..."}``, or a list of those. ``lora_request``: the adapter of every prompt, or
+        one per prompt (None: the base model); an adapter named with a ``lora_path`` that is not
+        loaded yet is loaded first. All prompts are validated before any runs, so a
         bad one raises ValueError without leaving others half done. An interrupt (Ctrl-C) aborts the
         batch's requests before it propagates; if the engine shuts down meanwhile, the unfinished
         outputs end with ``finish_reason == "abort"``.
         """
         batch = _as_batch(prompts)
         params = _params_for(batch, sampling_params)
-        return self._run(batch, params, use_tqdm)
+        return self._run(batch, params, use_tqdm, self._lora_names(batch, lora_request))
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter folder ``path`` as adapter ``name`` (see :meth:`tokenmill.Engine.load_lora`)."""
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter ``name`` (see :meth:`tokenmill.Engine.unload_lora`)."""
+        self.engine.unload_lora(name)
+
+    def update_lora(self, name: str, tensors: dict[str, Any]) -> int:
+        """Replace adapter ``name``'s matrices (see :meth:`tokenmill.Engine.update_lora`); returns its version."""
+        return self.engine.update_lora(name, tensors)
+
+    def list_loras(self) -> list[str]:
+        """The names of the loaded adapters."""
+        return list(self.engine.lora_adapters())
+
+    def _lora_names(
+        self, batch: list[Prompt], lora_request: LoRARequest | list[LoRARequest | None] | None
+    ) -> list[str | None]:
+        """Each prompt's adapter name, loading the adapters given with a path that are not loaded yet."""
+        requests = lora_request if isinstance(lora_request, list) else [lora_request] * len(batch)
+        if len(requests) != len(batch):
+            raise ParameterError("lora_request", f"has {len(requests)} entries for {len(batch)} prompts")
+        for request in requests:
+            if request is not None and not isinstance(request, LoRARequest):
+                raise ParameterError("lora_request", f"must be LoRARequest or None, got {type(request).__name__}")
+            if request is not None and request.lora_path and request.lora_name not in self.engine.lora_adapters():
+                self.engine.load_lora(request.lora_name, request.lora_path)
+        return [None if request is None else request.lora_name for request in requests]
 
     def embed(
         self,
@@ -116,7 +150,11 @@ class LLM:
         self.engine.shutdown()
 
     def _run(
-        self, batch: list[Prompt], params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool
+        self,
+        batch: list[Prompt],
+        params: list[SamplingParams] | list[PoolingParams],
+        use_tqdm: bool,
+        lora_names: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Every prompt to completion, in order. A batch larger than ``max_waiting_requests`` goes in
         as the waiting queue frees up: a refused submit is retried after the batch's next delta
@@ -125,7 +163,11 @@ class LLM:
         deltas: queue.Queue[RequestOutput] = queue.Queue()
         # validate (and tokenize) everything before queueing anything
         call = new_request_id()  # the batch is one call: admitted beside other calls, not before them
-        states = [engine.intake(_prompt_value(prompt), p, deltas.put, None, call) for prompt, p in zip(batch, params)]
+        names = lora_names or [None] * len(batch)
+        states = [
+            engine.intake(_prompt_value(prompt), p, deltas.put, None, call, name)
+            for prompt, p, name in zip(batch, params, names)
+        ]
         ids: list[str] = []
         totals: dict[str, RequestOutput] = {}
         try:

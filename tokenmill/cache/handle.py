@@ -21,3 +21,4 @@ class KVHandle:
     epoch: int = -1  # the prefix-cache epoch its KV was computed in (see CacheManager.epoch)
     block_keys: list[str] = field(default_factory=list)  # disk-tier names of its whole blocks, as far as computed
     keys_epoch: int = -1  # the epoch ``block_keys`` were computed in
+    namespace: str = ""  # the prefix-cache namespace its KV belongs to ("": the base model's; see RadixCache)

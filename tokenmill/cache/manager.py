@@ -126,9 +126,11 @@ class CacheManager:
         }
 
     # ----------------------------------------------------------------- lifecycle
-    def alloc(self, kv: KVHandle, tokens: Sequence[int], use_prefix_cache: bool = True) -> bool:
-        """Give ``kv`` a row and the cached prefix of ``tokens`` (the sequence's token ids).
-        All or nothing: False leaves nothing allocated.
+    def alloc(self, kv: KVHandle, tokens: Sequence[int], use_prefix_cache: bool = True, namespace: str = "") -> bool:
+        """Give ``kv`` a row and the cached prefix of ``tokens`` (the sequence's token ids) in
+        ``namespace`` (KV computed with other weights, e.g. a LoRA adapter's: ``""`` is the base
+        model's; only the base model's prefixes go to the disk tier). All or nothing: False leaves
+        nothing allocated.
 
         The prefix match is capped so at least one token remains to compute (the step that
         computes it yields the logits for the next token). ``use_prefix_cache=False`` matches
@@ -138,10 +140,10 @@ class CacheManager:
         row = self.req_pool.alloc()
         if row is None:
             return False
-        kv.row, kv.n_kv, kv.n_cached_tokens, kv.epoch = row, 0, 0, self.epoch
+        kv.row, kv.n_kv, kv.n_cached_tokens, kv.epoch, kv.namespace = row, 0, 0, self.epoch, namespace
         if self.radix is not None and use_prefix_cache:
             tokens = tokens[:-1]
-            match = self.radix.match_prefix(tokens)
+            match = self.radix.match_prefix(tokens, namespace)
             self.stats.prefix_queries += 1
             self.stats.prefix_query_tokens += len(tokens)
             self.stats.prefix_hit_tokens += match.n_tokens
@@ -151,7 +153,7 @@ class CacheManager:
                 kv.n_kv = kv.n_cached_tokens = match.n_tokens
             self.radix.lock(match.node)
             kv.prefix_node = match.node
-            if self.tier is not None:
+            if self.tier is not None and not namespace:
                 self._load_from_tier(kv, tokens)
         return True
 
@@ -224,8 +226,8 @@ class CacheManager:
             return
         tokens = tokens[:n_full]
         own_pages = self._row_pages(kv.row, n_full)
-        self.radix.insert(tokens, own_pages)
-        match = self.radix.match_prefix(tokens)
+        self.radix.insert(tokens, own_pages, kv.namespace)
+        match = self.radix.match_prefix(tokens, kv.namespace)
         dup = match.pages != own_pages
         if bool(dup.any()):
             self.allocator.incref(match.pages[dup])
@@ -264,6 +266,7 @@ class CacheManager:
         copies = self.allocator.slots_of(own_page)[: n - n_full]
         self.req_pool.write(row, 0, torch.cat([slots[:n_full], copies]))
         child.row, child.n_kv, child.n_cached_tokens, child.epoch = row, n, n, parent.epoch
+        child.namespace = parent.namespace
         return slots[n_full:], copies
 
     def free(self, kv: KVHandle, tokens: Sequence[int], cache_pages: bool = True) -> None:
@@ -277,7 +280,7 @@ class CacheManager:
         pages = self._row_pages(kv.row, kv.n_kv)
         if self.radix is not None:
             if cache_pages and n_full and kv.epoch == self.epoch:
-                self.radix.insert(tokens[:n_full], pages[: n_full // self.page_size])
+                self.radix.insert(tokens[:n_full], pages[: n_full // self.page_size], kv.namespace)
                 self._save_to_tier(kv, tokens[:n_full])
             if kv.prefix_node is not None:
                 self.radix.unlock(kv.prefix_node)
@@ -374,7 +377,7 @@ class CacheManager:
 
     def _save_to_tier(self, kv: KVHandle, tokens: Sequence[int]) -> None:
         """Queue the whole blocks of ``tokens`` (computed in ``kv``'s row) that the tier lacks."""
-        if self.tier is None or kv.epoch != self.epoch:
+        if self.tier is None or kv.epoch != self.epoch or kv.namespace:
             return
         bt = self.tier.block_tokens
         for b, key in enumerate(self._block_keys(kv, tokens)):

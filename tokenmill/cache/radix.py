@@ -23,10 +23,12 @@ class RadixNode:
     ``last_access`` is the cache's logical clock at the last match or insert
     through this node, ``serial`` breaks LRU ties, and ``epoch`` is the tree
     generation the node belongs to (``RadixCache.reset`` starts a new one).
-    The root has an empty key and no pages.
+    The root has an empty key and no pages; so has each namespace's root
+    (``namespace`` set), a child of the root under the key ``("namespace", name)``.
     """
 
     __slots__ = (
+        "namespace",
         "key",
         "pages",
         "parent",
@@ -44,7 +46,9 @@ class RadixNode:
         parent: RadixNode | None,
         epoch: int,
         serial: int,
+        namespace: str | None = None,
     ) -> None:
+        self.namespace = namespace
         self.key = key
         self.pages = pages
         self.parent = parent
@@ -79,6 +83,11 @@ class RadixCache:
     Reference invariant: a page's refcount equals the number of live requests
     holding it plus 1 if the tree stores it. The tree holds exactly one
     reference on each page stored in it, and each page is stored at most once.
+
+    Namespaces: tokens cached under one namespace (e.g. a LoRA adapter's version) are matched
+    only under that namespace; ``""`` is the base model's, the tree's own root. Each other
+    namespace has a root of its own below the tree's root, made on first insert and evicted like a
+    leaf once it holds nothing.
 
     Only whole pages are cached and matched. Recency is a logical clock bumped
     by every ``match_prefix`` and ``insert``. Not thread-safe: the single
@@ -116,8 +125,8 @@ class RadixCache:
         """Pages stored in unlocked nodes (freed by eviction unless a request also holds them)."""
         return self._n_cached_pages - self._n_locked_pages
 
-    def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch:
-        """Find the longest cached whole-page prefix of ``tokens``.
+    def match_prefix(self, tokens: Sequence[int], namespace: str = "") -> PrefixMatch:
+        """Find the longest cached whole-page prefix of ``tokens`` in ``namespace``.
 
         Refreshes the recency of the matched path and splits a node matched
         only partly, so that ``node`` covers exactly the matched pages. Does
@@ -128,7 +137,10 @@ class RadixCache:
         ps = self._page_size
         tokens = tuple(tokens)
         now = self._tick()
-        node = self._root
+        node = self._namespace_root(namespace, create=False)
+        if node is None:
+            return PrefixMatch(pages=torch.empty(0, dtype=torch.int64), n_tokens=0, node=self._root)
+        node.last_access = now
         matched: list[torch.Tensor] = []
         pos = 0
         while pos < len(tokens):
@@ -146,8 +158,8 @@ class RadixCache:
         pages = torch.cat(matched) if matched else torch.empty(0, dtype=torch.int64)
         return PrefixMatch(pages=pages, n_tokens=pos, node=node)
 
-    def insert(self, tokens: Sequence[int], pages: torch.Tensor) -> int:
-        """Cache ``tokens`` stored in ``pages``; return how many tokens were already cached.
+    def insert(self, tokens: Sequence[int], pages: torch.Tensor, namespace: str = "") -> int:
+        """Cache ``tokens`` stored in ``pages`` in ``namespace``; return how many tokens were already cached.
 
         ``pages`` is a 1-D int64 tensor and ``len(tokens)`` must equal
         ``len(pages) * page_size`` (ValueError otherwise). Where the tree
@@ -166,7 +178,8 @@ class RadixCache:
                 f"tokens, {pages.numel()} pages, page_size {ps}"
             )
         now = self._tick()
-        node = self._root
+        node = self._namespace_root(namespace, create=True)
+        node.last_access = now
         pos = 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos : pos + ps])
@@ -237,7 +250,7 @@ class RadixCache:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
-            del parent.children[leaf.key[: self._page_size]]
+            del parent.children[self._child_key(leaf)]
             leaf.parent = None
             self._n_cached_pages -= leaf.n_pages
             freed += self._allocator.decref(leaf.pages)
@@ -264,8 +277,26 @@ class RadixCache:
         self._clock += 1
         return self._clock
 
-    def _new_node(self, key: tuple[int, ...], pages: torch.Tensor, parent: RadixNode | None) -> RadixNode:
-        return RadixNode(key, pages, parent, self._epoch, next(self._serials))
+    def _new_node(
+        self, key: tuple[int, ...], pages: torch.Tensor, parent: RadixNode | None, namespace: str | None = None
+    ) -> RadixNode:
+        return RadixNode(key, pages, parent, self._epoch, next(self._serials), namespace)
+
+    def _namespace_root(self, namespace: str, create: bool) -> RadixNode | None:
+        """The node ``namespace``'s keys start below (the tree's root for ``""``); None if it has
+        none and ``create`` is false."""
+        if not namespace:
+            return self._root
+        key = ("namespace", namespace)
+        node = self._root.children.get(key)  # type: ignore[call-overload]
+        if node is None and create:
+            node = self._new_node((), torch.empty(0, dtype=torch.int64), self._root, namespace)
+            self._root.children[key] = node  # type: ignore[index]
+        return node
+
+    def _child_key(self, node: RadixNode) -> tuple:
+        """``node``'s key in its parent's ``children``."""
+        return ("namespace", node.namespace) if node.namespace is not None else node.key[: self._page_size]
 
     def _split(self, node: RadixNode, n_tokens: int) -> RadixNode:
         """Split ``node`` after its first ``n_tokens`` tokens (a whole number of pages, > 0).

@@ -29,7 +29,9 @@ class Kind(IntEnum):
 
 
 def send(kind: Kind, step: ForwardStep | None = None, device: torch.device | str = "cpu") -> None:
-    """Broadcast a message from rank 0 (``step`` for :attr:`Kind.STEP`)."""
+    """Broadcast a message from rank 0 (``step`` for :attr:`Kind.STEP`; LoRA steps are single-rank:
+    ``EngineConfig`` refuses ``enable_lora`` with tensor parallelism)."""
+    assert step is None or step.lora_slots is None, "LoRA adapters are not supported with tensor parallelism"
     if step is None:
         dist.broadcast(torch.tensor([kind] + [0] * (HEADER_LEN - 1), dtype=torch.int64, device=device), src=0)
         return

@@ -9,6 +9,10 @@ eager, C++ decode or CUDA graph) -> sample, then the output stage appends, appli
 emits. A failure inside a step fails that step's requests with an error (a sampling failure only
 its own request's) and the loop goes on; if the loop itself dies, :meth:`Engine.is_healthy` says
 so and every later call fails fast.
+
+LoRA adapters (``enable_lora``): :meth:`Engine.load_lora`, :meth:`unload_lora` and
+:meth:`update_lora` read and check an adapter on the calling thread, then change the registry
+(``engine/lora_manager.py``) between steps; a request names its adapter at :meth:`intake`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from tokenmill.engine.executor import StepExecutor
 from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.intake import Intake
 from tokenmill.engine.loop import EngineLoop
+from tokenmill.engine.lora_manager import LoRAManager
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.overload import EngineOverloadedError
 from tokenmill.engine.request_state import RequestState
@@ -45,10 +50,11 @@ from tokenmill.engine.thread_governor import engine_thread_governor
 from tokenmill.engine.verifier import verify
 from tokenmill.engine.weight_update import WeightsSource, apply_update, next_version, stage_update
 from tokenmill.gguf_checkpoint import is_converted
+from tokenmill.model.lora import LoRAAdapter, LoRAError, check_adapter, read_adapter
 from tokenmill.model.parallel import SINGLE
 from tokenmill.model.prequantized import checkpoint_format
 from tokenmill.model.registry import load_model_config
-from tokenmill.request import FinishReason, OutputCallback, PoolingParams, SamplingParams, now
+from tokenmill.request import FinishReason, OutputCallback, ParameterError, PoolingParams, SamplingParams, now
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.worker.model_worker import build_model_worker, max_context_len
 
@@ -85,6 +91,7 @@ class Engine(EngineLoop):
         self.tier: DiskKVTier | None = None  # the KV cache's disk tier (kv_cache_disk_dir)
         self._checkpoint_namespace = ""  # the tier's namespace for the checkpoint's own weights
         self.executor: StepExecutor | None = None
+        self.lora: LoRAManager | None = None  # the LoRA adapters (enable_lora)
         super().__init__()
         self._start()
 
@@ -120,7 +127,11 @@ class Engine(EngineLoop):
                 self.tokenizer,
                 self.device,
             )
-        self.scheduler = Scheduler(cfg, self.cache, self.speculator)
+        if self.worker.lora is not None:
+            self.lora = LoRAManager(self.worker.lora)
+            for name, path in cfg.lora_adapters().items():
+                self.lora.register(read_adapter(self.model, name, path, cfg.max_lora_rank))
+        self.scheduler = Scheduler(cfg, self.cache, self.speculator, self.lora)
         self.executor = StepExecutor(self.worker, self.cache, self.workers)
         self.sampler = Sampler(mc.vocab_size, cfg.max_running_requests, self.device, cfg.seed)
         self.weight_version = 0
@@ -147,8 +158,10 @@ class Engine(EngineLoop):
         callback: OutputCallback,
         request_id: str | None = None,
         call_id: str | None = None,
+        lora_name: str | None = None,
     ) -> RequestState:
-        """Validate a request into its state (tokenized once), ready for :meth:`submit`. Requests
+        """Validate a request into its state (tokenized once), ready for :meth:`submit`; generated
+        with the LoRA adapter ``lora_name`` when given (one :meth:`load_lora` loaded). Requests
         sharing a ``call_id`` (the prompts of one API call) share admission as one call: waiting
         sequences are admitted call by call (``Scheduler``); None: a call of its own. With
         :class:`~tokenmill.request.PoolingParams` the request embeds its prompt instead: its final
@@ -158,7 +171,19 @@ class Engine(EngineLoop):
         bad input, EngineOverloadedError when every grammar-compile slot stays busy; nothing is
         allocated or queued.
         """
-        return self._intake.make(prompt, params, callback, request_id, call_id)
+        if lora_name is not None:
+            if self.lora is None:
+                raise ParameterError("lora_request", "needs an engine started with enable_lora")
+            if not self.lora.has(lora_name):
+                known = ", ".join(repr(n) for n in self.lora.names()) or "none"
+                raise ParameterError("lora_request", f"names no loaded adapter: {lora_name!r} (loaded: {known})")
+            if isinstance(params, PoolingParams):
+                raise ParameterError("lora_request", "is not supported for pooling (embedding) requests")
+        state = self._intake.make(prompt, params, callback, request_id, call_id)
+        state.lora_name = lora_name
+        for seq in state.seqs:
+            seq.lora_name = lora_name
+        return state
 
     def check_text_fits(self, text: str, max_tokens: int | None = None) -> None:
         """Raise ParameterError ("prompt") for a text prompt too long for the context however it
@@ -177,7 +202,7 @@ class Engine(EngineLoop):
                 f"too many waiting requests (max_waiting_requests={self.config.max_waiting_requests})"
             )
         try:
-            self._commands.put(lambda: self.requests.admit(state), lambda: self._close_request(state))
+            self._commands.put(lambda: self._admit(state), lambda: self._close_request(state))
         except EngineDeadError:
             self.requests.release(state)
             raise
@@ -190,10 +215,11 @@ class Engine(EngineLoop):
         callback: OutputCallback,
         request_id: str | None = None,
         call_id: str | None = None,
+        lora_name: str | None = None,
     ) -> str:
         """:meth:`intake` then :meth:`submit`; returns the request id."""
         self._check_alive()
-        return self.submit(self.intake(prompt, params, callback, request_id, call_id))
+        return self.submit(self.intake(prompt, params, callback, request_id, call_id, lora_name))
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its KV is released at the next step boundary."""
@@ -247,6 +273,69 @@ class Engine(EngineLoop):
 
         return self.call(apply)
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter folder ``path`` as adapter ``name`` (read and checked on the calling
+        thread: :class:`~tokenmill.model.lora.LoRAError` for an adapter that does not fit; ValueError
+        for a name in use); requests may name it once this returns."""
+        manager = self._lora_manager()
+        adapter = read_adapter(self.model, name, path, manager.max_rank)
+        self.call(lambda: manager.register(adapter))
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter ``name`` between steps, freeing its matrices. ValueError while a request that
+        has not finished uses it; KeyError for an unknown name."""
+        manager = self._lora_manager()
+
+        def unload() -> None:
+            users = sum(state.lora_name == name for state in self.requests.requests.values())
+            if users:
+                raise ValueError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s)")
+            manager.unregister(name)
+
+        self.call(unload)
+
+    def update_lora(self, name: str, tensors: dict[str, torch.Tensor]) -> int:
+        """Replace some or all of adapter ``name``'s matrices (PEFT tensor names, e.g.
+        ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``; the adapter's settings
+        stay); returns its new version. Checked on the calling thread as a loaded adapter is
+        (LoRAError, nothing changed), applied between steps at once: running requests go on with the
+        new matrices, and prefixes cached under the old version are never matched again."""
+        manager = self._lora_manager()
+        entry = manager.adapter(name)
+        if entry is None:
+            raise KeyError(f"no LoRA adapter named {name!r} is loaded")
+        old = entry.adapter
+        merged = {f"{module}.lora_A.weight": d.a for module, d in old.deltas.items()}
+        merged |= {f"{module}.lora_B.weight": d.b for module, d in old.deltas.items()}
+        for key, tensor in tensors.items():
+            short = key.removeprefix("base_model.model.")
+            if short not in merged:
+                raise LoRAError(f"LoRA adapter {name!r}: update names {key!r}, which the adapter does not hold")
+            merged[short] = tensor
+        adapter = check_adapter(self.model, name, old.settings, merged, manager.max_rank, f"update of {old.source}")
+        return self.call(lambda: manager.update(adapter))
+
+    def lora_adapters(self) -> dict[str, LoRAAdapter]:
+        """The loaded adapters by name (empty without enable_lora)."""
+        if self.lora is None:
+            return {}
+        return {name: entry.adapter for name in self.lora.names() if (entry := self.lora.adapter(name))}
+
+    def _lora_manager(self) -> LoRAManager:
+        self._check_alive()
+        if self.lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora")
+        return self.lora
+
+    def _admit(self, state: RequestState) -> None:
+        """Hand a submitted request to the scheduler (engine thread); one whose adapter was unloaded
+        after its intake ends with an error instead."""
+        if state.lora_name is not None and (self.lora is None or not self.lora.has(state.lora_name)):
+            self.requests.requests[state.request_id] = state
+            self.output.close(state, FinishReason.ERROR.value, f"LoRA adapter {state.lora_name!r} was unloaded")
+            return
+        self.requests.admit(state)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, on the device and on the disk tier (between steps; running
         sequences keep their KV)."""
@@ -268,6 +357,7 @@ class Engine(EngineLoop):
                 "cpu_thread_changes": self.threads.changes if self.threads is not None else 0,
                 "weight_version": self.weight_version,
                 "speculative": asdict(self.speculator.stats) if self.speculator is not None else None,
+                "lora": self.lora.snapshot() if self.lora is not None else None,
                 "step_time_s": self.step_time,
                 "forward_time_s": self.forward_time,
                 "cuda_graph_capture_s": sum(graphs.capture_seconds.values()) if graphs else 0.0,

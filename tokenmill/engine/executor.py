@@ -86,17 +86,20 @@ class StepExecutor:
         seq_lens: list[int] = []
         extend_lens: list[int] = []
         ids: list[int] = []
+        lora_slots: list[int] = []  # each row's adapter slot (-1: the base model)
         for seq in plan.decode:
             rows.append(seq.row)
             seq_lens.append(seq.n_kv)
             extend_lens.append(1)
             ids.append(seq.last_token)
+            lora_slots.append(seq.lora_slot)
         for v in plan.verify:
             start = v.seq.n_kv - len(v.proposal) - 1
             rows += [v.seq.row] * (1 + len(v.proposal))
             seq_lens += range(start + 1, v.seq.n_kv + 1)
             extend_lens += [1] * (1 + len(v.proposal))
             ids += [v.seq.last_token, *v.proposal]
+            lora_slots += [v.seq.lora_slot] * (1 + len(v.proposal))
         logits_rows: list[int] | None = None if plan.is_pure_decode else list(range(len(plan.decode)))
         first_row: dict[int, int] = {}  # id(sequence) -> the row of its position 0 in the flat batch
         verify_rows = range(len(plan.decode), len(ids))
@@ -107,6 +110,7 @@ class StepExecutor:
             seq_lens.append(seq.n_kv)
             extend_lens.append(n)
             ids.extend(seq.tokens(start, seq.n_kv))
+            lora_slots += [seq.lora_slot] * n
             if seq.n_kv == seq.n_tokens and seq.pooling is None:
                 logits_rows.extend([len(ids) - 1] * (1 + len(plan.children(seq))))  # forked children share it
         if logits_rows is not None:
@@ -133,4 +137,5 @@ class StepExecutor:
             fork_dst=(torch.cat(fork_dst) if fork_dst else no_slots).to(device, torch.int64),
             table_writes=TableWrites(*(w.to(device) for w in writes)),
             hidden_indices=torch.tensor(hidden_rows, dtype=torch.int64, device=device) if hidden_rows else None,
+            lora_slots=torch.tensor(lora_slots, device=device) if max(lora_slots, default=-1) >= 0 else None,
         )

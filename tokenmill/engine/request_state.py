@@ -39,6 +39,7 @@ class RequestState:
     submitted: bool = False  # set once by the request table: a state runs at most once
     waiting: bool = False  # submitted, not yet scheduled nor finished: counts against max_waiting_requests
     call_id: str = ""  # the call it came in (one API request's prompts, one LLM.generate): admission shares by call
+    lora_name: str | None = None  # the LoRA adapter its sequences use (None: the base model)
 
     @property
     def finished(self) -> bool:

@@ -18,6 +18,10 @@ proposal gets ``k`` more slots (never at the cost of a preemption: without pages
 and becomes a :class:`Verification`. Decode, verification and prefill tokens of one step run in one
 ragged forward. A sequence asking
 ``prompt_logprobs`` is admitted without a prefix-cache match, so every prompt token has logits.
+A sequence with a LoRA adapter (``Sequence.lora_name``) is admitted only while its adapter has, or
+can get, one of the model's adapter slots (``engine/lora_manager.py``; else it waits and later
+sequences may go first); it holds the slot while it runs, and its prefixes are cached in its
+adapter version's namespace.
 A pooling sequence (``Sequence.pooling``) is scheduled exactly as a prompt's prefill and never
 sampled; the plan names the positions whose hidden states it needs (mean pooling: every one, so it
 too is admitted without a prefix-cache match), and it ends in the step that completes its prompt.
@@ -35,6 +39,7 @@ import torch
 
 from tokenmill.cache.manager import CacheManager
 from tokenmill.config import EngineConfig
+from tokenmill.engine.lora_manager import LoRAManager
 from tokenmill.engine.sequence import SeqStatus, Sequence
 from tokenmill.engine.speculation import Speculator, Verification
 
@@ -112,10 +117,17 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: CacheManager, speculator: Speculator | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        cache: CacheManager,
+        speculator: Speculator | None = None,
+        lora: LoRAManager | None = None,
+    ) -> None:
         self.config = config
         self.cache = cache
         self.speculator = speculator
+        self.lora = lora
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -134,6 +146,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._release_lora(seq)
         self.cache.free(seq.kv, seq.all_token_ids, cache_pages=cache_pages)
 
     def schedule(self) -> StepPlan | None:
@@ -178,11 +191,16 @@ class Scheduler:
             parent = seq.wait_for
             if parent is not None and not (parent.output_token_ids or parent.is_finished):
                 continue  # forked once the parent's prompt is computed
-            if not self.cache.alloc(seq.kv, seq.all_token_ids, use_prefix_cache=not seq.needs_every_position):
+            namespace = self._acquire_lora(seq)
+            if namespace is None:
+                continue  # every adapter slot is in use by running sequences of other adapters
+            if not self.cache.alloc(seq.kv, seq.all_token_ids, not seq.needs_every_position, namespace):
+                self._release_lora(seq)
                 break
             remaining = seq.n_tokens - seq.n_kv
             if self.cache.pages_needed(seq.kv, remaining) > self.cache.available_pages():
                 self.cache.free(seq.kv, seq.all_token_ids, cache_pages=False)
+                self._release_lora(seq)
                 break
             n = min(remaining, budget)
             got = self.cache.extend(seq.kv, n)
@@ -262,14 +280,35 @@ class Scheduler:
             if slots is None:
                 break
             self.waiting.remove(child)
+            namespace = self._acquire_lora(child)  # the parent holds the adapter's slot: never None
+            assert namespace is not None
             child.status = SeqStatus.RUNNING
             child.admit_order = next(self._admissions)
             self.running.append(child)
             forks.append(Fork(parent, child, *slots))
         return forks
 
+    def _acquire_lora(self, seq: Sequence) -> str | None:
+        """Give ``seq`` its adapter's slot (``seq.lora_slot``); returns its prefix-cache namespace
+        (``""`` without an adapter), None when no slot can be had now."""
+        if seq.lora_name is None:
+            return ""
+        assert self.lora is not None, "a sequence with an adapter needs the engine's LoRA manager"
+        slot = self.lora.acquire(seq.lora_name)
+        if slot is None:
+            return None
+        seq.lora_slot = slot
+        return self.lora.namespace(seq.lora_name)
+
+    def _release_lora(self, seq: Sequence) -> None:
+        """``seq`` stopped running (or was not admitted): its hold on its adapter's slot ends."""
+        if seq.lora_slot >= 0 and self.lora is not None and seq.lora_name is not None:
+            self.lora.release(seq.lora_name)
+        seq.lora_slot = -1
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release_lora(seq)
         self.cache.free(seq.kv, seq.all_token_ids, cache_pages=True)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

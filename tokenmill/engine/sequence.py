@@ -52,6 +52,8 @@ class Sequence:
     pooling: PoolingParams | None = None  # a pooling request: its prompt's embedding instead of tokens
     pooled: torch.Tensor | None = None  # fp32 [hidden]: the sum ("mean") or last row ("last") gathered so far
     embedding: list[float] | None = None  # set when its prompt is complete
+    lora_name: str | None = None  # the LoRA adapter it is generated with (None: the base model)
+    lora_slot: int = -1  # the adapter's slot while the sequence runs (written by the scheduler), else -1
 
     kv: KVHandle = field(default_factory=KVHandle)
     admit_order: int = -1  # written by the scheduler at each admission

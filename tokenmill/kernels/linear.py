@@ -24,6 +24,7 @@ from torch import nn
 
 from tokenmill.hardware import avx512, avx512_bf16, native_bf16
 from tokenmill.kernels.cpu import load_cpu_kernels
+from tokenmill.kernels.lora import LoRAWeights, add_lora
 from tokenmill.kernels.quant_format import PANELS_INT8_GROUP, QuantizedTensors, QuantScheme, quantize, to_panels
 from tokenmill.kernels.quant_linear import quantized_linear
 
@@ -122,21 +123,32 @@ class Linear(nn.Linear):
     :meth:`quantize_` (or :meth:`load_quantized_`, given the quantized tensors) replaces the ``weight``
     parameter by buffers holding it quantized (``qweight``, ``qscale``, ``qmin``; see
     ``quant_format``): from then on there is no ``weight``
-    attribute, :attr:`quantization` names the scheme, and products go through :func:`quantized_linear`."""
+    attribute, :attr:`quantization` names the scheme, and products go through :func:`quantized_linear`.
+
+    With :attr:`lora` set (``model/lora.py``), a forward whose LoRA batch is bound adds each row's
+    adapter delta to the product (:func:`~tokenmill.kernels.lora.add_lora`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self._blocked = BlockedCopy()
         self.quantization: QuantScheme | None = None
+        self.lora: LoRAWeights | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias)
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ W.T + bias`` with this layer's weight, quantized or not."""
+        """``x @ W.T + bias`` with this layer's weight, quantized or not (plus the bound LoRA batch's
+        deltas)."""
         if self.quantization is not None:
-            return quantized_linear(x, self.quantized_weight(), bias)
-        return blocked_linear(x, self.weight, bias, self._blocked)
+            out = quantized_linear(x, self.quantized_weight(), bias)
+        else:
+            out = blocked_linear(x, self.weight, bias, self._blocked)
+        lora = self.lora
+        if lora is not None and lora.binding.batch is not None:
+            rows = _n_rows(x)
+            add_lora(out.view(rows, out.shape[-1]), x.reshape(rows, x.shape[-1]).contiguous(), lora, lora.binding.batch)
+        return out
 
     def quantize_(self, scheme: QuantScheme, panels: bool = False) -> None:
         """Keep the weight quantized with ``scheme`` from now on, in the rows layout or (``panels``)

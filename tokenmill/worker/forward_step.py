@@ -4,8 +4,8 @@ Rank 0 makes it from the scheduler's plan; every rank's :class:`~tokenmill.worke
 rank 0's included, executes it (tensor parallelism broadcasts it first). It holds no sequence,
 request or cache object: token ids and positions, each request's table row and lengths, the new
 tokens' slots, the rows that need logits, the rows whose final hidden states pooling requests
-need, the slot copies of forked sequences, and the
-request-to-token table entries written since the previous step (only for ranks whose table is a
+need, the slot copies of forked sequences, the LoRA adapter slot of each row (when any row has one),
+and the request-to-token table entries written since the previous step (only for ranks whose table is a
 replica; empty where the worker shares rank 0's table).
 
 Batch order: request ``i`` owns query rows ``sum(extend_lens[:i]) ..`` where
@@ -53,6 +53,7 @@ class ForwardStep:
     fork_dst: torch.Tensor  # [F] int64 ... to these slots
     table_writes: TableWrites
     hidden_indices: torch.Tensor | None = None  # [H] int64 rows whose final-normed hidden states are returned
+    lora_slots: torch.Tensor | None = None  # [T] int64 each row's LoRA adapter slot (-1: none); None: no row has one
 
     @property
     def extend_lens(self) -> list[int]:

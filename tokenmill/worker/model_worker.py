@@ -9,7 +9,9 @@ its own storage.
 
 The worker is the one place that picks a step's execution path: a decode step replays a CUDA
 graph when one is available and fits, else runs the C++ decode forward when the backend and the
-model both support it and it fits, else runs the model eagerly, as every other step does. The
+model both support it and it fits, else runs the model eagerly, as every other step does. A step
+with LoRA rows (``lora_slots``) runs eagerly with the step's adapter batch bound to the model's
+adapter slots (``lora``, built with ``enable_lora``) for that one forward. The
 paths compute the same logits. With tensor parallelism only the eager path exists (the model has
 no C++ decode weights then, and no graphs are built), every rank taking part in its collectives.
 """
@@ -26,10 +28,12 @@ from tokenmill.cache.sizing import kv_cache_slots
 from tokenmill.cache.storage import KVStorage
 from tokenmill.cache.view_binder import ViewBinder
 from tokenmill.config import EngineConfig
+from tokenmill.kernels.lora import LoRABatch
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.decode_forward import CpuDecodeForward
 from tokenmill.model.loader import load_model
+from tokenmill.model.lora import LoRASlots
 from tokenmill.model.parallel import TensorParallel
 from tokenmill.model.quantization import quantization_scheme, quantize_model
 from tokenmill.model.registry import load_model_config
@@ -53,6 +57,7 @@ class ModelWorker:
         storage: KVStorage,
         table: torch.Tensor,
         graphs: CudaGraphDecodeRunner | None = None,
+        lora: LoRASlots | None = None,
     ) -> None:
         if model.backend is None:
             raise ValueError("the model's attention backend must be set before building its worker")
@@ -62,6 +67,7 @@ class ModelWorker:
         self.device = storage.k_buffer.device
         self.views = ViewBinder(storage, table)
         self.graphs = graphs  # CUDA-graph replay of pure decode steps (GPU only)
+        self.lora = lora  # the model's LoRA adapter slots (enable_lora), else None
         self.cpu_decode = CpuDecodeForward.build(model, model.backend, storage.k_buffer.dtype)  # None: unsupported
         self.last_forward_time = 0.0  # seconds inside the model call of the last step (CPU: exact)
         self.last_hidden: torch.Tensor | None = None  # the last step's ``hidden_indices`` rows (see execute)
@@ -70,7 +76,8 @@ class ModelWorker:
         """Logits of the step's ``logits_indices`` rows (every row when None; a CUDA graph's until
         the next step), after storing the step's keys and values and copying its forked slots.
         A step with ``hidden_indices`` runs eagerly and leaves those rows' final-normed hidden
-        states in ``last_hidden`` (None otherwise)."""
+        states in ``last_hidden`` (None otherwise); a step with ``lora_slots`` runs eagerly with its
+        rows' adapters."""
         writes = step.table_writes
         if len(writes):
             self.table[writes.rows, writes.positions] = writes.slots.to(torch.int32)
@@ -81,7 +88,13 @@ class ModelWorker:
         start = time.perf_counter()
         batch = len(step.rows)
         self.last_hidden = None
-        if step.hidden_indices is not None:
+        lora_batch = None if step.lora_slots is None else LoRABatch.from_row_slots(step.lora_slots)
+        if lora_batch is not None:
+            assert self.lora is not None, "a step with LoRA rows needs the model's adapter slots"
+            with self.lora.bound(lora_batch):
+                out = self.model(step.input_ids, step.positions, view, step.logits_indices, None, step.hidden_indices)
+            logits, self.last_hidden = out if step.hidden_indices is not None else (out, None)
+        elif step.hidden_indices is not None:
             logits, self.last_hidden = self.model(
                 step.input_ids, step.positions, view, step.logits_indices, hidden_indices=step.hidden_indices
             )
@@ -130,4 +143,5 @@ def build_model_worker(
         shape = (config.max_running_requests, max_context_len(config, model_config))
         table = torch.zeros(shape, dtype=torch.int32, device=device)
     graphs = make_cuda_graph_runner(model, storage, table, config) if tp.size == 1 else None
-    return ModelWorker(model, storage, table, graphs)
+    lora = LoRASlots(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
+    return ModelWorker(model, storage, table, graphs, lora)

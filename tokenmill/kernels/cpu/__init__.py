@@ -7,6 +7,7 @@ causal_softmax_ (CpuBackend prefill).
 ``panel_linear.cpp``: ``x @ W^T`` for decode-batch-sized x (``kernels/linear.py``).
 ``quant_linear.cpp``: products with int8/int4 weights kept quantized (``kernels/quant_linear.py``);
 ``quant_int8_dot.cpp``: its int8-activation path (AVX512-VNNI); ``quant_packed.h``: their weight view.
+``lora_add.cpp``: a step's LoRA deltas of one projection, every adapter at once (``kernels/lora.py``).
 ``decode_forward.cpp``: the whole forward of a decode step in one call (``model/decode_forward.py``).
 ``simd.h``: the vector helpers they share; ``kernels.h``: the kernels' C++ entry points;
 ``linear_io.h``: the linear kernels' checks and bias.
@@ -46,6 +47,7 @@ SOURCES = [
         "decode_forward.cpp",
         "elementwise.cpp",
         "kv_int8.cpp",
+        "lora_add.cpp",
         "panel_linear.cpp",
         "quant_int8_dot.cpp",
         "quant_linear.cpp",

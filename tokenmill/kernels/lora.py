@@ -1,0 +1,139 @@
+"""LoRA products: one projection's adapter slots and the batched shrink/expand over a step's rows.
+
+A projection with LoRA holds :class:`LoRAWeights`: ``max_loras`` slots of stacked, zero-padded
+adapter matrices for its ``J`` column segments (the shards of a packed projection: q, k, v; one
+for a plain one). Slot ``s`` adds ``x @ a[s, j*R:(j+1)*R].T @ b[s, :, cols_j]`` to output columns
+``cols_j`` of segment ``j``: ``a`` ``[S, J*R, in]`` (the adapters' ``lora_A``, rank ``R`` =
+``max_lora_rank``, unused ranks zero), ``b`` ``[S, R, out]`` (``lora_B`` transposed, its scaling
+folded in). A slot holding no adapter is all zeros.
+
+:class:`LoRABatch` says which slot each row of a step's flat batch uses (-1: none), grouped by slot
+once per step. :func:`add_lora` adds every row's delta in one call per projection: the C++
+``lora_add`` (rows sorted by slot, each slot's matrices streamed once) for CPU batches of at most
+``CPP_MAX_ROWS`` rows, else per slot two matmuls on that slot's rows (at most ``max_loras`` of them;
+never a loop per request). :class:`LoRABinding` is how the step's batch reaches the projections:
+the model worker binds it for one forward and unbinds it after (one object shared by a model's
+LoRA projections; None outside a forward with adapters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.kernels.cpu import load_cpu_kernels
+
+CPP_MAX_ROWS = 256
+"""Up to how many rows the C++ kernel computes the LoRA deltas; beyond, per-slot matmuls."""
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """Which adapter slot each of a step's ``T`` rows uses, grouped by slot.
+
+    ``order`` lists the rows that use a slot, sorted by slot (stable: batch order within a slot);
+    ``order[bounds[i]:bounds[i + 1]]`` are the rows of slot ``slots[i]``. Pure data, CPU tensors
+    or the model's device's.
+    """
+
+    n_rows: int
+    order: torch.Tensor  # [N] int64
+    bounds: list[int]  # [len(slots) + 1]
+    slots: list[int]
+
+    @staticmethod
+    def from_row_slots(row_slots: torch.Tensor) -> LoRABatch | None:
+        """The batch of ``row_slots`` (``[T]`` int64, -1 for rows without an adapter); None when no
+        row uses one."""
+        used = torch.nonzero(row_slots >= 0).flatten()
+        if used.numel() == 0:
+            return None
+        slot_of_used = row_slots[used]
+        sorted_slots, perm = torch.sort(slot_of_used, stable=True)
+        slots, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
+        bounds = [0, *torch.cumsum(counts, 0).tolist()]
+        return LoRABatch(row_slots.numel(), used[perm].contiguous(), bounds, slots.tolist())
+
+
+class LoRABinding:
+    """The batch a model's LoRA projections read during one forward (None: no adapter rows)."""
+
+    def __init__(self) -> None:
+        self.batch: LoRABatch | None = None
+
+
+class LoRAWeights:
+    """One projection's adapter slots (see the module docstring for the layout). Not a module: its
+    tensors are no checkpoint weights and stay out of the model's parameters and buffers."""
+
+    def __init__(
+        self,
+        binding: LoRABinding,
+        max_loras: int,
+        max_rank: int,
+        in_features: int,
+        segments: Sequence[slice],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.binding = binding
+        self.rank = max_rank
+        self.segments = tuple(segments)  # output columns of each segment, in order, covering the output
+        out_features = self.segments[-1].stop
+        self.a = torch.zeros(max_loras, len(self.segments) * max_rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, max_rank, out_features, dtype=dtype, device=device)
+        self._bounds = torch.tensor([s.start for s in self.segments] + [out_features], dtype=torch.int64)
+
+    def load(self, slot: int, segment: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> None:
+        """Put an adapter's ``lora_a`` ``[r, in]`` and ``lora_b`` ``[cols, r]`` (``cols`` the segment's
+        width) for ``segment`` into ``slot``, scaled by ``scaling``; ranks past ``r`` stay zero
+        (:meth:`clear` the slot first)."""
+        rank, cols = lora_a.shape[0], self.segments[segment]
+        with torch.no_grad():
+            self.a[slot, segment * self.rank : segment * self.rank + rank].copy_(lora_a)
+            self.b[slot, :rank, cols].copy_(lora_b.t() * scaling)
+
+    def clear(self, slot: int) -> None:
+        """Empty ``slot`` (its delta is zero)."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+
+    def nbytes(self) -> int:
+        return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
+
+
+def add_lora(out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, batch: LoRABatch) -> None:
+    """``out[t] += delta of row t's slot`` for every row of ``batch`` (``x`` ``[T, in]``, ``out``
+    ``[T, out]``, both contiguous, ``T == batch.n_rows``), in place."""
+    if x.is_cpu and x.shape[0] <= CPP_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+        kernels = load_cpu_kernels()
+        if kernels is not None:
+            slots = torch.tensor(batch.slots, dtype=torch.int64)
+            bounds = torch.tensor(batch.bounds, dtype=torch.int64)
+            kernels.lora_add(out, x, weights.a, weights.b, batch.order, bounds, slots, weights._bounds)
+            return
+    add_lora_reference(out, x, weights, batch)
+
+
+def add_lora_reference(out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, batch: LoRABatch) -> None:
+    """:func:`add_lora` in torch ops: per slot, its rows' shrink and each segment's expand (the
+    reference the C++ kernel is tested against; fp32 accumulation as the matmuls do it)."""
+    rank = weights.rank
+    for i, slot in enumerate(batch.slots):
+        rows = batch.order[batch.bounds[i] : batch.bounds[i + 1]]
+        whole = rows.numel() == x.shape[0]  # every row uses this slot: no gather or scatter
+        xs = x if whole else x.index_select(0, rows)
+        shrunk = xs @ weights.a[slot].t()  # [n, J*R]
+        delta = torch.cat(
+            [
+                shrunk[:, j * rank : (j + 1) * rank] @ weights.b[slot, :, cols]
+                for j, cols in enumerate(weights.segments)
+            ],
+            dim=1,
+        )
+        if whole:
+            out += delta
+        else:
+            out.index_add_(0, rows, delta.to(out.dtype))
