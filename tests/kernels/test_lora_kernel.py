@@ -246,9 +246,7 @@ def test_reference_fp32_matches_oracle(widths_name: str, slots_name: str) -> Non
 @pytest.mark.parametrize("slots_name", list(ROW_SLOTS))
 @pytest.mark.parametrize("widths_name", ["one-segment", "qkv-across-blocks"])
 def test_reference_bf16_matches_oracle(widths_name: str, slots_name: str) -> None:
-    got, want, mag = run_case(
-        add_lora_reference, 37, WIDTHS[widths_name], torch.bfloat16, ROW_SLOTS[slots_name], 5
-    )
+    got, want, mag = run_case(add_lora_reference, 37, WIDTHS[widths_name], torch.bfloat16, ROW_SLOTS[slots_name], 5)
     assert got.dtype == torch.bfloat16
     assert_within(got, want, mag, rel=0.0, mag_tol=BF16_REFERENCE_MAG_TOL)
 
@@ -314,7 +312,12 @@ def test_from_row_slots_groups_by_ascending_slot(row_slots: list[int]) -> None:
 def test_from_row_slots_spelled_out() -> None:
     batch = LoRABatch.from_row_slots(torch.tensor([3, -1, 1, 3, 0, -1, 1, 3]))
     assert batch is not None
-    assert (batch.n_rows, batch.order.tolist(), batch.bounds, batch.slots) == (8, [4, 2, 6, 0, 3, 7], [0, 1, 3, 6], [0, 1, 3])
+    assert (batch.n_rows, batch.order.tolist(), batch.bounds, batch.slots) == (
+        8,
+        [4, 2, 6, 0, 3, 7],
+        [0, 1, 3, 6],
+        [0, 1, 3],
+    )
 
 
 @pytest.mark.parametrize("row_slots", [[-1], [-1, -1, -1], []])

@@ -45,10 +45,15 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._counting_pool, work)
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, call_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        call_id: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Deltas of one request (of the call ``call_id``, see ``Engine.intake``) until its final
-        one; refusals raise before the first delta."""
+        """Deltas of one request (of the call ``call_id``, with the LoRA adapter ``lora_name``; see
+        ``Engine.intake``) until its final one; refusals raise before the first delta."""
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -60,7 +65,7 @@ class AsyncEngine:
         gone = threading.Event()  # the consumer left; the submitting thread may not have finished
 
         def submit() -> None:
-            self.engine.add_request(prompt, params, deliver, rid, call_id)
+            self.engine.add_request(prompt, params, deliver, rid, call_id, lora_name)
             if gone.is_set():  # cancelled while we were submitting: abort after the add, in queue order
                 self.engine.abort(rid)
 

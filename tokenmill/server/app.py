@@ -30,7 +30,7 @@ from tokenmill.server.http.body_limit import BodyLimits
 from tokenmill.server.http.errors import install_error_handlers
 from tokenmill.server.http.state import ServerState
 from tokenmill.server.openai import chat, completions, embeddings, models, responses, tokenization
-from tokenmill.server.operations import cache_control, rl_control, status
+from tokenmill.server.operations import cache_control, lora_control, rl_control, status
 from tokenmill.server.web import page
 
 
@@ -63,6 +63,7 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
     for module in (models, chat, completions, responses, embeddings, tokenization, messages, status, cache_control):
         app.include_router(module.router)
     app.include_router(rl_control.build_router(config.allowed_weight_roots))
+    app.include_router(lora_control.build_router(config.allowed_weight_roots))
     if config.web_ui:
         app.include_router(page.router)
         app.mount("/web", page.static_files(), name="web")

@@ -110,7 +110,8 @@ class ServerConfig:
 
     allowed_weight_roots: tuple[str, ...] = option(
         (),
-        "folders POST /update_weights_from_disk may load checkpoints from; none: loading is refused",
+        "folders POST /update_weights_from_disk may load checkpoints from, and POST /v1/load_lora_adapter "
+        "LoRA adapters; none: loading is refused",
         section="weight updates",
         metavar="DIR",
     )

@@ -44,15 +44,17 @@ ALIASES = {"prompt": "messages", "stop": "stop_sequences"}
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request, state: State) -> Response:
     arrival = time.monotonic()
+    lora_name = state.check_model(body.model)
     prompt, tools = await _prompt(body, state)
     fields = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences}
     fields["structured_outputs"] = tools.constraint
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     with engine_errors({**ALIASES, "structured_outputs": "tools"}):
         params = sampling_params(fields, body.max_tokens)
-        generation = await until_disconnected(request, Generation.start(state, [prompt], [params], rid, arrival))
+        start = Generation.start(state, [prompt], [params], rid, arrival, lora_name)
+        generation = await until_disconnected(request, start)
     if body.stream:
-        return SSEResponse(_events(generation, rid, state.model_name, tools.names), on_close=generation.close)
+        return SSEResponse(_events(generation, rid, body.model, tools.names), on_close=generation.close)
     try:
         (output,) = await until_disconnected(request, generation.collect())
     finally:
@@ -62,7 +64,7 @@ async def messages(body: MessagesRequest, request: Request, state: State) -> Res
         raise APIError(500, f"generation failed (request {rid}): {out.error}")
     if out.finish_reason == FinishReason.ABORT.value:
         raise APIError(503, _aborted(rid))
-    message = _message(rid, state.model_name, output)
+    message = _message(rid, body.model, output)
     message["content"], calls = content_blocks(out.text, tools.names)
     message.update(_stop(out, calls))
     message["usage"]["output_tokens"] = len(out.token_ids)
@@ -72,6 +74,7 @@ async def messages(body: MessagesRequest, request: Request, state: State) -> Res
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: MessagesPromptRequest, state: State) -> Response:
     """The prompt's tokens as ``/v1/messages`` would build them from the same body."""
+    state.check_model(body.model)
     prompt, _ = await _prompt(body, state, counting=True)
     return JSONResponse({"input_tokens": len(prompt)})
 
@@ -79,7 +82,6 @@ async def count_tokens(body: MessagesPromptRequest, state: State) -> Response:
 async def _prompt(body: MessagesPromptRequest, state: State, counting: bool = False) -> tuple[list[int], ToolUse]:
     """The token ids of the body's system prompt, messages and tools through the chat template, and
     what its tools mean for the output (``counting``: for ``count_tokens``, on the counting pool)."""
-    state.check_model(body.model)
     run = state.async_engine.run_counting if counting else state.async_engine.run_tokenizer
     with engine_errors(ALIASES):
         chat_template = state.tokenizer.hf.chat_template  # a forced call's grammar is built off the event loop

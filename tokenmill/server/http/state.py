@@ -1,4 +1,5 @@
-"""ServerState: what every route needs — the engine, the served model's name, tokenizer work.
+"""ServerState: what every route needs — the engine, the served model's name (and its LoRA
+adapters' names), tokenizer work.
 
 Tokenizer work (encoding, chat templating, token strings for logprobs) runs on the AsyncEngine's
 tokenizer pool, never on the event loop; a text prompt too long for the context whatever its
@@ -40,14 +41,17 @@ class ServerState:
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise APIError(
-                404,
-                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, name: str, adapters: bool = True) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model); 404
+        ``model_not_found`` for a name that is neither (an adapter's name too, unless ``adapters``)."""
+        if name == self.model_name:
+            return None
+        loaded = list(self.engine.lora_adapters()) if adapters else []
+        if name in loaded:
+            return name
+        served = ", ".join(repr(n) for n in [self.model_name, *loaded])
+        message = f"the model {name!r} does not exist; this server serves {served}"
+        raise APIError(404, message, param="model", code="model_not_found")
 
     async def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text; text that is not valid Unicode, or too long for the context

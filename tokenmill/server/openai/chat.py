@@ -50,7 +50,7 @@ CHAT_ALIASES = {"prompt": "messages", "logprobs": "top_logprobs"}
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: State) -> Response:
     arrival = time.monotonic()
-    state.check_model(body.model)
+    lora_name = state.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     choice = body.tool_choice.function if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
@@ -66,8 +66,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     with engine_errors(with_constraint_name(CHAT_ALIASES, constraint)):
         params = openai_params(body, max_tokens, logprobs, constraint)
-        generation = await until_disconnected(request, Generation.start(state, [prompt], [params], rid, arrival))
-    chat = _Chat(state, rid, tool_names, logprobs)
+        start = Generation.start(state, [prompt], [params], rid, arrival, lora_name)
+        generation = await until_disconnected(request, start)
+    chat = _Chat(state, rid, tool_names, logprobs, body.model)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(chat.events(generation, params.n, include_usage), on_close=generation.close)
@@ -107,8 +108,11 @@ def _tool_call_json(call: ToolCall) -> dict[str, Any]:
 class _Chat:
     """Formats one chat completion's output, as a whole or as chunks."""
 
-    def __init__(self, state: ServerState, request_id: str, tool_names: set[str] | None, logprobs: int | None) -> None:
+    def __init__(
+        self, state: ServerState, request_id: str, tool_names: set[str] | None, logprobs: int | None, model: str
+    ) -> None:
         self.state = state
+        self.model = model  # as the request named it: the served model or one of its LoRA adapters
         self.id = request_id
         self.tool_names = tool_names
         self.top_logprobs = logprobs
@@ -152,13 +156,13 @@ class _Chat:
             )
         completion_tokens = sum(len(o.token_ids) for o in output.outputs)
         usage = usage_json(len(output.prompt_token_ids), completion_tokens, output.num_cached_tokens)
-        body = completion_object("chat.completion", self.id, self.created, self.state.model_name, choices, usage)
+        body = completion_object("chat.completion", self.id, self.created, self.model, choices, usage)
         if output.prompt_logprobs is not None:  # vLLM's extension, at the top level
             body["prompt_logprobs"] = await prompt_logprobs_json(self.state, output.prompt_logprobs)
         return body
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-        model = self.state.model_name
+        model = self.model
         return sse_event(completion_object("chat.completion.chunk", self.id, self.created, model, choices, usage))
 
     async def events(self, generation: Generation, n: int, include_usage: bool) -> AsyncIterator[str]:
@@ -182,7 +186,7 @@ class _Chat:
             prompt_tokens = len(delta.prompt_token_ids)
             cached_tokens = delta.num_cached_tokens if cached_tokens is None else cached_tokens
             if delta.prompt_logprobs is not None:  # vLLM's extension: a chunk of its own, without choices
-                model, entries = self.state.model_name, delta.prompt_logprobs
+                model, entries = self.model, delta.prompt_logprobs
                 chunk = completion_object("chat.completion.chunk", self.id, self.created, model, [], None)
                 yield sse_event({**chunk, "prompt_logprobs": await prompt_logprobs_json(self.state, entries)})
             for out in delta.outputs:

@@ -50,7 +50,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, state: State) -> Response:
     arrival = time.monotonic()
-    state.check_model(body.model)
+    lora_name = state.check_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     with engine_errors({}):
@@ -75,10 +75,10 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
         if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = body.logprobs  # the echoed prompt's tokens get logprobs too
         generation = await until_disconnected(
-            request, Generation.start(state, prompts, [params] * len(prompts), rid, arrival)
+            request, Generation.start(state, prompts, [params] * len(prompts), rid, arrival, lora_name)
         )
     echoed = await _echo_texts(state, body.prompt, prompts) if body.echo else None
-    completion = _Completion(state, rid, params.n, prompts, echoed)
+    completion = _Completion(state, rid, params.n, prompts, echoed, body.model)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(completion.events(generation, include_usage), on_close=generation.close)
@@ -118,9 +118,16 @@ class _Completion:
     carries the echoed prompt (text and legacy logprobs) and ``prompt_logprobs``."""
 
     def __init__(
-        self, state: ServerState, request_id: str, n: int, prompts: list[list[int]], echoed: list[str] | None
+        self,
+        state: ServerState,
+        request_id: str,
+        n: int,
+        prompts: list[list[int]],
+        echoed: list[str] | None,
+        model: str,
     ) -> None:
         self.state = state
+        self.model = model  # as the request named it: the served model or one of its LoRA adapters
         self.id = request_id
         self.n = n
         self.created = int(time.time())
@@ -176,7 +183,7 @@ class _Completion:
         return choice
 
     def _body(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
-        return completion_object("text_completion", self.id, self.created, self.state.model_name, choices, usage)
+        return completion_object("text_completion", self.id, self.created, self.model, choices, usage)
 
     async def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         for prompt_index, output in enumerate(outputs):

@@ -40,7 +40,7 @@ ALIASES = {"prompt": "input"}
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request, state: State) -> Response:
     arrival = time.monotonic()
-    state.check_model(body.model)
+    state.check_model(body.model, adapters=False)
     inputs = _inputs(body.input)
     limit = max(1, state.engine.config.max_waiting_requests)
     if not inputs:

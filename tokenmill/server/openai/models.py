@@ -1,4 +1,5 @@
-"""OpenAI's ``GET /v1/models``: the one model this server serves."""
+"""OpenAI's ``GET /v1/models``: the model this server serves, then its loaded LoRA adapters (each
+with ``parent``: the base model's id, as vLLM lists them)."""
 
 from __future__ import annotations
 
@@ -22,4 +23,16 @@ async def list_models(state: State) -> dict[str, Any]:
         # None, "int8" or "int4" (quantized at load), or a pre-quantized checkpoint's method ("awq", ...)
         "quantization": state.engine.config.quantization or state.engine.model.checkpoint_quantization,
     }
-    return {"object": "list", "data": [model]}
+    adapters = [
+        {
+            "id": name,
+            "object": "model",
+            "created": state.started,
+            "owned_by": "tokenmill",
+            "max_model_len": state.engine.max_context_len,
+            "parent": state.model_name,
+            "root": adapter.source,
+        }
+        for name, adapter in state.engine.lora_adapters().items()
+    ]
+    return {"object": "list", "data": [model, *adapters]}

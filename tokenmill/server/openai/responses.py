@@ -56,7 +56,7 @@ TEXT_PARTS = ("input_text", "output_text")
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, state: State) -> Response:
     arrival = time.monotonic()
-    state.check_model(body.model)
+    lora_name = state.check_model(body.model)
     if body.previous_response_id is not None:
         raise APIError(
             400,
@@ -80,8 +80,9 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
         fields = {"temperature": body.temperature, "top_p": body.top_p}
         fields["structured_outputs"] = constraint.spec if constraint else None
         params = sampling_params(fields, body.max_output_tokens)
-        generation = await until_disconnected(request, Generation.start(state, [prompt], [params], rid, arrival))
-    reply = _Reply(rid, state.model_name, body, tool_names)
+        start = Generation.start(state, [prompt], [params], rid, arrival, lora_name)
+        generation = await until_disconnected(request, start)
+    reply = _Reply(rid, body.model, body, tool_names)
     if body.stream:
         return SSEResponse(reply.events(generation), on_close=generation.close)
     try:

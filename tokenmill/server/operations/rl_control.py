@@ -74,7 +74,7 @@ class WeightRoots:
         return resolved
 
 
-async def _engine_call(fn: Callable[[], Any]) -> Any:
+async def engine_call(fn: Callable[[], Any]) -> Any:
     """Run a blocking engine call in a worker thread; a dead engine -> 503."""
     try:
         return await asyncio.to_thread(fn)
@@ -100,7 +100,7 @@ def build_router(allowed_weight_roots: Iterable[str | Path] = ()) -> APIRouter:
             )
 
         try:
-            version = await _engine_call(update)
+            version = await engine_call(update)
         except (ValueError, OSError, SafetensorError) as exc:  # WeightError is a ValueError
             param = exc.param if isinstance(exc, ParameterError) else "model_path"
             raise APIError(
@@ -110,12 +110,12 @@ def build_router(allowed_weight_roots: Iterable[str | Path] = ()) -> APIRouter:
 
     @router.post("/pause_generation")
     async def pause_generation(state: State) -> dict[str, Any]:
-        await _engine_call(state.engine.pause_generation)
+        await engine_call(state.engine.pause_generation)
         return {"success": True, "paused": state.engine.paused}
 
     @router.post("/resume_generation")
     async def resume_generation(state: State) -> dict[str, Any]:
-        await _engine_call(state.engine.resume_generation)
+        await engine_call(state.engine.resume_generation)
         return {"success": True, "paused": state.engine.paused}
 
     @router.get("/weight_version")

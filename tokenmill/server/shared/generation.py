@@ -47,14 +47,17 @@ class Generation:
         params: list[SamplingParams],
         request_id: str,
         arrival: float,
+        lora_name: str | None = None,
     ) -> Generation:
-        """One engine request per prompt (``params[i]`` for ``prompts[i]``); raises the first refusal.
+        """One engine request per prompt (``params[i]`` for ``prompts[i]``, with the LoRA adapter
+        ``lora_name``: what the body's ``model`` named, see ``ServerState.check_model``); raises the
+        first refusal.
 
         ``arrival`` (``time.monotonic()`` when the HTTP request came in) anchors the latency metrics.
         """
         streams = [
             state.async_engine.generate(
-                prompt, p, request_id if len(prompts) == 1 else f"{request_id}-{i}", call_id=request_id
+                prompt, p, request_id if len(prompts) == 1 else f"{request_id}-{i}", request_id, lora_name
             )
             for i, (prompt, p) in enumerate(zip(prompts, params))
         ]
