@@ -21,7 +21,9 @@ from tokenmill.kernels import lora as lora_module
 from tokenmill.kernels.cpu import load_cpu_kernels
 from tokenmill.kernels.lora import CPP_MAX_ROWS, LoRABatch, LoRABinding, LoRAWeights, add_lora, add_lora_reference
 
-needs_kernels = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs the C++ CPU kernels")
+needs_kernels = pytest.mark.skipif(
+    load_cpu_kernels() is None, reason="needs the C++ CPU kernels (a C++ compiler and ninja)"
+)
 
 MAX_LORAS = 4
 MAX_RANK = 8
@@ -212,11 +214,13 @@ def test_cpp_kernel_rejects_slot_out_of_range(bad_slot: int) -> None:
     order, bounds = torch.tensor([0, 2, 1]), torch.tensor([0, 2, 3])
     with pytest.raises(RuntimeError, match="slot out of range"):
         torch.ops.tokenmill_cpu.lora_add(
-            out, x, weights.a, weights.b, order, bounds, torch.tensor([0, bad_slot]), weights._bounds
+            out, x, weights.a, weights.b, order, bounds, torch.tensor([0, bad_slot]), weights.column_bounds
         )
     assert torch.equal(out, before)
     # The same call with slots in range is accepted.
-    torch.ops.tokenmill_cpu.lora_add(out, x, weights.a, weights.b, order, bounds, torch.tensor([0, 3]), weights._bounds)
+    torch.ops.tokenmill_cpu.lora_add(
+        out, x, weights.a, weights.b, order, bounds, torch.tensor([0, 3]), weights.column_bounds
+    )
     assert not torch.equal(out, before)
 
 
@@ -228,7 +232,35 @@ def test_cpp_kernel_rejects_row_out_of_range(bad_row: int) -> None:
     bounds, slots = torch.tensor([0, 2, 3]), torch.tensor([0, 1])
     with pytest.raises(RuntimeError, match="row out of range"):
         torch.ops.tokenmill_cpu.lora_add(
-            out, x, weights.a, weights.b, torch.tensor([0, bad_row, 1]), bounds, slots, weights._bounds
+            out, x, weights.a, weights.b, torch.tensor([0, bad_row, 1]), bounds, slots, weights.column_bounds
+        )
+    assert torch.equal(out, before)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("order", "bounds", "slots", "message"),
+    [
+        ([0, 1, 2], [0, 5, 3], [0, 1], "bounds must not decrease"),  # once a crash: rows past the batch
+        ([0, 1, 2], [1, 3], [0], "bounds must cover order"),  # once accepted: row 0 skipped
+        ([0, 1, 1], [0, 2, 3], [0, 1], "one slot only"),  # two threads would write row 1
+    ],
+)
+def test_cpp_kernel_rejects_malformed_groups(
+    order: list[int], bounds: list[int], slots: list[int], message: str
+) -> None:
+    out, x, weights = _direct_args()
+    before = out.clone()
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.tokenmill_cpu.lora_add(
+            out,
+            x,
+            weights.a,
+            weights.b,
+            torch.tensor(order),
+            torch.tensor(bounds),
+            torch.tensor(slots),
+            weights.column_bounds,
         )
     assert torch.equal(out, before)
 

@@ -42,6 +42,8 @@ class LoRABatch:
     order: torch.Tensor  # [N] int64
     bounds: list[int]  # [len(slots) + 1]
     slots: list[int]
+    bounds_tensor: torch.Tensor  # ``bounds`` and ``slots`` as CPU int64 tensors (the C++ kernel's operands)
+    slots_tensor: torch.Tensor
 
     @staticmethod
     def from_row_slots(row_slots: torch.Tensor) -> LoRABatch | None:
@@ -54,7 +56,14 @@ class LoRABatch:
         sorted_slots, perm = torch.sort(slot_of_used, stable=True)
         slots, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
         bounds = [0, *torch.cumsum(counts, 0).tolist()]
-        return LoRABatch(row_slots.numel(), used[perm].contiguous(), bounds, slots.tolist())
+        return LoRABatch(
+            row_slots.numel(),
+            used[perm].contiguous(),
+            bounds,
+            slots.tolist(),
+            torch.tensor(bounds, dtype=torch.int64),
+            slots.to("cpu", torch.int64),
+        )
 
 
 class LoRABinding:
@@ -84,7 +93,7 @@ class LoRAWeights:
         out_features = self.segments[-1].stop
         self.a = torch.zeros(max_loras, len(self.segments) * max_rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, max_rank, out_features, dtype=dtype, device=device)
-        self._bounds = torch.tensor([s.start for s in self.segments] + [out_features], dtype=torch.int64)
+        self.column_bounds = torch.tensor([s.start for s in self.segments] + [out_features], dtype=torch.int64)
 
     def load(self, slot: int, segment: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> None:
         """Put an adapter's ``lora_a`` ``[r, in]`` and ``lora_b`` ``[cols, r]`` (``cols`` the segment's
@@ -110,9 +119,8 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, batch: Lo
     if x.is_cpu and x.shape[0] <= CPP_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
         kernels = load_cpu_kernels()
         if kernels is not None:
-            slots = torch.tensor(batch.slots, dtype=torch.int64)
-            bounds = torch.tensor(batch.bounds, dtype=torch.int64)
-            kernels.lora_add(out, x, weights.a, weights.b, batch.order, bounds, slots, weights._bounds)
+            order, bounds, slots = batch.order, batch.bounds_tensor, batch.slots_tensor
+            kernels.lora_add(out, x, weights.a, weights.b, order, bounds, slots, weights.column_bounds)
             return
     add_lora_reference(out, x, weights, batch)
 

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "simd.h"
@@ -106,14 +107,22 @@ void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at
                   a.size(0) == b.size(0) && a.size(1) % b.size(1) == 0,
               "shapes disagree: a [S, J*R, in], b [S, R, out]");
   const std::vector<int64_t> bound_v = to_vector(bounds), slot_v = to_vector(slots), seg_v = to_vector(seg_bounds);
-  TORCH_CHECK(bound_v.size() == slot_v.size() + 1 && bound_v.back() == order.numel(), "bounds must cover order");
-  TORCH_CHECK(static_cast<int64_t>(seg_v.size()) == a.size(1) / b.size(1) + 1 && seg_v.back() == out.size(1),
-              "segment bounds must cover the output columns");
+  TORCH_CHECK(bound_v.size() == slot_v.size() + 1 && bound_v.front() == 0 && bound_v.back() == order.numel(),
+              "bounds must cover order");
+  TORCH_CHECK(std::is_sorted(bound_v.begin(), bound_v.end()), "bounds must not decrease");
+  TORCH_CHECK(static_cast<int64_t>(seg_v.size()) == a.size(1) / b.size(1) + 1 && seg_v.front() == 0 &&
+                  seg_v.back() == out.size(1) && std::is_sorted(seg_v.begin(), seg_v.end()),
+              "segment bounds must cover the output columns in order");
   for (const int64_t s : slot_v) TORCH_CHECK(s >= 0 && s < a.size(0), "slot out of range");
   const at::Tensor order_c = order.contiguous();
   TORCH_CHECK(order_c.scalar_type() == at::kLong, "order must be int64");
   const int64_t* order_p = order_c.data_ptr<int64_t>();
-  for (int64_t i = 0; i < order_c.numel(); ++i) TORCH_CHECK(order_p[i] >= 0 && order_p[i] < x.size(0), "row out of range");
+  std::vector<bool> seen(static_cast<size_t>(x.size(0)), false);  // threads write a row's output: once each
+  for (int64_t i = 0; i < order_c.numel(); ++i) {
+    TORCH_CHECK(order_p[i] >= 0 && order_p[i] < x.size(0), "row out of range");
+    TORCH_CHECK(!seen[order_p[i]], "a row may use one slot only");
+    seen[order_p[i]] = true;
+  }
   if (dtype == at::kFloat) {
     lora_add_typed<float>(out, x, a, b, order_p, bound_v, slot_v, seg_v);
   } else {
