@@ -112,7 +112,8 @@ def _timed(generate: Any, spec: dict[str, Any], params_class: Any, requests: lis
 
 
 def _result(elapsed: float, token_ids: list[list[int]], dtype: str) -> dict[str, Any]:
-    return {"elapsed_s": round(elapsed, 2), "output_tok_s": round(sum(map(len, token_ids)) / elapsed, 1), "dtype": dtype}
+    tok_s = sum(map(len, token_ids)) / elapsed
+    return {"elapsed_s": round(elapsed, 2), "output_tok_s": round(tok_s, 1), "dtype": dtype}
 
 
 def main() -> None:
@@ -137,14 +138,14 @@ def main() -> None:
         for with_adapters in (False, True)
     }
     report: dict[str, Any] = {"runs": runs}
-    report["tokenmill_adapters_vs_base"] = round(
-        runs["tokenmill_adapters"]["output_tok_s"] / runs["tokenmill_base"]["output_tok_s"], 3
-    )
+
+    def ratio(a: str, b: str) -> float:
+        return round(runs[a]["output_tok_s"] / runs[b]["output_tok_s"], 3)
+
+    report["tokenmill_adapters_vs_base"] = ratio("tokenmill_adapters", "tokenmill_base")
     if args.vllm_python:
-        report["vllm_adapters_vs_base"] = round(runs["vllm_adapters"]["output_tok_s"] / runs["vllm_base"]["output_tok_s"], 3)
-        report["tokenmill_vs_vllm_with_adapters"] = round(
-            runs["tokenmill_adapters"]["output_tok_s"] / runs["vllm_adapters"]["output_tok_s"], 3
-        )
+        report["vllm_adapters_vs_base"] = ratio("vllm_adapters", "vllm_base")
+        report["tokenmill_vs_vllm_with_adapters"] = ratio("tokenmill_adapters", "vllm_adapters")
     print(json.dumps(report, indent=2) if args.json else "\n".join(f"{k}: {v}" for k, v in report.items()))
 
 
