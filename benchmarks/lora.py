@@ -6,7 +6,8 @@ the adapters are random PEFT adapters (rank 16, alpha 32, q/k/v/o/gate/up/down),
 ``--work-dir``. Request ``i`` uses adapter ``i % 8``. Each run is a fresh process, one after
 another: tokenmill base, tokenmill with adapters, then (with ``--vllm-python``) vLLM's base and
 adapters. Token-id prompts, greedy, ``ignore_eos``, prefix caching off; output tokens/s and the
-ratios are printed (``--json``: as JSON).
+ratios are printed (``--json``: as JSON). A third tokenmill run, the base model with its C++ decode
+forward turned off, measures what a step with adapter rows gives up by running eagerly.
 
     python benchmarks/lora.py --json
     python benchmarks/lora.py --vllm-python V/bin/python --json   # V: see benchmarks/compare_vllm.py
@@ -26,7 +27,7 @@ from fresh_process import answer, call
 N_ADAPTERS = 8
 RANK = 16
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "HF_HUB_OFFLINE": "1"}
 
 
 def prepare(work_dir: Path) -> dict[str, Any]:
@@ -58,7 +59,7 @@ def prepare(work_dir: Path) -> dict[str, Any]:
 def run_tokenmill(spec: dict[str, Any]) -> dict[str, Any]:
     from tokenmill import LLM, LoRARequest, SamplingParams
 
-    adapters = spec["adapters"] if spec["with_adapters"] else []
+    adapters = spec["adapters"] if spec["mode"] == "adapters" else []
     llm = LLM(
         model=spec["base"],
         dtype=spec["dtype"],
@@ -70,6 +71,8 @@ def run_tokenmill(spec: dict[str, Any]) -> dict[str, Any]:
         max_lora_rank=RANK,
         lora_modules={f"a{i}": path for i, path in enumerate(adapters)},
     )
+    if spec["mode"] == "base_eager":  # what steps with adapter rows run: the eager forward
+        llm.engine.worker.cpu_decode = None
     requests = [LoRARequest(f"a{i % len(adapters)}") for i in range(len(spec["prompts"]))] if adapters else None
     elapsed, outputs = _timed(llm.generate, spec, SamplingParams, requests)
     dtype = str(llm.engine.dtype).removeprefix("torch.")
@@ -81,7 +84,7 @@ def run_vllm(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    adapters = spec["adapters"] if spec["with_adapters"] else []
+    adapters = spec["adapters"] if spec["mode"] == "adapters" else []
     options = dict(enable_lora=True, max_loras=N_ADAPTERS, max_lora_rank=RANK) if adapters else {}
     llm = LLM(
         model=spec["base"],
@@ -130,12 +133,11 @@ def main() -> None:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     spec = prepare(args.work_dir) | {"dtype": args.dtype}
     engines = [("tokenmill", sys.executable, {})] + ([("vllm", args.vllm_python, VLLM_ENV)] if args.vllm_python else [])
+    modes = {"tokenmill": ("base", "adapters", "base_eager"), "vllm": ("base", "adapters")}
     runs = {
-        f"{engine}_{'adapters' if with_adapters else 'base'}": call(
-            __file__, python, engine, spec | {"with_adapters": with_adapters}, env
-        )
+        f"{engine}_{mode}": call(__file__, python, engine, spec | {"mode": mode}, env)
         for engine, python, env in engines
-        for with_adapters in (False, True)
+        for mode in modes[engine]
     }
     report: dict[str, Any] = {"runs": runs}
 
@@ -143,6 +145,7 @@ def main() -> None:
         return round(runs[a]["output_tok_s"] / runs[b]["output_tok_s"], 3)
 
     report["tokenmill_adapters_vs_base"] = ratio("tokenmill_adapters", "tokenmill_base")
+    report["tokenmill_eager_vs_base"] = ratio("tokenmill_base_eager", "tokenmill_base")
     if args.vllm_python:
         report["vllm_adapters_vs_base"] = ratio("vllm_adapters", "vllm_base")
         report["tokenmill_vs_vllm_with_adapters"] = ratio("tokenmill_adapters", "vllm_adapters")

@@ -115,8 +115,10 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         allow_special_tokens_in_content: bool = False,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of conversations (the chat template).
+        """Generate replies to one conversation or a list of conversations (the chat template), with
+        ``lora_request`` as in :meth:`generate`.
 
         Special-token text inside messages or tools is tokenized as plain text unless
         ``allow_special_tokens_in_content`` (see :meth:`tokenmill.tokenizer.Tokenizer.apply_chat_template`).
@@ -132,7 +134,7 @@ class LLM:
             )
             for conv in conversations
         ]
-        return self._run(batch, _params_for(batch, sampling_params), use_tqdm)
+        return self._run(batch, _params_for(batch, sampling_params), use_tqdm, self._lora_names(batch, lora_request))
 
     def update_weights(self, weights: Any, **kwargs: Any) -> int:
         """Push new weights (see :meth:`tokenmill.Engine.update_weights`); returns the new version."""

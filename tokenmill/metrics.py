@@ -67,7 +67,7 @@ class _EngineCollector(Collector):
 
     def describe(self) -> Iterable[Metric]:
         engine = [family(name, doc) for name, doc, family, _ in _ENGINE_METRICS]
-        return engine + _speculation_metrics(None) + _tier_metrics(None)
+        return engine + _speculation_metrics(None) + _tier_metrics(None) + _lora_metrics(None)
 
     def collect(self) -> Iterable[Metric]:
         try:
@@ -75,7 +75,7 @@ class _EngineCollector(Collector):
         except EngineDeadError:
             return []
         engine = [family(name, doc, value=value(stats)) for name, doc, family, value in _ENGINE_METRICS]
-        return engine + _speculation_metrics(stats) + _tier_metrics(stats)
+        return engine + _speculation_metrics(stats) + _tier_metrics(stats) + _lora_metrics(stats)
 
 
 # name, help, family, value from the disk tier's counters (engine stats' "disk_tier")
@@ -124,6 +124,21 @@ def _tier_metrics(stats: Stats | None) -> list[Metric]:
         for name, _, _, value in _TIER_METRICS if disk is not None else ():
             families[name].add_metric(["disk"], value(disk))
     return list(families.values())
+
+
+def _lora_metrics(stats: Stats | None) -> list[Metric]:
+    """LoRA adapters loaded, holding a slot, and slot loads (no samples without ``enable_lora``;
+    ``stats`` None: the families only)."""
+    lora = stats["lora"] if stats is not None else None
+    families = [
+        GaugeMetricFamily("tokenmill_lora_adapters_loaded", "LoRA adapters loaded (requests may name them)."),
+        GaugeMetricFamily("tokenmill_lora_adapters_resident", "LoRA adapters holding one of the max_loras slots."),
+        CounterMetricFamily("tokenmill_lora_slot_loads", "Adapters put into a slot (first use, or after an eviction)."),
+    ]
+    if lora is not None:
+        for family, key in zip(families, ("loaded", "resident", "slot_loads")):
+            family.add_metric([], lora[key])
+    return families
 
 
 def _speculation_metrics(stats: Stats | None) -> list[Metric]:

@@ -389,6 +389,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     error: str | None = None
     weight_versions: list[int] = field(default_factory=list)  # weight version that produced each token
+    lora_versions: list[int] = field(default_factory=list)  # with a LoRA adapter: its version for each token
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -521,6 +522,7 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
         acc.text += part.text
         acc.token_ids += part.token_ids
         acc.weight_versions += part.weight_versions
+        acc.lora_versions += part.lora_versions
         if part.logprobs is not None and acc.logprobs is not None:
             acc.logprobs += part.logprobs
         acc.finish_reason, acc.stop_reason, acc.error = part.finish_reason, part.stop_reason, part.error

@@ -30,10 +30,10 @@ def seq(n_pages: int, page_size: int, start: int) -> list[int]:
     return list(range(start, start + n_pages * page_size))
 
 
-def cache_finished(alloc: PageAllocator, cache: RadixCache, tokens: list[int]) -> torch.Tensor:
-    """Simulate a finished request: alloc its pages, insert them, drop its own references."""
+def cache_finished(alloc: PageAllocator, cache: RadixCache, tokens: list[int], namespace: str = "") -> torch.Tensor:
+    """Simulate a finished request: alloc its pages, insert them (in ``namespace``), drop its own references."""
     pages = take(alloc, len(tokens) // cache.page_size)
-    cache.insert(tokens, pages)
+    cache.insert(tokens, pages, namespace)
     alloc.decref(pages)
     return pages
 

@@ -15,6 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tests.cache.test_radix import cache_finished, make, seq, take, tree_nodes
 from tokenmill.cache.allocator import PageAllocator
 from tokenmill.cache.handle import KVHandle
 from tokenmill.cache.manager import CacheManager
@@ -23,39 +24,8 @@ from tokenmill.cache.storage import ReqToTokenPool
 from tokenmill.config import EngineConfig
 
 
-def make(n_pages: int, page_size: int) -> tuple[PageAllocator, RadixCache]:
-    alloc = PageAllocator(n_pages, page_size)
-    return alloc, RadixCache(alloc)
-
-
-def take(alloc: PageAllocator, n: int) -> torch.Tensor:
-    pages = alloc.alloc(n)
-    assert pages is not None
-    return pages
-
-
-def seq(n_pages: int, page_size: int, start: int) -> list[int]:
-    """Distinct tokens ``start, start+1, ...`` filling ``n_pages`` pages."""
-    return list(range(start, start + n_pages * page_size))
-
-
 def ns_key(namespace: str) -> tuple[str, str]:
     return ("namespace", namespace)
-
-
-def cache_finished(alloc: PageAllocator, cache: RadixCache, tokens: list[int], namespace: str = "") -> torch.Tensor:
-    """A finished request: alloc its pages, insert them in ``namespace``, drop its own references."""
-    pages = take(alloc, len(tokens) // cache.page_size)
-    assert cache.insert(tokens, pages, namespace) == 0
-    alloc.decref(pages)
-    return pages
-
-
-def tree_nodes(cache: RadixCache) -> list[RadixNode]:
-    out = [cache.root]
-    for node in out:
-        out.extend(node.children.values())
-    return out
 
 
 def check_invariants(alloc: PageAllocator, cache: RadixCache, holders: list[torch.Tensor]) -> None:

@@ -6,6 +6,7 @@ caching keyed by adapter version, live updates, unloading and every refusal."""
 from __future__ import annotations
 
 import gc
+import queue
 import weakref
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from tokenmill import LLM, LoRARequest, SamplingParams
 from tokenmill.kernels.quant_format import QuantScheme
 from tokenmill.model.lora import LoRAError
 from tokenmill.model.quantization import fake_quantize_model
-from tokenmill.request import ParameterError
+from tokenmill.request import ParameterError, RequestOutput, accumulate
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[5, 17, 33, 2, 60, 61, 8, 91, 44, 12], list(range(3, 30)), [7, 7, 8]]
@@ -177,10 +178,12 @@ def test_prefixes_are_cached_per_adapter_version_and_updates_apply_at_once(three
         return llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest(name) if name else None)[0]
 
     try:
-        assert run("a").num_cached_tokens == 0
+        first = run("a")
+        assert first.num_cached_tokens == 0 and first.outputs[0].lora_versions == [1] * 4
         assert run("a").num_cached_tokens == 36  # the adapter's own prefix
         assert run("b").num_cached_tokens == 0  # not a's KV
-        assert run(None).num_cached_tokens == 0  # nor the base model's
+        base = run(None)
+        assert base.num_cached_tokens == 0 and base.outputs[0].lora_versions == []  # nor the base model's
         # an update: another adapter's matrices under the name "a" (PEFT names, as saved)
         updated = save_adapter(make_hf_model("llama"), tmp_path / "a2", 9, ALL_PROJECTIONS, rank=8)
         from safetensors.torch import load_file
@@ -190,7 +193,35 @@ def test_prefixes_are_cached_per_adapter_version_and_updates_apply_at_once(three
         after = run("a")
         assert after.num_cached_tokens == 0  # the old version's prefixes are never matched again
         assert after.outputs[0].token_ids == hf_greedy(updated, prompt, 4)
+        assert after.outputs[0].lora_versions == [2] * 4
         assert run("a").num_cached_tokens == 36
+    finally:
+        llm.shutdown()
+
+
+def test_an_update_reaches_running_requests_and_tags_their_tokens(three_adapters, tmp_path: Path) -> None:
+    """A request running across an update goes on (with the new matrices, over the KV it holds,
+    as with weight updates): its tokens before the update carry version 1 and are the old adapter's,
+    those after it carry version 2."""
+    root, oracles = three_adapters
+    llm = lora_llm(root, lora_modules={"a": str(root / "a")})
+    save_adapter(make_hf_model("llama"), tmp_path / "a2", 9, ALL_PROJECTIONS, rank=8)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "a2" / "adapter_model.safetensors"))
+    deltas: queue.Queue[RequestOutput] = queue.Queue()
+    params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+    try:
+        llm.engine.add_request(PROMPTS[2], params, deltas.put, None, None, "a")
+        total = deltas.get(timeout=60)
+        assert llm.update_lora("a", tensors) == 2
+        while not total.finished:
+            total = accumulate(total, deltas.get(timeout=60))
+        out = total.outputs[0]
+        switch = out.lora_versions.index(2)
+        assert 0 < switch and out.lora_versions == [1] * switch + [2] * (240 - switch)
+        assert out.token_ids[:switch] == hf_greedy(oracles["a"], PROMPTS[2], switch)
+        assert llm.engine.lora.version("a") == 2
     finally:
         llm.shutdown()
 

@@ -126,6 +126,9 @@ def test_adapters_load_and_unload_at_run_time(client: openai.OpenAI, lora_server
         client.completions.create(model="b", prompt=PROMPT, max_tokens=2)
     missing = post("unload_lora_adapter", {"lora_name": "b"})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    metrics = httpx.get(f"{lora_server.url}/metrics").text
+    assert "tokenmill_lora_adapters_loaded 1.0" in metrics  # "a" is left
+    assert "tokenmill_lora_slot_loads_total" in metrics
 
 
 def test_adapter_routes_on_a_server_without_lora_refuse(checkpoint: Path, adapters) -> None:

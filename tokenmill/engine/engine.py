@@ -136,7 +136,8 @@ class Engine(EngineLoop):
         self.sampler = Sampler(mc.vocab_size, cfg.max_running_requests, self.device, cfg.seed)
         self.weight_version = 0
         self.requests = RequestTable(self.scheduler)
-        self.output = OutputProcessor(self.requests, self.eos_token_ids, lambda: self.weight_version)
+        lora_version = self.lora.version if self.lora is not None else None
+        self.output = OutputProcessor(self.requests, self.eos_token_ids, lambda: self.weight_version, lora_version)
         grammars = None
         if self.tokenizer is not None:
             timeout, cache_bytes = cfg.structured_output_compile_timeout, cfg.structured_output_cache_bytes

@@ -83,6 +83,11 @@ class LoRAManager:
             self.slots.load(entry.slot, adapter)
         return entry.version
 
+    def version(self, name: str) -> int:
+        """Adapter ``name``'s version (1 when loaded, +1 per update; 0 once unloaded)."""
+        entry = self._adapters.get(name)
+        return 0 if entry is None else entry.version
+
     def namespace(self, name: str) -> str:
         """The prefix-cache namespace of adapter ``name``'s current version."""
         return self._adapters[name].namespace

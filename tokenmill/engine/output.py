@@ -30,11 +30,19 @@ logger = logging.getLogger("tokenmill.engine")
 class OutputProcessor:
     """Turns sampled tokens into sequence updates and deltas for the requests of ``table``."""
 
-    def __init__(self, table: RequestTable, eos_token_ids: set[int], weight_version: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        table: RequestTable,
+        eos_token_ids: set[int],
+        weight_version: Callable[[], int],
+        lora_version: Callable[[str], int] | None = None,
+    ) -> None:
+        """``weight_version()`` and ``lora_version(adapter name)`` tag each appended token."""
         self.table = table
         self.scheduler = table.scheduler
         self.eos_token_ids = eos_token_ids
         self.weight_version = weight_version
+        self.lora_version = lora_version
 
     def abort(self, request_id: str) -> bool:
         """End every unfinished sequence of the request with "abort"; False if it is not live."""
@@ -97,6 +105,8 @@ class OutputProcessor:
             state.metrics.first_token_time = now()
         seq.output_token_ids.append(token)
         seq.weight_versions.append(self.weight_version())
+        if seq.lora_name is not None and self.lora_version is not None:
+            seq.lora_versions.append(self.lora_version(seq.lora_name))
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
         if seq.grammar is not None:  # the matcher accepts exactly the output tokens (preemption keeps them)
@@ -177,6 +187,7 @@ class OutputProcessor:
                     stop_reason=seq.stop_reason,
                     error=seq.error,
                     weight_versions=seq.weight_versions[start:],
+                    lora_versions=seq.lora_versions[start:],
                 )
             )
         prompt_logprobs = state.seqs[0].prompt_logprobs

@@ -41,6 +41,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
+    lora_versions: list[int] = field(default_factory=list)  # its adapter's version per output token (with one)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
