@@ -367,8 +367,6 @@ class EngineConfig:
                 raise ValueError(
                     f"max_loras must be >= 1 and max_lora_rank in [1, 512], got {self.max_loras}, {self.max_lora_rank}"
                 )
-            if self.tensor_parallel_size > 1:
-                raise ValueError("enable_lora is not supported with tensor parallelism yet")
         elif self.lora_modules:
             raise ValueError("lora_modules needs enable_lora")
         if self.num_kv_slots is not None and self.num_kv_slots < self.page_size:

@@ -1,12 +1,13 @@
 """The messages rank 0 broadcasts to the tensor-parallel workers: a step (a
-:class:`~tokenmill.worker.forward_step.ForwardStep`), heartbeats while idle, weight updates, and
-shutdown.
+:class:`~tokenmill.worker.forward_step.ForwardStep`), heartbeats while idle, weight updates, LoRA
+slot loads, and shutdown.
 
 A step is two broadcasts from rank 0: a fixed-size int64 header (the kind and the lengths), then
 one int64 payload with every field back to back; the other kinds are the header alone (a weight
-update's tensors follow it: ``weights.py``). The step carries the request-to-token entries rank 0
-wrote since the previous one, which each worker applies to its replica of the table before it
-runs the step, so every rank builds the same attention view over its own KV storage.
+update's tensors follow it: ``weights.py``; a LoRA slot load's adapter: ``lora.py``). The step
+carries the request-to-token entries rank 0 wrote since the previous one, which each worker
+applies to its replica of the table before it runs the step, so every rank builds the same
+attention view over its own KV storage.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from tokenmill.worker.forward_step import ForwardStep, TableWrites
 
-HEADER_LEN = 8
+HEADER_LEN = 9
 
 
 class Kind(IntEnum):
@@ -26,12 +27,11 @@ class Kind(IntEnum):
     HEARTBEAT = 2
     SHUTDOWN = 3
     WEIGHTS = 4
+    LORA = 5
 
 
 def send(kind: Kind, step: ForwardStep | None = None, device: torch.device | str = "cpu") -> None:
-    """Broadcast a message from rank 0 (``step`` for :attr:`Kind.STEP`; LoRA steps are single-rank:
-    ``EngineConfig`` refuses ``enable_lora`` with tensor parallelism)."""
-    assert step is None or step.lora_slots is None, "LoRA adapters are not supported with tensor parallelism"
+    """Broadcast a message from rank 0 (``step`` for :attr:`Kind.STEP`)."""
     if step is None:
         dist.broadcast(torch.tensor([kind] + [0] * (HEADER_LEN - 1), dtype=torch.int64, device=device), src=0)
         return
@@ -46,6 +46,7 @@ def send(kind: Kind, step: ForwardStep | None = None, device: torch.device | str
         len(writes),
         step.is_decode,
         0 if step.hidden_indices is None else step.hidden_indices.numel(),
+        0 if step.lora_slots is None else step.lora_slots.numel(),
     ]
     dist.broadcast(torch.tensor(header, dtype=torch.int64, device=device), src=0)
     parts = [step.input_ids, step.positions, step.out_cache_loc]
@@ -53,6 +54,7 @@ def send(kind: Kind, step: ForwardStep | None = None, device: torch.device | str
     parts += [torch.tensor([step.rows, step.seq_lens, step.prefix_lens], dtype=torch.int64).view(-1)]
     parts += [step.fork_src, step.fork_dst, writes.rows, writes.positions, writes.slots]
     parts += [] if step.hidden_indices is None else [step.hidden_indices]
+    parts += [] if step.lora_slots is None else [step.lora_slots]
     dist.broadcast(torch.cat([p.to(device, torch.int64) for p in parts]), src=0)
 
 
@@ -60,13 +62,13 @@ def receive(device: torch.device | str) -> tuple[Kind, ForwardStep | None]:
     """The next message from rank 0 on a worker: ``(kind, the step or None)``."""
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
     dist.broadcast(header, src=0)
-    kind, n_tokens, n_logits, n_reqs, n_forks, n_writes, is_decode, n_hidden = header.tolist()
+    kind, n_tokens, n_logits, n_reqs, n_forks, n_writes, is_decode, n_hidden, n_lora = header.tolist()
     if kind != Kind.STEP:
         return Kind(kind), None
-    sizes = [n_tokens] * 3 + [max(n_logits, 0), 3 * n_reqs] + [n_forks] * 2 + [n_writes] * 3 + [n_hidden]
+    sizes = [n_tokens] * 3 + [max(n_logits, 0), 3 * n_reqs] + [n_forks] * 2 + [n_writes] * 3 + [n_hidden, n_lora]
     payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
     dist.broadcast(payload, src=0)
-    ids, pos, loc, logits, lens, src, dst, w_rows, w_pos, w_slots, hidden = payload.split(sizes)
+    ids, pos, loc, logits, lens, src, dst, w_rows, w_pos, w_slots, hidden, lora_slots = payload.split(sizes)
     rows, seq_lens, prefix_lens = lens.view(3, n_reqs).tolist() if n_reqs else ([], [], [])
     step = ForwardStep(
         is_decode=bool(is_decode),
@@ -81,5 +83,6 @@ def receive(device: torch.device | str) -> tuple[Kind, ForwardStep | None]:
         fork_dst=dst,
         table_writes=TableWrites(w_rows, w_pos, w_slots),
         hidden_indices=hidden if n_hidden else None,
+        lora_slots=lora_slots if n_lora else None,
     )
     return Kind.STEP, step

@@ -32,9 +32,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed import group, messages, weights
+from tokenmill.distributed import group, lora, messages, weights
 from tokenmill.distributed.worker_process import agree_on_slots, worker_main
 from tokenmill.model.loader import check_shardable
+from tokenmill.model.lora import ModuleDelta
 from tokenmill.model.parallel import TensorParallel
 from tokenmill.model.weights import WeightError
 from tokenmill.worker.forward_step import ForwardStep
@@ -134,6 +135,13 @@ class WorkerGroup:
         refusals = [f"tensor-parallel rank {rank} refused the update: {r}" for rank, r in enumerate(votes) if r]
         if refusals:
             raise WeightError("; ".join(refusals))
+
+    def load_lora_slot(self, slot: int, deltas: list[ModuleDelta]) -> None:
+        """Have every worker put its part of ``deltas`` (an adapter's whole matrices; none: empty)
+        into LoRA slot ``slot``. Call between steps, beside rank 0's own load."""
+        with self._collective():
+            messages.send(messages.Kind.LORA, device=self.device)
+            lora.send(slot, deltas, self.device)
 
     @contextlib.contextmanager
     def _collective(self) -> Iterator[None]:

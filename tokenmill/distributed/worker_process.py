@@ -25,7 +25,7 @@ from typing import NoReturn
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed import group, messages, weights
+from tokenmill.distributed import group, lora, messages, weights
 from tokenmill.model.parallel import TensorParallel
 from tokenmill.worker.model_worker import build_model_worker
 
@@ -100,6 +100,9 @@ def serve(config: EngineConfig, tp: TensorParallel, device: torch.device, timeou
             worker.execute(step)
         elif kind == messages.Kind.WEIGHTS:
             weights.receive(worker.model, device)
+        elif kind == messages.Kind.LORA:
+            assert worker.lora is not None, "LoRA slot loads need enable_lora"
+            lora.receive(worker.lora, device)
 
 
 def agree_on_slots(n_slots: int, device: torch.device, timeout: float) -> int:

@@ -128,7 +128,7 @@ class Engine(EngineLoop):
                 self.device,
             )
         if self.worker.lora is not None:
-            self.lora = LoRAManager(self.worker.lora)
+            self.lora = LoRAManager(self.worker.lora, self.workers.load_lora_slot if self.workers else None)
             for name, path in cfg.lora_adapters().items():
                 self.lora.register(read_adapter(self.model, name, path, cfg.max_lora_rank))
         self.scheduler = Scheduler(cfg, self.cache, self.speculator, self.lora)

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import secrets
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tokenmill.model.lora import LoRAAdapter, LoRASlots
+from tokenmill.model.lora import LoRAAdapter, LoRASlots, ModuleDelta
 
 
 @dataclass
@@ -33,8 +34,13 @@ class RegisteredAdapter:
 
 
 class LoRAManager:
-    def __init__(self, slots: LoRASlots) -> None:
+    def __init__(
+        self, slots: LoRASlots, load_elsewhere: Callable[[int, list[ModuleDelta]], None] | None = None
+    ) -> None:
+        """``slots``: rank 0's; ``load_elsewhere(slot, deltas)`` puts each slot load on the other
+        tensor-parallel ranks too (None at tp=1)."""
         self.slots = slots
+        self._load_elsewhere = load_elsewhere
         self._adapters: dict[str, RegisteredAdapter] = {}
         self._slot_owner: list[str | None] = [None] * slots.max_loras
         self._recency: OrderedDict[int, None] = OrderedDict((i, None) for i in range(slots.max_loras))
@@ -68,7 +74,7 @@ class LoRAManager:
         if entry.running:
             raise ValueError(f"LoRA adapter {name!r} is in use by {entry.running} running sequence(s)")
         if entry.slot is not None:
-            self.slots.clear(entry.slot)
+            self._load(entry.slot, None)
             self._slot_owner[entry.slot] = None
         del self._adapters[name]
 
@@ -80,7 +86,7 @@ class LoRAManager:
         entry.version += 1
         entry.namespace = self._namespace(adapter.name, entry)
         if entry.slot is not None:
-            self.slots.load(entry.slot, adapter)
+            self._load(entry.slot, adapter)
         return entry.version
 
     def version(self, name: str) -> int:
@@ -105,7 +111,7 @@ class LoRAManager:
             previous = self._slot_owner[slot]
             if previous is not None:
                 self._adapters[previous].slot = None
-            self.slots.load(slot, entry.adapter)
+            self._load(slot, entry.adapter)
             self._slot_owner[slot], entry.slot = name, slot
             self.slot_loads += 1
         entry.running += 1
@@ -125,6 +131,13 @@ class LoRAManager:
             "slots": self.slots.max_loras,
             "slot_loads": self.slot_loads,
         }
+
+    def _load(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Put ``adapter`` (None: nothing) into ``slot`` on every rank."""
+        deltas = [] if adapter is None else list(adapter.deltas.values())
+        if self._load_elsewhere is not None:
+            self._load_elsewhere(slot, deltas)
+        self.slots.load(slot, deltas)
 
     def _is_free(self, slot: int) -> bool:
         owner = self._slot_owner[slot]

@@ -13,7 +13,10 @@ trained biases, ``modules_to_save``, embedding or LM-head adapters, ``fan_in_fan
 :class:`LoRASlots` gives each decoder projection of the model its
 :class:`~tokenmill.kernels.lora.LoRAWeights` (a packed projection one segment per shard), loads an
 adapter into a slot and binds a step's :class:`~tokenmill.kernels.lora.LoRABatch` for one forward.
-One rank only (tensor parallelism is refused by the engine's config).
+An adapter is checked and held whole (the checkpoint's shapes); with tensor parallelism each rank's
+slots take its part, as its base weights do: B's rows of a column-parallel projection's block (q/k/v,
+gate/up), A's columns of a row-parallel one's input block (o, down: the partial deltas are summed
+by the projection's all-reduce with its partial products).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import contextlib
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ from tokenmill.kernels.linear import Linear
 from tokenmill.kernels.lora import LoRABatch, LoRABinding, LoRAWeights
 from tokenmill.model.blocks import PackedLinear
 from tokenmill.model.causal_lm import CausalLM
+from tokenmill.model.parallel import CheckpointParts
 from tokenmill.model.weights import CHECKABLE_DTYPES, check_finite
 
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -149,8 +153,9 @@ def _module_delta(
             "of the decoder layers; not embeddings, the LM head or MoE experts)"
         )
     linear = model.get_submodule(linear_path)
-    columns = slice(0, linear.out_features) if segment is None else _segments(linear)[segment]
-    cols = columns.stop - columns.start
+    columns = _full_segments(linear)
+    cols = columns[-1].stop if segment is None else columns[segment].stop - columns[segment].start
+    in_features = _full_in_features(linear)
     a, b = pair["lora_A"], pair["lora_B"]
     for tensor, label in ((a, "lora_A"), (b, "lora_B")):
         if tensor.dim() != 2 or tensor.dtype not in CHECKABLE_DTYPES:
@@ -158,10 +163,10 @@ def _module_delta(
     rank = a.shape[0]
     if rank > max_rank:
         raise LoRAError(f"{where}: {module_name} has rank {rank}, above max_lora_rank {max_rank}")
-    if tuple(a.shape) != (rank, linear.in_features) or tuple(b.shape) != (cols, rank):
+    if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (cols, rank):
         raise LoRAError(
             f"{where}: {module_name} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this model needs "
-            f"lora_A ({rank}, {linear.in_features}) and lora_B ({cols}, {rank})"
+            f"lora_A ({rank}, {in_features}) and lora_B ({cols}, {rank})"
         )
     expected_rank = _pattern_value(settings.get("rank_pattern") or {}, module_name, settings.get("r", rank))
     if rank != expected_rank:
@@ -208,10 +213,39 @@ def _projection(model: CausalLM, path: str) -> Linear | None:
 
 
 def _segments(linear: Linear) -> list[slice]:
-    """The output columns of each of the projection's shards (one for a plain projection)."""
+    """The output columns of each of the projection's shards (one for a plain projection), as this
+    rank holds them."""
     if isinstance(linear, PackedLinear):
         return [linear.shard_rows(i) for i in range(len(linear.shard_sizes))]
     return [slice(0, linear.out_features)]
+
+
+def _full_segments(linear: Linear) -> list[slice]:
+    """Each shard's output columns in the whole (unsharded) projection: the checkpoint's layout."""
+    if isinstance(linear, PackedLinear) and linear.source_rows is not None:
+        bounds = [0]
+        for size in linear.source_sizes:
+            bounds.append(bounds[-1] + size)
+        return [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    return _segments(linear)
+
+
+def _full_in_features(linear: Linear) -> int:
+    part = linear.checkpoint_parts.get("weight") if isinstance(linear, CheckpointParts) else None
+    return linear.in_features if part is None else part.shape[1]
+
+
+def _input_block(linear: Linear) -> slice:
+    """The input columns this rank's part of the projection reads (all of them unless row-parallel)."""
+    part = linear.checkpoint_parts.get("weight") if isinstance(linear, CheckpointParts) else None
+    return slice(None) if part is None else part.index[1]
+
+
+def _shard_block(linear: Linear, segment: int) -> slice:
+    """The rows of shard ``segment``'s whole checkpoint projection that this rank holds."""
+    if isinstance(linear, PackedLinear) and linear.source_rows is not None:
+        return linear.source_rows[segment]
+    return slice(None)
 
 
 class LoRASlots:
@@ -224,11 +258,13 @@ class LoRASlots:
         self.binding = LoRABinding()
         self.weights: dict[str, LoRAWeights] = {}
         embed = model.model.embed_tokens.weight
+        self.linears: dict[str, Linear] = {}
         for i in range(len(model.model.layers)):
             for projection in PROJECTIONS:
                 path = f"model.layers.{i}.{projection}"
                 linear = _projection(model, path)
                 if linear is not None:
+                    self.linears[path] = linear
                     linear.lora = self.weights[path] = LoRAWeights(
                         self.binding,
                         max_loras,
@@ -239,16 +275,20 @@ class LoRASlots:
                         embed.device,
                     )
 
-    def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Put ``adapter`` into ``slot`` (whatever was there is replaced)."""
+    def load(self, slot: int, deltas: Iterable[ModuleDelta]) -> None:
+        """Put an adapter's ``deltas`` (``LoRAAdapter.deltas``' values) into ``slot``, this rank's part
+        of each; whatever was there is replaced (no deltas: the slot is emptied)."""
         self.clear(slot)
-        for delta in adapter.deltas.values():
-            weights = self.weights[delta.linear_path]
+        for delta in deltas:
+            weights, linear = self.weights[delta.linear_path], self.linears[delta.linear_path]
+            a = delta.a[:, _input_block(linear)]
             if delta.segment is not None:
-                weights.load(slot, delta.segment, delta.a, delta.b, delta.scaling)
+                b = delta.b[_shard_block(linear, delta.segment)]
+                weights.load(slot, delta.segment, a, b, delta.scaling)
                 continue
-            for j, cols in enumerate(weights.segments):  # a fused target: its rows split over the shards
-                weights.load(slot, j, delta.a, delta.b[cols], delta.scaling)
+            for j, cols in enumerate(_full_segments(linear)):  # a fused target: its rows split over the shards
+                rows = _shard_block(linear, j)
+                weights.load(slot, j, a, delta.b[cols][rows], delta.scaling)
 
     def clear(self, slot: int) -> None:
         for weights in self.weights.values():
