@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests.cache.test_radix import cache_finished, make, seq, take, tree_nodes
+from tests.cache.test_radix import cache_finished, make, seq, take, token_seqs, tree_nodes
 from tokenmill.cache.allocator import PageAllocator
 from tokenmill.cache.handle import KVHandle
 from tokenmill.cache.manager import CacheManager
@@ -266,13 +266,6 @@ def test_reset_drops_every_namespace() -> None:
 # ------------------------------------------------------------------------------ randomised
 
 NAMESPACES = ["", "a", "b"]
-PREFIXES = [(0, 1, 2, 0, 1, 2, 0, 1), (0, 0, 0, 0, 1, 1, 1, 1)]
-token_seqs = st.builds(
-    lambda prefix, cut, tail: prefix[:cut] + tuple(tail),
-    st.sampled_from(PREFIXES),
-    st.integers(1, 8),
-    st.lists(st.integers(0, 2), max_size=3),
-)
 
 
 @dataclass

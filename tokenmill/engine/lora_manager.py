@@ -27,10 +27,14 @@ from tokenmill.model.lora import LoRAAdapter, LoRASlots, ModuleDelta
 class RegisteredAdapter:
     adapter: LoRAAdapter
     version: int = 1
-    namespace: str = ""
     running: int = 0  # running sequences that use it (their slot reference)
     slot: int | None = None  # the slot it is loaded in, None when in none
-    uid: str = field(default_factory=lambda: secrets.token_hex(6))
+    uid: str = field(default_factory=lambda: secrets.token_hex(6))  # a reload under the same name is another adapter
+
+    @property
+    def namespace(self) -> str:
+        """The prefix-cache namespace of this version."""
+        return f"lora {self.adapter.name} {self.uid} v{self.version}"
 
 
 class LoRAManager:
@@ -63,9 +67,7 @@ class LoRAManager:
         """Add ``adapter`` under its name (ValueError if the name is taken)."""
         if adapter.name in self._adapters:
             raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded")
-        entry = RegisteredAdapter(adapter)
-        entry.namespace = self._namespace(adapter.name, entry)
-        self._adapters[adapter.name] = entry
+        self._adapters[adapter.name] = RegisteredAdapter(adapter)
 
     def unregister(self, name: str) -> None:
         """Drop adapter ``name`` (KeyError if unknown; ValueError while running sequences use it): its
@@ -84,7 +86,6 @@ class LoRAManager:
         entry = self._adapters[adapter.name]
         entry.adapter = adapter
         entry.version += 1
-        entry.namespace = self._namespace(adapter.name, entry)
         if entry.slot is not None:
             self._load(entry.slot, adapter)
         return entry.version
@@ -142,7 +143,3 @@ class LoRAManager:
     def _is_free(self, slot: int) -> bool:
         owner = self._slot_owner[slot]
         return owner is None or self._adapters[owner].running == 0
-
-    @staticmethod
-    def _namespace(name: str, entry: RegisteredAdapter) -> str:
-        return f"lora {name} {entry.uid} v{entry.version}"
