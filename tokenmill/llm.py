@@ -1,5 +1,6 @@
 """LLM: the offline batch API, with vLLM's names (``LLM(model=...).generate(prompts, params,
-lora_request=...)``, ``LLM.embed(prompts, pooling_params)``, ``LLM.load_lora(...)``)."""
+lora_request=...)``, ``LLM.embed(prompts, pooling_params)``, ``LLM.score(query, documents)``,
+``LLM.rerank(query, documents, top_n)``, ``LLM.load_lora(...)``)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,22 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.overload import EngineOverloadedError
 from tokenmill.engine.request_state import new_request_id
+from tokenmill.engine.scoring import check_documents, rerank, score_outputs, score_requests
+from tokenmill.model.pooling_config import PoolingConfig
 from tokenmill.request import (
     EmbeddingRequestOutput,
     LoRARequest,
     ParameterError,
     PoolingParams,
     RequestOutput,
+    RerankResult,
     SamplingParams,
+    ScorePair,
+    ScoringRequestOutput,
     accumulate,
 )
 
-Prompt = str | list[int] | dict[str, Any]
+Prompt = str | list[int] | dict[str, Any] | ScorePair
 OVERLOAD_RETRY_S = 0.05
 """Seconds between submit retries while the waiting queue is full of other callers' requests."""
 Message = dict[str, Any]
@@ -106,6 +112,35 @@ class LLM:
             raise ParameterError("pooling_params", f"must be PoolingParams, got {type(params).__name__}")
         outputs = self._run(batch, [params] * len(batch), use_tqdm)
         return [EmbeddingRequestOutput.from_output(output) for output in outputs]
+
+    def score(
+        self, query: str, documents: str | list[str], instruction: str | None = None, use_tqdm: bool = True
+    ) -> list[ScoringRequestOutput]:
+        """How relevant each document is to ``query``, in document order (``engine/scoring.py``: a
+        cross-encoder's or decoder reranker's score of the pair, else the cosine similarity of the
+        embeddings); ``instruction`` fills a decoder reranker's template. Needs runner "pooling"."""
+        pooling = self._pooling("score")
+        docs = check_documents(documents, self.engine.config.max_score_documents)
+        prompts, params = score_requests(pooling, query, docs, instruction)
+        return score_outputs(pooling, self._run(list(prompts), [params] * len(prompts), use_tqdm))
+
+    def rerank(
+        self, query: str, documents: list[str], top_n: int | None = None, instruction: str | None = None
+    ) -> list[RerankResult]:
+        """The documents by relevance to ``query`` (:meth:`score`), highest first, the first
+        ``top_n``; RuntimeError if a document could not be scored."""
+        results = self.score(query, documents, instruction, use_tqdm=False)
+        failed = next((r for r in results if r.error is not None or r.finish_reason != "stop"), None)
+        if failed is not None:
+            raise RuntimeError(f"scoring request {failed.request_id} failed: {failed.error or failed.finish_reason}")
+        docs = check_documents(documents, self.engine.config.max_score_documents)
+        return rerank([r.outputs.score for r in results], docs, top_n)
+
+    def _pooling(self, task: str) -> PoolingConfig:
+        """The model's pooling defaults; ParameterError (``runner``) on a generating engine."""
+        if self.engine.pooling is None:
+            raise ParameterError("runner", f"{task} needs a pooling model (runner 'pooling'); this engine generates")
+        return self.engine.pooling
 
     def chat(
         self,

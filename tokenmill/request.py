@@ -413,7 +413,8 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
-    embedding: list[float] | None = None  # a pooling request's final delta (see PoolingParams)
+    embedding: list[float] | None = None  # an embedding request's final delta (see PoolingParams)
+    score: float | None = None  # a scoring request's final delta (PoolingParams.task "score")
 
 
 @dataclass(frozen=True)
@@ -429,18 +430,23 @@ class LoRARequest:
 
 @dataclass
 class PoolingParams:
-    """An embedding of the prompt instead of generated tokens (a decoder model as an embedder).
+    """A pooling request: the prompt's embedding, or its score, instead of generated tokens.
 
-    ``pooling``: "last" (the last prompt token's final hidden state, after the final norm: the
-    Qwen3-Embedding recipe) or "mean" (the mean over every prompt position); ``dimensions``: keep
-    the first ``d`` values (Matryoshka), then ``normalize`` (L2); ``truncate_prompt_tokens``: embed
-    only the prompt's last ``k`` tokens when it is longer (None: a prompt over the context limit
-    is refused)."""
+    ``task`` "embed": ``pooling`` "cls" (the first token's final hidden state), "last" (the last
+    token's, after the final norm: the Qwen3-Embedding recipe) or "mean" (over every prompt
+    position); ``dimensions``: keep the first ``d`` values (Matryoshka), then ``normalize`` (L2).
+    None for ``pooling`` / ``normalize``: the model's own (its sentence-transformers files, else
+    "cls" for an encoder, "last" for a decoder; normalized). ``task`` "score": the prompt is a
+    :class:`ScorePair` (or its tokens, already paired) and the result one relevance score from the
+    model's classification head or its ``classifier_from_token`` pair; ``pooling``, ``normalize``
+    and ``dimensions`` do not apply. ``truncate_prompt_tokens``: use only the prompt's last ``k``
+    tokens when it is longer (None: a prompt over the context limit is refused)."""
 
-    pooling: str = "last"
-    normalize: bool = True
+    pooling: str | None = None
+    normalize: bool | None = None
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
+    task: str = "embed"
 
     def validate(self, hidden_size: int, context_limit: int) -> None:
         """Raise :class:`ParameterError` naming the first bad parameter."""
@@ -450,8 +456,13 @@ class PoolingParams:
             "truncate_prompt_tokens",
             f"must be an integer in [1, {context_limit}] (the context limit) or None, got {keep!r}",
         )
-        _require(self.pooling in ("last", "mean"), "pooling", f'must be "last" or "mean", got {self.pooling!r}')
-        _require(isinstance(self.normalize, bool), "normalize", f"must be a boolean, got {self.normalize!r}")
+        _require(self.task in ("embed", "score"), "task", f'must be "embed" or "score", got {self.task!r}')
+        _require(
+            self.pooling in (None, "cls", "last", "mean"),
+            "pooling",
+            f'must be "cls", "last", "mean" or None, got {self.pooling!r}',
+        )
+        _require(self.normalize in (None, True, False), "normalize", f"must be a boolean, got {self.normalize!r}")
         dims = self.dimensions
         _require(dims is None or _is_int(dims), "dimensions", f"must be an integer or None, got {dims!r}")
         _require(
@@ -459,6 +470,19 @@ class PoolingParams:
             "dimensions",
             f"must be in [1, {hidden_size}] (the model's hidden size), got {dims}",
         )
+        if self.task == "score":
+            for name in ("pooling", "normalize", "dimensions"):
+                _require(getattr(self, name) is None, name, "does not apply to scoring (task 'score')")
+
+
+@dataclass(frozen=True)
+class ScorePair:
+    """The prompt of a scoring request: how relevant ``document`` is to ``query``; ``instruction``
+    fills a decoder reranker's template (None: the template's default)."""
+
+    query: str
+    document: str
+    instruction: str | None = None
 
 
 @dataclass
@@ -490,6 +514,46 @@ class EmbeddingRequestOutput:
             finish_reason=completion.finish_reason,
             error=completion.error,
         )
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """A scoring request's result (vLLM's names); ``finish_reason`` "stop", or "abort"/"error"
+    (then ``error`` says why and the score is NaN)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @staticmethod
+    def from_output(output: RequestOutput) -> ScoringRequestOutput:
+        """The final delta of a scoring request as its result."""
+        completion = output.outputs[0]
+        return ScoringRequestOutput(
+            request_id=output.request_id,
+            prompt_token_ids=output.prompt_token_ids,
+            outputs=ScoringOutput(float("nan") if output.score is None else output.score),
+            finished=output.finished,
+            finish_reason=completion.finish_reason,
+            error=completion.error,
+        )
+
+
+@dataclass(frozen=True)
+class RerankResult:
+    """One document of a reranking: its index in the call's documents, its score and its text."""
+
+    index: int
+    score: float
+    document: str
 
 
 OutputCallback = Callable[[RequestOutput], None]
@@ -533,4 +597,6 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
         total.prompt_logprobs = delta.prompt_logprobs
     if delta.embedding is not None:
         total.embedding = delta.embedding
+    if delta.score is not None:
+        total.score = delta.score
     return total

@@ -57,6 +57,23 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_segments(
+        self, first: str, second: str | None = None, max_length: int | None = None
+    ) -> tuple[list[int], list[int] | None]:
+        """A text, or a text pair as a cross-encoder reads it (``[CLS] first [SEP] second [SEP]`` or
+        the tokenizer's own pair template): its token ids and token type ids (None where the
+        tokenizer gives none, e.g. XLM-RoBERTa's). With ``max_length``, cut to that many tokens as
+        sentence-transformers does (the longer text first; special tokens kept)."""
+        cut = {"truncation": True, "max_length": max_length} if max_length is not None else {}
+        encoded = self.hf(first, second, add_special_tokens=True, **cut)
+        types = encoded.get("token_type_ids")
+        return list(encoded["input_ids"]), None if types is None else list(types)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of the vocabulary entry ``token`` (as written in the vocabulary), or None."""
+        token_id = self.hf.convert_tokens_to_ids(token)
+        return None if token_id is None or token_id == self.hf.unk_token_id else int(token_id)
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

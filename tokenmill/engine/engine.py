@@ -18,6 +18,7 @@ LoRA adapters (``enable_lora``): :meth:`Engine.load_lora`, :meth:`unload_lora` a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import secrets
 import threading
@@ -52,6 +53,7 @@ from tokenmill.engine.weight_update import WeightsSource, apply_update, next_ver
 from tokenmill.gguf_checkpoint import is_converted
 from tokenmill.model.lora import LoRAAdapter, LoRAError, check_adapter, read_adapter
 from tokenmill.model.parallel import SINGLE
+from tokenmill.model.pooling_config import PoolingConfig, pooling_config, resolve_runner
 from tokenmill.model.prequantized import checkpoint_format
 from tokenmill.model.registry import load_model_config
 from tokenmill.request import FinishReason, OutputCallback, ParameterError, PoolingParams, SamplingParams, now
@@ -81,8 +83,16 @@ class Engine(EngineLoop):
                 f"{cfg.model} is a GGUF file: it loads as stored (quantization unset), on the CPU, without "
                 "tensor parallelism"
             )
+        self.runner = resolve_runner(cfg.runner, path, mc, cfg.classifier_from_token)
+        self.pooling: PoolingConfig | None = None  # the model's pooling defaults (runner "pooling")
+        if self.runner == "pooling":
+            self.pooling = pooling_config(path, mc, cfg.classifier_from_token, cfg.score_template)
+        if mc.encoder is not None:
+            _check_encoder_settings(cfg)
+            self.config = cfg = dataclasses.replace(cfg, enable_prefix_caching=False)  # nothing to share
         self.dtype = cfg.resolved_dtype(mc.checkpoint_dtype)
         self.tokenizer = None if cfg.skip_tokenizer_init else Tokenizer(cfg.tokenizer or path)
+        self.score_token_ids = None if self.pooling is None else self.pooling.score_token_ids(self.tokenizer)
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else set()
         self.eos_token_ids = tokenizer_eos | set(mc.eos_token_ids)
         self.step_time = 0.0  # wall seconds in steps that ran a forward
@@ -137,9 +147,11 @@ class Engine(EngineLoop):
         self.weight_version = 0
         self.requests = RequestTable(self.scheduler)
         lora_version = self.lora.version if self.lora is not None else None
-        self.output = OutputProcessor(self.requests, self.eos_token_ids, lambda: self.weight_version, lora_version)
+        self.output = OutputProcessor(
+            self.requests, self.eos_token_ids, lambda: self.weight_version, lora_version, self.score_token_ids
+        )
         grammars = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self.pooling is None:
             timeout, cache_bytes = cfg.structured_output_compile_timeout, cfg.structured_output_cache_bytes
             grammars = GrammarCompiler(self.tokenizer.hf, mc.vocab_size, self.eos_token_ids, timeout, cache_bytes)
         self._intake = Intake(
@@ -149,6 +161,8 @@ class Engine(EngineLoop):
             self.device,
             grammars,
             mc.hidden_size,
+            self.pooling,
+            cfg.max_num_batched_tokens if mc.encoder is not None else None,
         )
 
     # ------------------------------------------------------------------ public API
@@ -463,3 +477,20 @@ class Engine(EngineLoop):
         self.executor.move_tier_blocks()
         self.step_time += now() - started
         self.forward_time += self.worker.last_forward_time
+
+
+def _check_encoder_settings(cfg: EngineConfig) -> None:
+    """Refuse (ValueError) settings an encoder cannot run with, naming each."""
+    refused = [
+        name
+        for name, on in (
+            ("quantization", cfg.quantization is not None),
+            ("tensor_parallel_size > 1", cfg.tensor_parallel_size > 1),
+            ("enable_lora", cfg.enable_lora),
+            ("speculative_config", cfg.speculative() is not None),
+            ("kv_cache_disk_dir", cfg.kv_cache_disk_dir is not None),
+        )
+        if on
+    ]
+    if refused:
+        raise ValueError(f"an encoder model runs without {', '.join(refused)}")

@@ -9,9 +9,11 @@ With a disk tier, the blocks the cache queued move between the KV storage and th
 Batch order: decode sequences (one token each), verifications (a sequence's last token and its
 proposal, as one-token requests), then prefill chunks. Logits come back for the sampled rows
 (``plan.sample_seqs`` order, a forked child sharing its parent's row), then every row of each
-verification in order, then the positions of ``plan.prompt_logprobs`` in order. A pooling
-sequence gets no logits row; the final-normed hidden states of the positions of ``plan.pooling``
-come back in that order (``engine/pooler.py`` gathers them).
+verification in order, then the positions of ``plan.prompt_logprobs`` in order, then the scoring
+sequences' pooling positions (their logits row: a decoder's vocabulary, an encoder's head). An
+embedding sequence gets no logits row; the final-normed hidden states of its positions of
+``plan.pooling`` come back in that order (``engine/pooler.py`` gathers them). Token type ids go
+along when some sequence of the step has them (an encoder's text pairs).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tokenmill.distributed.worker_group import WorkerGroup
 from tokenmill.engine import pooler
 from tokenmill.engine.sampler import prompt_logprobs
 from tokenmill.engine.scheduler import StepPlan
+from tokenmill.engine.sequence import Sequence
 from tokenmill.worker.forward_step import ForwardStep, TableWrites
 from tokenmill.worker.model_worker import ModelWorker
 
@@ -57,9 +60,13 @@ class StepExecutor:
         spans = plan.prompt_logprobs
         for (seq, _), entries in zip(spans, prompt_logprobs(logits[n_scored:], spans)):
             seq.prompt_logprobs.extend(entries)
-        if plan.pooling:
+        embeds, scores = _split_pooling(plan)
+        if embeds:
             assert self.worker.last_hidden is not None, "a step with pooling positions returns hidden states"
-            pooler.gather(plan.pooling, self.worker.last_hidden)
+            pooler.gather(embeds, self.worker.last_hidden)
+        score_rows = n_scored + sum(len(positions) for _, positions in spans)
+        for i, (seq, _) in enumerate(scores):
+            seq.pooled = logits[score_rows + i].float()
         return logits[:n_sample], logits[n_sample:n_scored]
 
     def move_tier_blocks(self) -> None:
@@ -87,6 +94,7 @@ class StepExecutor:
         extend_lens: list[int] = []
         ids: list[int] = []
         lora_slots: list[int] = []  # each row's adapter slot (-1: the base model)
+        segments = any(seq.token_type_ids is not None for seq, _ in plan.prefill)
         for seq in plan.decode:
             rows.append(seq.row)
             seq_lens.append(seq.n_kv)
@@ -102,6 +110,7 @@ class StepExecutor:
             lora_slots += [v.seq.lora_slot] * (1 + len(v.proposal))
         logits_rows: list[int] | None = None if plan.is_pure_decode else list(range(len(plan.decode)))
         first_row: dict[int, int] = {}  # id(sequence) -> the row of its position 0 in the flat batch
+        token_types: list[int] = [0] * len(ids)  # filled only when ``segments``
         verify_rows = range(len(plan.decode), len(ids))
         for seq, n in plan.prefill:
             start = seq.n_kv - n
@@ -111,13 +120,18 @@ class StepExecutor:
             extend_lens.append(n)
             ids.extend(seq.tokens(start, seq.n_kv))
             lora_slots += [seq.lora_slot] * n
+            if segments:
+                token_types += seq.token_type_ids[start : seq.n_kv] if seq.token_type_ids else [0] * n
             if seq.n_kv == seq.n_tokens and seq.pooling is None:
                 logits_rows.extend([len(ids) - 1] * (1 + len(plan.children(seq))))  # forked children share it
         if logits_rows is not None:
             logits_rows += verify_rows
             for seq, positions in plan.prompt_logprobs:  # prefill steps only
                 logits_rows.extend(first_row[id(seq)] + p for p in positions)
-        hidden_rows = [first_row[id(seq)] + p for seq, span in plan.pooling for p in span]
+        embeds, scores = _split_pooling(plan)
+        if logits_rows is not None:
+            logits_rows.extend(first_row[id(seq)] + p for seq, span in scores for p in span)
+        hidden_rows = [first_row[id(seq)] + p for seq, span in embeds for p in span]
         positions = [p for n, e in zip(seq_lens, extend_lens) for p in range(n - e, n)]
         parts = ([plan.decode_slots] if plan.decode else []) + [v.slots for v in plan.verify] + plan.prefill_slots
         fork_src = [f.src_slots for f in plan.forks]
@@ -138,4 +152,12 @@ class StepExecutor:
             table_writes=TableWrites(*(w.to(device) for w in writes)),
             hidden_indices=torch.tensor(hidden_rows, dtype=torch.int64, device=device) if hidden_rows else None,
             lora_slots=torch.tensor(lora_slots, device=device) if max(lora_slots, default=-1) >= 0 else None,
+            token_type_ids=torch.tensor(token_types, device=device) if segments else None,
         )
+
+
+def _split_pooling(plan: StepPlan) -> tuple[list[tuple[Sequence, range]], list[tuple[Sequence, range]]]:
+    """The plan's pooling positions: embedding sequences' (hidden states), then scoring ones' (a logits row each)."""
+    embeds = [(seq, span) for seq, span in plan.pooling if seq.pooling is not None and seq.pooling.task == "embed"]
+    scores = [(seq, span) for seq, span in plan.pooling if seq.pooling is not None and seq.pooling.task == "score"]
+    return embeds, scores

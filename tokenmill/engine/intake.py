@@ -7,7 +7,12 @@ capacity), and returns the state that is then submitted as is. A text whose UTF-
 proves it cannot fit is refused before it is tokenized. A refusal raises
 :class:`~tokenmill.request.ParameterError` naming the parameter; nothing is allocated before
 that, and nothing touches the engine's loop, scheduler or cache. A pooling request is one
-sequence that generates nothing: its prompt must be non-empty and fit the context limit itself.
+sequence that generates nothing: its prompt must be non-empty and fit the context limit itself (an
+encoder's: also one step's token budget, as it is computed whole); its unset pooling parameters
+take the model's defaults (:class:`~tokenmill.model.pooling_config.PoolingConfig`). A scoring
+request's :class:`~tokenmill.request.ScorePair` becomes the model's pair encoding (a cross-encoder:
+the tokenizer's text pair with its token type ids; a decoder reranker: its scoring template). An
+engine takes the requests of its runner only: generation, or pooling.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.prompt_size import bytes_per_token_bound, min_tokens
 from tokenmill.engine.request_state import RequestState, new_request_id
 from tokenmill.engine.sequence import Sequence
+from tokenmill.model.pooling_config import PoolingConfig
 from tokenmill.request import (
     INT63,
     ContextLengthError,
@@ -30,9 +36,13 @@ from tokenmill.request import (
     RequestLimits,
     RequestMetrics,
     SamplingParams,
+    ScorePair,
     now,
 )
 from tokenmill.tokenizer import Tokenizer
+
+Prompt = str | list[int] | ScorePair
+"""What :meth:`Intake.make` takes: a text, token ids, or (scoring) a query-document pair."""
 
 SIBLING_SEED_STRIDE = 7919
 """Sequence ``i`` of a seeded request samples with ``seed + i * stride``: distinct, reproducible."""
@@ -48,12 +58,18 @@ class Intake:
         context_limit: int,
         device: torch.device,
         grammars: GrammarCompiler | None = None,
-        hidden_size: int | None = None,
+        hidden_size: int = 1,
+        pooling: PoolingConfig | None = None,
+        whole_prompt_limit: int | None = None,
     ) -> None:
         """``context_limit``: most tokens (prompt + output) one sequence may hold; ``grammars``
         compiles ``structured_outputs`` (None: refused, e.g. without a tokenizer); ``hidden_size``:
-        the model's, which bounds a pooling request's ``dimensions`` (None: pooling refused)."""
+        the model's, which bounds a pooling request's ``dimensions``; ``pooling``: the model's
+        pooling defaults (None: a generating engine, pooling refused; set: generation refused);
+        ``whole_prompt_limit``: an encoder's largest input (one step's token budget; None: a decoder)."""
         self.hidden_size = hidden_size
+        self.pooling = pooling
+        self.whole_prompt_limit = whole_prompt_limit
         self.tokenizer = tokenizer
         self.grammars = grammars
         self.limits = limits
@@ -63,7 +79,7 @@ class Intake:
 
     def make(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams | PoolingParams,
         callback: OutputCallback,
         request_id: str | None,
@@ -76,6 +92,14 @@ class Intake:
             return self._pooling(prompt, params, callback, request_id, call_id)
         if not isinstance(params, SamplingParams):
             raise ParameterError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
+        if self.pooling is not None:
+            raise ParameterError(
+                "sampling_params",
+                "this engine runs a pooling model (runner 'pooling'): it embeds and scores; generation needs "
+                "runner='generate'",
+            )
+        if isinstance(prompt, ScorePair):
+            raise ParameterError("prompt", "a query-document pair is a scoring request's prompt (PoolingParams)")
         params = copy.deepcopy(params)
         params.validate(self.limits)
         if isinstance(prompt, str):
@@ -122,39 +146,85 @@ class Intake:
 
     def _pooling(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: PoolingParams,
         callback: OutputCallback,
         request_id: str | None,
         call_id: str | None,
     ) -> RequestState:
         """A pooling request's state: one sequence, no detokenizer, nothing to generate."""
-        if self.hidden_size is None:
-            raise ParameterError("pooling_params", "needs the model's hidden size")
+        model = self.pooling
+        if model is None:
+            raise ParameterError(
+                "pooling_params",
+                "this engine generates (runner 'generate'); embeddings and scores need runner='pooling'",
+            )
         pooling = copy.deepcopy(params)
         pooling.validate(self.hidden_size, self.context_limit)
-        keep = pooling.truncate_prompt_tokens
-        if isinstance(prompt, str):
-            if not prompt:  # refused even where the tokenizer would add a BOS token to it
-                raise ParameterError("prompt", "is empty")
-            if keep is None:
-                self.check_text_fits(prompt, max_tokens=0)
-        text, ids = self._tokens(prompt)
-        if keep is not None and len(ids) > keep:  # its last tokens, as vLLM truncates
-            ids = ids[-keep:]
-        if len(ids) > self.context_limit:
+        if pooling.task == "score":
+            if model.scores == "similarity":
+                raise ParameterError("task", "this model scores by embedding similarity: score through LLM.score")
+            if model.scores == "head" and model.num_labels != 1:
+                raise ParameterError("task", f"scoring needs a head of one label; this model's has {model.num_labels}")
+            pooling.pooling = "cls" if model.scores == "head" else "last"
+        else:
+            if model.scores != "similarity":
+                raise ParameterError(
+                    "task", "this model is a reranker: it scores query-document pairs, it does not embed"
+                )
+            pooling.pooling = pooling.pooling or model.pooling
+            pooling.normalize = model.normalize if pooling.normalize is None else pooling.normalize
+        if isinstance(prompt, ScorePair) != (pooling.task == "score"):
+            wanted = "a ScorePair (query, document)" if pooling.task == "score" else "a text or token ids"
+            raise ParameterError("prompt", f"must be {wanted} for task {pooling.task!r}")
+        text, ids, types = self._pooling_tokens(prompt, pooling.truncate_prompt_tokens)
+        limit = (
+            self.context_limit if self.whole_prompt_limit is None else min(self.context_limit, self.whole_prompt_limit)
+        )
+        if len(ids) > limit:
+            what = "the context limit"
+            if limit < self.context_limit:
+                what = "one step's token budget (max_num_batched_tokens: an encoder's input runs in one step)"
             raise ContextLengthError(
-                f"({len(ids)} tokens) exceeds the context limit of {self.context_limit} tokens; "
-                "truncate_prompt_tokens keeps only its last tokens"
+                f"({len(ids)} tokens) exceeds {what} of {limit} tokens; truncate_prompt_tokens shortens it"
             )
         params = SamplingParams(max_tokens=1)  # what the sequence machinery reads; nothing is sampled
         rid = request_id or new_request_id()
         metrics = RequestMetrics(arrival_time=now())
         state = RequestState(rid, text, ids, params, callback, metrics, len(ids), call_id=call_id or rid)
-        state.seqs.append(Sequence(prompt_token_ids=ids, params=params, group=state, pooling=pooling))
+        seq = Sequence(prompt_token_ids=ids, params=params, group=state, pooling=pooling)
+        seq.token_type_ids = types
+        seq.whole_prompt = self.whole_prompt_limit is not None
+        state.seqs.append(seq)
         state.emitted_tokens.append(0)
         state.final_sent.append(False)
         return state
+
+    def _pooling_tokens(self, prompt: Prompt, keep: int | None) -> tuple[str | None, list[int], list[int] | None]:
+        """A pooling prompt's text, token ids and token type ids (None: all 0), cut to ``keep``
+        tokens: a decoder's last ones (as vLLM truncates), an encoder's text as its tokenizer cuts
+        it (special tokens kept, as sentence-transformers does), an encoder's token ids' first ones."""
+        encoder = self.whole_prompt_limit is not None
+        pair = prompt if isinstance(prompt, ScorePair) else None
+        if pair is not None and not (pair.query and pair.document):
+            raise ParameterError("prompt", "a query-document pair needs both texts non-empty")
+        text = prompt if isinstance(prompt, str) else None
+        if pair is not None and self.pooling is not None and self.pooling.scores == "tokens":
+            text, pair = self.pooling.format_score_prompt(pair.query, pair.document, pair.instruction), None
+        if text is not None and not text:  # refused even where the tokenizer would add a BOS token to it
+            raise ParameterError("prompt", "is empty")
+        if keep is None and (text is not None or pair is not None):
+            self.check_text_fits(text if pair is None else pair.query + pair.document, max_tokens=0)
+        if encoder and (text is not None or pair is not None):
+            if self.tokenizer is None:
+                raise ParameterError("prompt", "must be token ids: the engine runs without a tokenizer")
+            first, second = (text, None) if pair is None else (pair.query, pair.document)
+            ids, types = self.tokenizer.encode_segments(first, second, keep)
+            return text, ids, types if types and any(types) else None
+        _, ids = self._tokens(text if text is not None else prompt)
+        if keep is not None and len(ids) > keep:
+            ids = ids[:keep] if encoder else ids[-keep:]
+        return text, ids, None
 
     def check_text_fits(self, text: str, max_tokens: int | None = None) -> None:
         """Refuse (ContextLengthError) a text too long for the context limit with ``max_tokens``
@@ -175,7 +245,7 @@ class Intake:
                 f"{outcome} the context limit of {self.context_limit} tokens"
             )
 
-    def _tokens(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _tokens(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """The prompt's text (None for token ids) and token ids, checked against the vocabulary."""
         vocab = self.limits.vocab_size
         if isinstance(prompt, str):

@@ -36,8 +36,11 @@ class OutputProcessor:
         eos_token_ids: set[int],
         weight_version: Callable[[], int],
         lora_version: Callable[[str], int] | None = None,
+        score_token_ids: tuple[int, int] | None = None,
     ) -> None:
-        """``weight_version()`` and ``lora_version(adapter name)`` tag each appended token."""
+        """``weight_version()`` and ``lora_version(adapter name)`` tag each appended token;
+        ``score_token_ids``: a decoder reranker's ``(no, yes)`` (see ``pooler.score``)."""
+        self.score_token_ids = score_token_ids
         self.table = table
         self.scheduler = table.scheduler
         self.eos_token_ids = eos_token_ids
@@ -80,13 +83,17 @@ class OutputProcessor:
                 self.fail(state.seqs, f"internal error while emitting output: {type(exc).__name__}: {exc}")
 
     def finish_pooled(self, seqs: list[Sequence]) -> None:
-        """End each pooling sequence whose prompt is complete with its embedding and emit its
-        request; a failure here fails only that request."""
+        """End each pooling sequence whose prompt is complete with its embedding (or score) and emit
+        its request; a failure here fails only that request."""
         for seq in seqs:
             if seq.is_finished:
                 continue
             try:
-                seq.embedding = pooler.embedding(seq)
+                assert seq.pooling is not None
+                if seq.pooling.task == "score":
+                    seq.score = pooler.score(seq, self.score_token_ids)
+                else:
+                    seq.embedding = pooler.embedding(seq)
                 self.finish(seq, FinishReason.STOP.value)
                 self.emit(seq.group)
             except Exception as exc:
@@ -209,6 +216,7 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=state.seqs[0].kv.n_cached_tokens,
             embedding=state.seqs[0].embedding if finished else None,
+            score=state.seqs[0].score if finished else None,
         )
         try:
             state.callback(delta)

@@ -1,10 +1,12 @@
 """Pooling: a pooling sequence's final hidden states gathered across its prefill chunks, and its
-embedding once its prompt is complete. Engine thread only.
+embedding (or score) once its prompt is complete. Engine thread only.
 
 Each chunk adds the rows the plan named (``StepPlan.pooling``) to ``Sequence.pooled`` in fp32: their
 sum for "mean" (a chunk starting at position 0 starts it afresh, so a preempted and recomputed prompt
-counts each position once), the row itself for "last". The embedding is the mean (or the last row),
-its first ``dimensions`` values, then L2-normalized when asked: a float32 list.
+counts each position once), the row itself for "cls" and "last". The embedding is the mean (or the
+row), its first ``dimensions`` values, then L2-normalized when asked: a float32 list. A scoring
+sequence's ``pooled`` is its logits row (the executor's): the score is the sigmoid of a one-label
+head's logit, or ``softmax(no, yes)[yes]`` over a decoder's logits of the token pair.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def gather(spans: list[tuple[Sequence, range]], hidden: torch.Tensor) -> None:
         rows = hidden[start : start + len(positions)].float()
         start += len(positions)
         assert seq.pooling is not None, "only pooling sequences have pooling positions"
-        if seq.pooling.pooling == "last":
+        if seq.pooling.pooling != "mean":
             seq.pooled = rows[-1].clone()
         elif positions.start == 0 or seq.pooled is None:
             seq.pooled = rows.sum(0)
@@ -39,3 +41,13 @@ def embedding(seq: Sequence) -> list[float]:
     if params.normalize:
         vector = torch.nn.functional.normalize(vector, dim=0)
     return vector.cpu().tolist()
+
+
+def score(seq: Sequence, token_ids: tuple[int, int] | None) -> float:
+    """The relevance score of a scoring sequence whose prompt is complete (``token_ids``: a decoder
+    reranker's ``(no, yes)``; None: the row is a one-label head's)."""
+    row = seq.pooled
+    assert row is not None, "a scoring sequence with its prompt computed"
+    if token_ids is None:
+        return float(torch.sigmoid(row[0]))
+    return float(torch.softmax(row[list(token_ids)], dim=0)[1])

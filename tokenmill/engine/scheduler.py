@@ -25,6 +25,8 @@ adapter version's namespace.
 A pooling sequence (``Sequence.pooling``) is scheduled exactly as a prompt's prefill and never
 sampled; the plan names the positions whose hidden states it needs (mean pooling: every one, so it
 too is admitted without a prefix-cache match), and it ends in the step that completes its prompt.
+An encoder's input (``Sequence.whole_prompt``) is admitted only into a step with budget for all of
+it, without a prefix-cache match: bidirectional attention needs every token in one forward.
 """
 
 from __future__ import annotations
@@ -191,6 +193,8 @@ class Scheduler:
             parent = seq.wait_for
             if parent is not None and not (parent.output_token_ids or parent.is_finished):
                 continue  # forked once the parent's prompt is computed
+            if seq.whole_prompt and seq.n_tokens > budget:
+                continue  # an encoder's input runs in one step: it waits for a step with room for all of it
             namespace = self._acquire_lora(seq)
             if namespace is None:
                 continue  # every adapter slot is in use by running sequences of other adapters

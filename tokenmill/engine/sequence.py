@@ -50,9 +50,14 @@ class Sequence:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # sequence 0 only, when asked: see below
     generator: torch.Generator | None = None  # per-request seed; None = the engine's generator
     grammar: SequenceGrammar | None = None  # structured output: its matcher (released when the sequence ends)
-    pooling: PoolingParams | None = None  # a pooling request: its prompt's embedding instead of tokens
-    pooled: torch.Tensor | None = None  # fp32 [hidden]: the sum ("mean") or last row ("last") gathered so far
+    pooling: PoolingParams | None = None  # a pooling request (defaults resolved): an embedding or a score
+    pooled: torch.Tensor | None = (
+        None  # fp32: the hidden-state sum ("mean") or row gathered so far; a score's logits row
+    )
     embedding: list[float] | None = None  # set when its prompt is complete
+    score: float | None = None  # a scoring request's, set when its prompt is complete
+    token_type_ids: list[int] | None = None  # an encoder's segment of each prompt token (None: all 0)
+    whole_prompt: bool = False  # an encoder's input: computed in one step, never from the prefix cache
     lora_name: str | None = None  # the LoRA adapter it is generated with (None: the base model)
     lora_slot: int = -1  # the adapter's slot while the sequence runs (written by the scheduler), else -1
 
@@ -73,20 +78,22 @@ class Sequence:
         return range(max(start, len(self.prompt_logprobs) - 1), min(end, len(self.prompt_token_ids) - 1))
 
     def pooling_positions(self, start: int, end: int) -> range:
-        """Positions of ``start .. end-1`` whose final hidden states the pooling needs: all of them
-        for "mean", the last prompt position for "last", none without pooling."""
+        """Positions of ``start .. end-1`` whose final hidden states (a score: logits) the pooling
+        needs: all of them for "mean", the first for "cls", the last prompt position for "last",
+        none without pooling."""
         if self.pooling is None:
             return range(0)
         if self.pooling.pooling == "mean":
             return range(start, end)
-        last = len(self.prompt_token_ids) - 1
-        return range(last, last + 1) if start <= last < end else range(0)
+        at = 0 if self.pooling.pooling == "cls" else len(self.prompt_token_ids) - 1
+        return range(at, at + 1) if start <= at < end else range(0)
 
     @property
     def needs_every_position(self) -> bool:
-        """Every prompt token must be computed here (no prefix-cache match): prompt logprobs, or
-        mean pooling."""
-        return self.needs_prompt_logits or (self.pooling is not None and self.pooling.pooling == "mean")
+        """Every prompt token must be computed here (no prefix-cache match): prompt logprobs, mean or
+        CLS pooling, an encoder's input."""
+        pooled_early = self.pooling is not None and self.pooling.pooling in ("mean", "cls")
+        return self.needs_prompt_logits or pooled_early or self.whole_prompt
 
     @property
     def needs_prompt_logits(self) -> bool:

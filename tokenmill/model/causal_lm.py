@@ -96,6 +96,7 @@ class DecoderStack(nn.Module):
 class CausalLM(nn.Module, ABC):
     """Embeddings, the family's decoder layers, final norm, LM head (tied to the embeddings or not)."""
 
+    is_encoder: ClassVar[bool] = False
     packed_modules: ClassVar[dict[str, tuple[str, int]]] = {}
     checkpoint_module_names: ClassVar[dict[str, str]] = {}
     """Module name -> the checkpoint's name for it, where they differ (``weights.py`` applies it)."""
@@ -184,6 +185,10 @@ class CausalLM(nn.Module, ABC):
         """``(query heads, KV heads)`` this rank computes and caches (all of them at tp=1)."""
         cfg, size = self.config, self.tp.size
         return cfg.num_heads // size, max(cfg.num_kv_heads // size, 1)
+
+    def kv_cache_shape(self) -> tuple[int, int, int]:
+        """``(layers, KV heads, head_dim)`` of this rank's KV storage."""
+        return self.config.num_layers, self.local_heads()[1], self.config.head_dim
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of ``input_ids`` (a family may scale them)."""

@@ -66,9 +66,19 @@ class MoEConfig:
     sparse_layers: frozenset[int]
 
 
+@dataclass(frozen=True)
+class EncoderConfig:
+    """What an encoder reads of config.json beyond :class:`ModelConfig`."""
+
+    layer_norm_eps: float
+    type_vocab_size: int
+    num_labels: int  # rows of a classification head (``id2label``'s size)
+    position_offset: int  # position ``p`` of an input reads position embedding ``p + position_offset``
+
+
 @dataclass
 class ModelConfig:
-    """Architecture hyper-parameters of a decoder-only transformer.
+    """Architecture hyper-parameters of a transformer (a decoder; an encoder's extras in ``encoder``).
 
     ``attention_bias``, ``mlp_bias`` are config.json's flags; a family may build its layers
     differently (its file says how).
@@ -93,6 +103,7 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoEConfig | None = None  # set by mixture-of-experts families (their adjust_config)
+    encoder: EncoderConfig | None = None  # set by encoder families (their adjust_config)
     hidden_act: str = "silu"  # the MLP's gate activation; the family's ``activations`` must list it
     attention_scale: float | None = None  # softmax scale of q.k; None: head_dim ** -0.5
     attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(scores / cap)

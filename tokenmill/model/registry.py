@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tokenmill.model.bert import BertForSequenceClassification, BertModel
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig, ModelConfigError, architecture, read_config_json
+from tokenmill.model.encoder import EncoderModel
 from tokenmill.model.gemma2 import Gemma2ForCausalLM
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
@@ -20,8 +22,12 @@ from tokenmill.model.phi3 import Phi3ForCausalLM
 from tokenmill.model.qwen2 import Qwen2ForCausalLM
 from tokenmill.model.qwen3 import Qwen3ForCausalLM
 from tokenmill.model.qwen3_moe import Qwen3MoeForCausalLM
+from tokenmill.model.xlm_roberta import XLMRobertaForSequenceClassification, XLMRobertaModel
 
-MODELS: dict[str, type[CausalLM]] = {
+Model = CausalLM | EncoderModel
+"""A loaded model: a decoder (generates, embeds, scores from its logits) or an encoder (embeds, scores)."""
+
+MODELS: dict[str, type[CausalLM] | type[EncoderModel]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -31,10 +37,14 @@ MODELS: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "BertModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "XLMRobertaModel": XLMRobertaModel,
+    "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
 }
 
 
-def model_class(arch: object, source: str = "config.json") -> type[CausalLM]:
+def model_class(arch: object, source: str = "config.json") -> type[CausalLM] | type[EncoderModel]:
     """The class of architecture ``arch``; :class:`ModelConfigError` naming the supported ones."""
     cls = MODELS.get(arch) if isinstance(arch, str) else None
     if cls is None:

@@ -5,6 +5,7 @@ rank 0's included, executes it (tensor parallelism broadcasts it first). It hold
 request or cache object: token ids and positions, each request's table row and lengths, the new
 tokens' slots, the rows that need logits, the rows whose final hidden states pooling requests
 need, the slot copies of forked sequences, the LoRA adapter slot of each row (when any row has one),
+an encoder's token type ids (when a request has a second segment),
 and the request-to-token table entries written since the previous step (only for ranks whose table is a
 replica; empty where the worker shares rank 0's table).
 
@@ -54,6 +55,7 @@ class ForwardStep:
     table_writes: TableWrites
     hidden_indices: torch.Tensor | None = None  # [H] int64 rows whose final-normed hidden states are returned
     lora_slots: torch.Tensor | None = None  # [T] int64 each row's LoRA adapter slot (-1: none); None: no row has one
+    token_type_ids: torch.Tensor | None = None  # [T] int64 each row's segment (an encoder's text pairs); None: all 0
 
     @property
     def extend_lens(self) -> list[int]:

@@ -7,13 +7,14 @@ the cache manager's table; another rank's worker holds a replica, brought up to 
 step's ``table_writes`` before the step's view is bound, so every rank binds the same view over
 its own storage.
 
-The worker is the one place that picks a step's execution path: a decode step replays a CUDA
-graph when one is available and fits, else runs the C++ decode forward when the backend and the
-model both support it and it fits, else runs the model eagerly, as every other step does. A step
-with LoRA rows (``lora_slots``) runs eagerly with the step's adapter batch bound to the model's
-adapter slots (``lora``, built with ``enable_lora``) for that one forward. The
-paths compute the same logits. With tensor parallelism only the eager path exists (the model has
-no C++ decode weights then, and no graphs are built), every rank taking part in its collectives.
+The worker is the one place that picks a step's execution path: a decode step replays a CUDA graph
+when one is available and fits, else runs the C++ decode forward when the backend and the model both
+support it and it fits, else runs the model eagerly, as every other step does (an encoder's steps
+always: whole inputs, with their token type ids). A step with LoRA rows (``lora_slots``) runs
+eagerly with the step's adapter batch bound to the model's adapter slots (``lora``, built with
+``enable_lora``) for that one forward. The paths compute the same logits. With tensor parallelism
+only the eager path exists (the model has no C++ decode weights then, and no graphs are built),
+every rank taking part in its collectives.
 """
 
 from __future__ import annotations
@@ -29,14 +30,13 @@ from tokenmill.cache.storage import KVStorage
 from tokenmill.cache.view_binder import ViewBinder
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.lora import LoRABatch
-from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.decode_forward import CpuDecodeForward
 from tokenmill.model.loader import load_model
 from tokenmill.model.lora import LoRASlots
 from tokenmill.model.parallel import TensorParallel
 from tokenmill.model.quantization import quantization_scheme, quantize_model
-from tokenmill.model.registry import load_model_config
+from tokenmill.model.registry import Model, load_model_config
 from tokenmill.worker.cuda_graphs import CudaGraphDecodeRunner, make_cuda_graph_runner
 from tokenmill.worker.forward_step import ForwardStep
 
@@ -53,13 +53,13 @@ class ModelWorker:
 
     def __init__(
         self,
-        model: CausalLM,
+        model: Model,
         storage: KVStorage,
         table: torch.Tensor,
         graphs: CudaGraphDecodeRunner | None = None,
         lora: LoRASlots | None = None,
     ) -> None:
-        if model.backend is None:
+        if model.backend is None and not model.is_encoder:
             raise ValueError("the model's attention backend must be set before building its worker")
         self.model = model
         self.storage = storage
@@ -68,7 +68,9 @@ class ModelWorker:
         self.views = ViewBinder(storage, table)
         self.graphs = graphs  # CUDA-graph replay of pure decode steps (GPU only)
         self.lora = lora  # the model's LoRA adapter slots (enable_lora), else None
-        self.cpu_decode = CpuDecodeForward.build(model, model.backend, storage.k_buffer.dtype)  # None: unsupported
+        self.cpu_decode = (  # None: unsupported
+            None if model.backend is None else CpuDecodeForward.build(model, model.backend, storage.k_buffer.dtype)
+        )
         self.last_forward_time = 0.0  # seconds inside the model call of the last step (CPU: exact)
         self.last_hidden: torch.Tensor | None = None  # the last step's ``hidden_indices`` rows (see execute)
 
@@ -93,6 +95,17 @@ class ModelWorker:
             assert self.lora is not None, "a step with LoRA rows needs the model's adapter slots"
             with self.lora.bound(lora_batch):
                 out = self.model(step.input_ids, step.positions, view, step.logits_indices, None, step.hidden_indices)
+            logits, self.last_hidden = out if step.hidden_indices is not None else (out, None)
+        elif self.model.is_encoder:
+            out = self.model(
+                step.input_ids,
+                step.positions,
+                view,
+                step.logits_indices,
+                None,
+                step.hidden_indices,
+                step.token_type_ids,
+            )
             logits, self.last_hidden = out if step.hidden_indices is not None else (out, None)
         elif step.hidden_indices is not None:
             logits, self.last_hidden = self.model(
@@ -129,16 +142,17 @@ def build_model_worker(
     scheme = quantization_scheme(config)
     if scheme is not None:
         quantize_model(model, scheme)
-    model.backend = model.make_backend(config, dtype)
+    if not model.is_encoder:
+        model.backend = model.make_backend(config, dtype)
     dtype_name = str(dtype).removeprefix("torch.") + (" (auto)" if config.dtype == "auto" else "")
-    logger.info("%s on %s in %s, attention %s", model_config.architecture, device, dtype_name, model.backend.name)
+    attention = "bidirectional (no KV cache)" if model.backend is None else model.backend.name
+    logger.info("%s on %s in %s, attention %s", model_config.architecture, device, dtype_name, attention)
     kv_dtype = config.resolved_kv_dtype(dtype)
-    mc = model.config
-    n_kv_heads = model.local_heads()[1]  # this rank's share (all of them at tp=1)
-    n_slots = kv_cache_slots(config, mc.num_layers, n_kv_heads, mc.head_dim, kv_dtype, device)
+    n_layers, n_kv_heads, head_dim = model.kv_cache_shape()  # this rank's heads (all of them at tp=1)
+    n_slots = kv_cache_slots(config, n_layers, n_kv_heads, head_dim, kv_dtype, device)
     if agree_on_slots is not None:
         n_slots = agree_on_slots(n_slots)
-    storage = KVStorage(mc.num_layers, n_slots, n_kv_heads, mc.head_dim, kv_dtype, device)
+    storage = KVStorage(n_layers, n_slots, n_kv_heads, head_dim, kv_dtype, device)
     if table is None:
         shape = (config.max_running_requests, max_context_len(config, model_config))
         table = torch.zeros(shape, dtype=torch.int32, device=device)
