@@ -60,20 +60,24 @@ class TensorParallelLLMs:
 
     def __init__(self, checkpoints: dict[str, tuple[Path, object]]) -> None:
         self.checkpoints = checkpoints
-        self.kind: str | None = None
+        self.key: tuple[str, str] | None = None
         self.llm: LLM | None = None
 
     def __getitem__(self, kind: str) -> LLM:
-        if kind != self.kind:
+        return self.get(kind)
+
+    def get(self, kind: str, runner: str = "generate") -> LLM:
+        """The tp=2 engine of ``kind`` with ``runner`` (started unless it is the one running)."""
+        if (kind, runner) != self.key:
             self.close()
-            self.llm = LLM(model=str(self.checkpoints[kind][0]), tensor_parallel_size=2, **ENGINE)
-            self.kind = kind
+            self.llm = LLM(model=str(self.checkpoints[kind][0]), tensor_parallel_size=2, runner=runner, **ENGINE)
+            self.key = kind, runner
         return self.llm
 
     def close(self) -> None:
         if self.llm is not None:
             self.llm.shutdown()
-        self.kind = self.llm = None
+        self.key = self.llm = None
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +116,11 @@ def test_greedy_tp2_equals_tp1_and_transformers_under_chunking_and_preemption(ki
 
 
 @pytest.mark.parametrize("pooling", ["last", "mean"])
-def test_embeddings_tp2_equal_transformers_under_chunking_and_preemption(pooling, checkpoints, tp2) -> None:
+def test_embeddings_tp2_equal_transformers_under_chunking(pooling, checkpoints, tp2) -> None:
     """Pooling steps carry ``hidden_indices`` to the worker too (its forward must match rank 0's)."""
     hf_model = checkpoints["llama"][1]
     batch = prompts(5)
-    outputs = tp2["llama"].embed(batch, PoolingParams(pooling=pooling, normalize=False), use_tqdm=False)
+    outputs = tp2.get("llama", "pooling").embed(batch, PoolingParams(pooling=pooling, normalize=False), use_tqdm=False)
     for prompt, output in zip(batch, outputs):
         with torch.no_grad():
             hidden = hf_model.model(torch.tensor([prompt])).last_hidden_state[0]

@@ -1,8 +1,8 @@
-"""Pooling requests (decoder models as embedders) against transformers' fp32 final hidden states
-(``model.model(...)``'s last_hidden_state, after the final norm): last and mean pooling, for llama
-and qwen3; normalization and Matryoshka ``dimensions``; the same embedding alone, in a batch,
-through chunked prefill and after prefix-cache hits; generation beside pooling unchanged; bad
-input refused before anything is allocated."""
+"""Pooling requests (decoder models as embedders, runner "pooling") against transformers' fp32
+final hidden states (``model.model(...)``'s last_hidden_state, after the final norm): last and mean
+pooling, for llama and qwen3; normalization and Matryoshka ``dimensions``; the same embedding
+alone, in a batch, through chunked prefill and after prefix-cache hits; each runner
+refusing the other's requests; bad input refused before anything is allocated."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from tests.tiny_models import hf_greedy, save_tiny_checkpoint
 from tokenmill import LLM, PoolingParams, SamplingParams
-from tokenmill.request import ParameterError, RequestOutput, accumulate
+from tokenmill.request import ParameterError, RequestOutput
 
 PROMPTS = [
     [5, 17, 33, 2, 60, 61, 8, 91, 44, 12, 12, 70, 3, 29, 50, 6, 77, 41, 19, 88, 23],
@@ -32,7 +32,14 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 @pytest.fixture(scope="module")
 def llm(checkpoint) -> LLM:
     """Chunked prefill: the 21-token prompt runs in three steps of at most 8 tokens."""
-    engine = LLM(dtype="float32", model=str(checkpoint[0]), num_kv_slots=512, page_size=4, max_num_batched_tokens=8)
+    engine = LLM(
+        dtype="float32",
+        model=str(checkpoint[0]),
+        runner="pooling",
+        num_kv_slots=512,
+        page_size=4,
+        max_num_batched_tokens=8,
+    )
     yield engine
     engine.shutdown()
 
@@ -79,7 +86,7 @@ def test_normalize_and_dimensions(llm: LLM, checkpoint, pooling: str) -> None:
 
 def test_last_pooling_after_prefix_cache_hits(llm: LLM, checkpoint) -> None:
     prompt = PROMPTS[2] + PROMPTS[1]
-    llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)  # its pages go to the prefix cache
+    llm.embed([prompt + [40]], PoolingParams(), use_tqdm=False)  # its full pages go to the prefix cache
     hits = llm.engine.stats()["cache"]["prefix_hit_tokens"]
     for pooling in ("last", "mean"):
         out = llm.embed([prompt], PoolingParams(pooling=pooling), use_tqdm=False)[0]
@@ -87,43 +94,25 @@ def test_last_pooling_after_prefix_cache_hits(llm: LLM, checkpoint) -> None:
     assert llm.engine.stats()["cache"]["prefix_hit_tokens"] > hits  # "last" reused the cached pages
 
 
-def test_pooling_beside_generation_leaves_tokens_unchanged(llm: LLM, checkpoint) -> None:
-    gen_prompts = [PROMPTS[0][:9], PROMPTS[2]]
-    expected = [hf_greedy(checkpoint[1], p, 6) for p in gen_prompts]
-    deltas: queue.Queue[RequestOutput] = queue.Queue()
-    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    for i, prompt in enumerate(gen_prompts):
-        llm.engine.add_request(prompt, greedy, deltas.put, f"g{i}")
-    for i, prompt in enumerate(PROMPTS):
-        llm.engine.add_request(prompt, PoolingParams(pooling="mean"), deltas.put, f"e{i}")
-    results: dict[str, RequestOutput] = {}
-    while len(results) < 5 or not all(r.finished for r in results.values()):
-        delta = deltas.get(timeout=120)
-        results[delta.request_id] = accumulate(results.get(delta.request_id), delta)
-    assert [results[f"g{i}"].outputs[0].token_ids for i in range(2)] == expected
-    for i, prompt in enumerate(PROMPTS):
-        assert results[f"e{i}"].outputs[0].finish_reason == "stop"
-        assert_close(results[f"e{i}"].embedding, oracle(checkpoint[1], prompt, "mean"))
-
-
-def test_mean_pooling_through_preemption(checkpoint) -> None:
-    """A generation admitted first grows into the pages a pooling prompt counted on: the prompt is
-    preempted part-way through its chunks and recomputed from position 0, each position counted once."""
-    path, hf_model = checkpoint
-    small = LLM(dtype="float32", model=str(path), num_kv_slots=48, page_size=4, max_num_batched_tokens=8)
-    prompt = (PROMPTS[0] + PROMPTS[2] + PROMPTS[1])[:36] + [7, 8, 9, 10]
-    deltas: queue.Queue[RequestOutput] = queue.Queue()
+def test_each_runner_refuses_the_others_requests(llm: LLM, checkpoint) -> None:
+    """A pooling engine refuses generation; the same checkpoint under runner "auto" (a plain decoder:
+    generate) refuses pooling; neither allocates anything."""
+    free = llm.engine.stats()["kv_free_pages"]
+    with pytest.raises(ParameterError) as info:
+        llm.generate([PROMPTS[1]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert info.value.param == "sampling_params" and "runner='generate'" in str(info.value)
+    assert llm.engine.stats()["kv_free_pages"] == free
+    generating = LLM(dtype="float32", model=str(checkpoint[0]), num_kv_slots=128)
     try:
-        small.engine.add_request([3, 4, 5, 6], SamplingParams(max_tokens=40, ignore_eos=True), deltas.put, "g")
-        small.engine.add_request(prompt, PoolingParams(pooling="mean"), deltas.put, "e")
-        results: dict[str, RequestOutput] = {}
-        while len(results) < 2 or not all(r.finished for r in results.values()):
-            delta = deltas.get(timeout=120)
-            results[delta.request_id] = accumulate(results.get(delta.request_id), delta)
-        assert small.engine.stats()["scheduler"]["preemptions"] > 0
+        assert generating.engine.runner == "generate"
+        with pytest.raises(ParameterError) as info:
+            generating.embed([PROMPTS[1]], use_tqdm=False)
+        assert info.value.param == "pooling_params" and "runner='pooling'" in str(info.value)
+        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        out = generating.generate([PROMPTS[2]], greedy, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_greedy(checkpoint[1], PROMPTS[2], 4)
     finally:
-        small.shutdown()
-    assert_close(results["e"].embedding, oracle(hf_model, prompt, "mean"))
+        generating.shutdown()
 
 
 def test_an_aborted_pooling_request_ends_with_abort_and_no_embedding(llm: LLM) -> None:
@@ -146,7 +135,7 @@ def test_truncate_prompt_tokens_embeds_the_last_tokens(llm: LLM, checkpoint, poo
     """A prompt over the context limit (256 tokens here) is refused, unless truncated: then its
     embedding is that of its last k tokens; a prompt shorter than k is embedded whole."""
     long = [(7 * i) % 90 + 4 for i in range(600)]
-    with pytest.raises(ParameterError, match="truncate_prompt_tokens keeps only its last tokens"):
+    with pytest.raises(ParameterError, match="truncate_prompt_tokens shortens it"):
         llm.embed([long], PoolingParams(pooling=pooling), use_tqdm=False)
     (cut,) = llm.embed([long], PoolingParams(pooling=pooling, truncate_prompt_tokens=40), use_tqdm=False)
     assert cut.prompt_token_ids == long[-40:]
@@ -161,7 +150,8 @@ def test_truncate_prompt_tokens_embeds_the_last_tokens(llm: LLM, checkpoint, poo
         ([], PoolingParams(), "prompt"),
         ("", PoolingParams(), "prompt"),
         ([1] * 600, PoolingParams(), "prompt"),
-        ([1, 2], PoolingParams(pooling="cls"), "pooling"),
+        ([1, 2], PoolingParams(pooling="max"), "pooling"),
+        ([1, 2], PoolingParams(task="classify"), "task"),
         ([1, 2], PoolingParams(dimensions=0), "dimensions"),
         ([1, 2], PoolingParams(dimensions=65), "dimensions"),
         ([1, 2], PoolingParams(normalize="yes"), "normalize"),

@@ -1,6 +1,7 @@
 """``POST /v1/embeddings`` through the official ``openai`` client and httpx, against transformers'
-final hidden states of the served checkpoint: float and base64 (decoded by the client, and by hand),
-``dimensions``, token-id input, usage, 400s naming the parameter, the API key and overload."""
+final hidden states of the served checkpoint (a decoder served with runner "pooling"): float and
+base64 (decoded by the client, and by hand), ``dimensions``, token-id input, usage, 400s naming the
+parameter, each runner's routes refused by the other, the API key and overload."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ from tests.server.conftest import MODEL, Server, serve
 from tokenmill import Engine
 
 KEY = "sk-embed"
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path) -> Server:
+    with serve(Engine(dtype="float32", model=str(checkpoint), runner="pooling", num_kv_slots=8192)) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +129,22 @@ def test_unknown_model_is_a_404(server: Server) -> None:
     assert response.status_code == 404 and response.json()["error"]["param"] == "model"
 
 
+def test_each_runner_refuses_the_others_routes(server: Server, checkpoint: Path) -> None:
+    """A pooling server refuses generation (400 naming ``model``); a generating server of the same
+    checkpoint refuses embeddings the same way."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    refused = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+    assert "--runner generate" in refused.json()["error"]["message"]
+    with serve(Engine(dtype="float32", model=str(checkpoint), num_kv_slots=1024)) as generating:
+        refused = post(generating, {"model": MODEL, "input": "hello"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+        assert "--runner pooling" in refused.json()["error"]["message"]
+        assert httpx.post(f"{generating.url}/v1/chat/completions", json=chat, timeout=60).status_code == 200
+
+
 def test_api_key_and_overload(checkpoint: Path) -> None:
-    engine = Engine(dtype="float32", model=str(checkpoint), num_kv_slots=1024, max_waiting_requests=1)
+    engine = Engine(dtype="float32", model=str(checkpoint), runner="pooling", num_kv_slots=1024, max_waiting_requests=1)
     with serve(engine, api_key=KEY) as live:
         body = {"model": MODEL, "input": "hello world"}
         assert post(live, body).status_code == 401

@@ -8,9 +8,9 @@ tokens, detokenizing: :meth:`AsyncEngine.run_counting`) has a second pool of the
 never delays a generation's tokenization. If the consumer stops iterating early (e.g. the HTTP
 client went away), the request is aborted and its KV freed at the next step boundary.
 
-``embed`` runs one call's pooling requests: every prompt is validated (and tokenized) before any is
-queued, so a bad one refuses the call with nothing allocated; it returns each one's final output.
-"""
+``pool`` runs one call's pooling requests (embeddings or scores): every prompt is validated (and
+tokenized) before any is queued, so a bad one refuses the call with nothing allocated; it returns
+each one's final output."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from tokenmill.engine.engine import Engine
 from tokenmill.engine.request_state import RequestState, new_request_id
-from tokenmill.request import PoolingParams, RequestOutput, SamplingParams
+from tokenmill.request import PoolingParams, RequestOutput, SamplingParams, ScorePair
 
 T = TypeVar("T")
 
@@ -80,8 +80,8 @@ class AsyncEngine:
                 gone.set()
                 self.engine.abort(rid)
 
-    async def embed(
-        self, prompts: list[str] | list[list[int]], params: PoolingParams, call_id: str
+    async def pool(
+        self, prompts: list[str] | list[list[int]] | list[ScorePair], params: PoolingParams, call_id: str
     ) -> list[RequestOutput]:
         """The final output of each prompt's pooling request (ids ``call_id``, or ``call_id-i`` for
         several prompts), in prompt order. Refusals (ParameterError, EngineOverloadedError) raise

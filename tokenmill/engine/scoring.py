@@ -41,15 +41,21 @@ def check_documents(documents: object, cap: int, name: str = "documents") -> lis
 
 
 def score_requests(
-    pooling: PoolingConfig, query: str, documents: list[str], instruction: str | None = None
+    pooling: PoolingConfig,
+    query: str,
+    documents: list[str],
+    instruction: str | None = None,
+    truncate_prompt_tokens: int | None = None,
 ) -> tuple[list[str] | list[ScorePair], PoolingParams]:
     """The engine prompts of one score call and their parameters: a pair per document, or (an
     embedder) the query then every document."""
     if not isinstance(query, str) or not query:
         raise ParameterError("query", "must be a non-empty string")
+    keep = truncate_prompt_tokens
     if pooling.scores == "similarity":
-        return [query, *documents], PoolingParams(normalize=True)
-    return [ScorePair(query, doc, instruction) for doc in documents], PoolingParams(task="score")
+        return [query, *documents], PoolingParams(normalize=True, truncate_prompt_tokens=keep)
+    pairs = [ScorePair(query, doc, instruction) for doc in documents]
+    return pairs, PoolingParams(task="score", truncate_prompt_tokens=keep)
 
 
 def score_outputs(pooling: PoolingConfig, outputs: list[RequestOutput]) -> list[ScoringRequestOutput]:

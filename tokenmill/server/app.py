@@ -1,9 +1,10 @@
 """The HTTP app: middleware in front of every route, the error shapes, and the routers of each API.
 
 Routes: OpenAI's and vLLM's (:mod:`tokenmill.server.openai`: models, chat completions, completions,
-responses, embeddings, tokenization), Anthropic's (:mod:`tokenmill.server.anthropic`: messages), and the
-operations routes (:mod:`tokenmill.server.operations`: health, metrics, status, version, RL control), and
-the chat page (:mod:`tokenmill.server.web`, unless ``web_ui`` is off).
+responses, embeddings, score and rerank, tokenization), Anthropic's
+(:mod:`tokenmill.server.anthropic`: messages), and the operations routes
+(:mod:`tokenmill.server.operations`: health, metrics, status, version, RL control), and the chat
+page (:mod:`tokenmill.server.web`, unless ``web_ui`` is off).
 
 The options are a :class:`~tokenmill.server.config.ServerConfig`. With ``api_key`` set, every route
 but ``/health`` and the page's static files needs ``Authorization: Bearer KEY`` or ``x-api-key:
@@ -29,7 +30,7 @@ from tokenmill.server.http.auth import APIKeyCheck
 from tokenmill.server.http.body_limit import BodyLimits
 from tokenmill.server.http.errors import install_error_handlers
 from tokenmill.server.http.state import ServerState
-from tokenmill.server.openai import chat, completions, embeddings, models, responses, tokenization
+from tokenmill.server.openai import chat, completions, embeddings, models, responses, scoring, tokenization
 from tokenmill.server.operations import cache_control, lora_control, rl_control, status
 from tokenmill.server.web import page
 
@@ -60,7 +61,8 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
         )
     app.state.server = ServerState(engine, name, ServerMetrics(engine), config.allow_special_tokens_in_content)
     install_error_handlers(app, config.max_body_bytes)
-    for module in (models, chat, completions, responses, embeddings, tokenization, messages, status, cache_control):
+    routers = (models, chat, completions, responses, embeddings, scoring, tokenization, messages, status, cache_control)
+    for module in routers:
         app.include_router(module.router)
     app.include_router(rl_control.build_router(config.allowed_weight_roots))
     app.include_router(lora_control.build_router(config.allowed_weight_roots))

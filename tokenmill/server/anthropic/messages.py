@@ -74,7 +74,7 @@ async def messages(body: MessagesRequest, request: Request, state: State) -> Res
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: MessagesPromptRequest, state: State) -> Response:
     """The prompt's tokens as ``/v1/messages`` would build them from the same body."""
-    state.check_model(body.model)
+    state.check_model(body.model, runner=None)
     prompt, _ = await _prompt(body, state, counting=True)
     return JSONResponse({"input_tokens": len(prompt)})
 

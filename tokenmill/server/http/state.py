@@ -41,17 +41,25 @@ class ServerState:
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
-    def check_model(self, name: str, adapters: bool = True) -> str | None:
+    def check_model(self, name: str, adapters: bool = True, runner: str | None = "generate") -> str | None:
         """The LoRA adapter a request's ``model`` names (None: the base model); 404
-        ``model_not_found`` for a name that is neither (an adapter's name too, unless ``adapters``)."""
-        if name == self.model_name:
-            return None
-        loaded = list(self.engine.lora_adapters()) if adapters else []
-        if name in loaded:
-            return name
-        served = ", ".join(repr(n) for n in [self.model_name, *loaded])
-        message = f"the model {name!r} does not exist; this server serves {served}"
-        raise APIError(404, message, param="model", code="model_not_found")
+        ``model_not_found`` for a name that is neither (an adapter's name too, unless ``adapters``);
+        400 naming ``model`` when the route needs another ``runner`` than the engine's (None: any)."""
+        loaded = list(self.engine.lora_adapters()) if adapters and name != self.model_name else []
+        if name != self.model_name and name not in loaded:
+            served = ", ".join(repr(n) for n in [self.model_name, *loaded])
+            message = f"the model {name!r} does not exist; this server serves {served}"
+            raise APIError(404, message, param="model", code="model_not_found")
+        if runner is not None and runner != self.engine.runner:
+            does = "generates" if self.engine.runner == "generate" else "embeds and scores"
+            raise APIError(
+                400,
+                f"the model {self.model_name!r} runs with runner {self.engine.runner!r}: it {does}; this route needs "
+                f"a server started with --runner {runner}",
+                param="model",
+                code="model_not_supported",
+            )
+        return None if name == self.model_name else name
 
     async def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text; text that is not valid Unicode, or too long for the context

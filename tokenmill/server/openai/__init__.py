@@ -1,7 +1,8 @@
 """OpenAI-compatible routes, with vLLM's extras: ``GET /v1/models`` (:mod:`.models`),
 ``POST /v1/chat/completions`` (:mod:`.chat`), ``POST /v1/completions`` (:mod:`.completions`),
 ``POST /v1/responses`` (:mod:`.responses`), ``POST /v1/embeddings`` (:mod:`.embeddings`), vLLM's
-``POST /tokenize`` and ``/detokenize`` (:mod:`.tokenization`); their request bodies
+``POST /score`` and ``/rerank`` (:mod:`.scoring`), ``POST /tokenize`` and ``/detokenize``
+(:mod:`.tokenization`); their request bodies
 (:mod:`.protocol`), sampling fields (:mod:`.params`) and answers (:mod:`.output`).
 
 - ``max_tokens`` unset: chat runs to the context limit (or ``max_tokens_cap``), completions

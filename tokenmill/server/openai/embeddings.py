@@ -40,7 +40,7 @@ ALIASES = {"prompt": "input"}
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request, state: State) -> Response:
     arrival = time.monotonic()
-    state.check_model(body.model, adapters=False)
+    state.check_model(body.model, adapters=False, runner="pooling")
     inputs = _inputs(body.input)
     limit = max(1, state.engine.config.max_waiting_requests)
     if not inputs:
@@ -55,7 +55,7 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: State) -> 
     rid = f"embd-{uuid.uuid4().hex}"
     params = PoolingParams(dimensions=body.dimensions, truncate_prompt_tokens=body.truncate_prompt_tokens)
     with engine_errors(ALIASES):
-        outputs = await until_disconnected(request, state.async_engine.embed(inputs, params, rid))
+        outputs = await until_disconnected(request, state.async_engine.pool(inputs, params, rid))
     for output in outputs:
         tracker = RequestTracker(state.metrics, arrival, len(output.prompt_token_ids), 1)
         tracker.observe(output)

@@ -167,6 +167,32 @@ class EmbeddingRequest(RequestBody):
     truncate_prompt_tokens: StrictInt | None = None  # vLLM's: embed each input's last k tokens
 
 
+class RerankDocument(Body):
+    """A document given as an object (Cohere's shape): its text."""
+
+    text: StrictStr
+
+
+class RerankRequest(RequestBody):
+    """vLLM's (Jina's / Cohere's) rerank body."""
+
+    model: StrictStr
+    query: StrictStr
+    documents: list[StrictStr | RerankDocument]
+    top_n: StrictInt | None = None
+    return_documents: StrictBool = True
+    truncate_prompt_tokens: StrictInt | None = None
+
+
+class ScoreRequest(RequestBody):
+    """vLLM's score body: ``text_1`` the query (one text), ``text_2`` the documents."""
+
+    model: StrictStr
+    text_1: StrictStr | list[StrictStr]
+    text_2: StrictStr | list[StrictStr]
+    truncate_prompt_tokens: StrictInt | None = None
+
+
 # ------------------------------------------------------------------------------ OpenAI Responses
 class InputPart(Body):
     """A part of an input item's content; only ``input_text`` and ``output_text`` are supported."""

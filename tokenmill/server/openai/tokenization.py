@@ -44,7 +44,7 @@ class DetokenizeRequest(RequestBody):
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
     if body.model is not None:
-        state.check_model(body.model)
+        state.check_model(body.model, runner=None)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     if body.messages is None:
@@ -66,7 +66,7 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, state: State) -> dict[str, str]:
     if body.model is not None:
-        state.check_model(body.model)
+        state.check_model(body.model, runner=None)
     vocab = state.tokenizer.vocab_size
     outside = [t for t in body.tokens if not 0 <= t < vocab]
     if outside:
