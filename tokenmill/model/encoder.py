@@ -19,7 +19,7 @@ embedder, the pooler a base-model checkpoint carries are skipped.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -111,10 +111,10 @@ class SelfAttention(nn.Module):
         self.self_attention.qkv = PackedLinear(hidden, (hidden, hidden, hidden), bias=True)
         self.attention_output = DenseLayerNorm(hidden, hidden, eps)
 
-    def forward(self, x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.self_attention.qkv(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
-        out = bidirectional_attention(q, k, v, lens, 1.0 / math.sqrt(self.head_dim))
+        out = batch.attend(q, k, v, 1.0 / math.sqrt(self.head_dim))
         return self.attention_output(out.reshape(t, -1), x)
 
 
@@ -129,8 +129,8 @@ class EncoderLayer(nn.Module):
         self.output = DenseLayerNorm(config.intermediate_size, config.hidden_size, eps)
         self.activation = ENCODER_ACTIVATIONS[config.hidden_act]
 
-    def forward(self, x: torch.Tensor, lens: list[int]) -> torch.Tensor:
-        x = self.attention(x, lens)
+    def forward(self, x: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
+        x = self.attention(x, batch)
         return self.output(self.activation(self.intermediate.dense(x)), x)
 
 
@@ -142,31 +142,43 @@ class EncoderStack(nn.Module):
         self.layer = nn.ModuleList(EncoderLayer(config, eps) for _ in range(config.num_layers))
 
 
-def bidirectional_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float
-) -> torch.Tensor:
-    """Softmax attention of each request's rows (consecutive runs of ``lens`` rows of ``q``, ``k``,
-    ``v``, each ``[T, heads, head_dim]``) over all of that request's rows; ``[T, heads, head_dim]``.
-    Requests are padded to the longest one, padded keys masked out."""
-    t, heads, dim = q.shape
-    if len(lens) == 1:
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale)
-        return out.transpose(0, 1)
-    longest = max(lens)
-    lens_t = torch.tensor(lens, device=q.device)
-    starts = torch.arange(len(lens), device=q.device) * longest
-    flat = torch.repeat_interleave(starts - (torch.cumsum(lens_t, 0) - lens_t), lens_t) + torch.arange(
-        t, device=q.device
-    )
+@dataclass(frozen=True)
+class PaddedBatch:
+    """The step's requests (consecutive runs of ``lens`` rows) padded to the longest, for one
+    attention call per layer: ``rows`` maps each flat row to its padded place, ``keys`` marks the
+    real keys of each request (both None for a single request, which needs no padding)."""
 
-    def padded(x: torch.Tensor) -> torch.Tensor:
-        out = x.new_zeros(len(lens) * longest, heads, dim)
-        out[flat] = x
-        return out.view(len(lens), longest, heads, dim).transpose(1, 2)
+    count: int
+    longest: int
+    rows: torch.Tensor | None
+    keys: torch.Tensor | None
 
-    keep = torch.arange(longest, device=q.device)[None, :] < lens_t[:, None]
-    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=keep[:, None, None, :], scale=scale)
-    return out.transpose(1, 2).reshape(len(lens) * longest, heads, dim)[flat]
+    @staticmethod
+    def of(lens: list[int], device: torch.device) -> PaddedBatch:
+        longest = max(lens)
+        if len(lens) == 1:
+            return PaddedBatch(1, longest, None, None)
+        sizes = torch.tensor(lens, device=device)
+        offsets = torch.arange(len(lens), device=device) * longest - (torch.cumsum(sizes, 0) - sizes)
+        rows = torch.repeat_interleave(offsets, sizes) + torch.arange(int(sum(lens)), device=device)
+        keys = torch.arange(longest, device=device)[None, :] < sizes[:, None]
+        return PaddedBatch(len(lens), longest, rows, keys[:, None, None, :])
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Softmax attention of each request's rows of ``q`` over its own rows of ``k``, ``v`` (each
+        ``[T, heads, head_dim]``); ``[T, heads, head_dim]``."""
+        if self.rows is None:
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale)
+            return out.transpose(0, 1)
+        heads, dim = q.shape[1:]
+
+        def padded(x: torch.Tensor) -> torch.Tensor:
+            out = x.new_zeros(self.count * self.longest, heads, dim)
+            out[self.rows] = x
+            return out.view(self.count, self.longest, heads, dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=self.keys, scale=scale)
+        return out.transpose(1, 2).reshape(self.count * self.longest, heads, dim)[self.rows]
 
 
 class EncoderModel(nn.Module):
@@ -242,9 +254,9 @@ class EncoderModel(nn.Module):
         is not used (no backend)."""
         if not isinstance(kv_view, PrefillKVCache) or any(kv_view.prefix_lens_cpu):
             raise ValueError("an encoder runs whole inputs only (prefill steps without a cached prefix)")
-        lens = kv_view.extend_lens_cpu
+        batch = PaddedBatch.of(kv_view.extend_lens_cpu, input_ids.device)
         h = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.encoder.layer:
-            h = layer(h, lens)
+            h = layer(h, batch)
         logits = self.classify(h if logits_indices is None else h[logits_indices])
         return logits if hidden_indices is None else (logits, h[hidden_indices])
