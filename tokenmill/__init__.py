@@ -11,7 +11,11 @@ from tokenmill.request import (
     LoRARequest,
     PoolingParams,
     RequestOutput,
+    RerankResult,
     SamplingParams,
+    ScorePair,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 
 __all__ = [
@@ -25,6 +29,10 @@ __all__ = [
     "LoRARequest",
     "PoolingParams",
     "RequestOutput",
+    "RerankResult",
     "SamplingParams",
+    "ScorePair",
+    "ScoringOutput",
+    "ScoringRequestOutput",
 ]
 __version__ = "0.1.0"

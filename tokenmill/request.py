@@ -1,6 +1,7 @@
 """Requests and their results: SamplingParams (validated against RequestLimits), PoolingParams
-(an embedding instead of generated tokens), RequestOutput, CompletionOutput, EmbeddingRequestOutput,
-and ParameterError, the one error type for a refused request parameter.
+(an embedding or a score instead of generated tokens) and ScorePair, RequestOutput, CompletionOutput,
+EmbeddingRequestOutput, ScoringRequestOutput, RerankResult, and ParameterError, the one error type
+for a refused request parameter.
 
 Names and defaults follow vLLM so users can switch engines without relearning the API.
 """
@@ -437,10 +438,10 @@ class PoolingParams:
     position); ``dimensions``: keep the first ``d`` values (Matryoshka), then ``normalize`` (L2).
     None for ``pooling`` / ``normalize``: the model's own (its sentence-transformers files, else
     "cls" for an encoder, "last" for a decoder; normalized). ``task`` "score": the prompt is a
-    :class:`ScorePair` (or its tokens, already paired) and the result one relevance score from the
-    model's classification head or its ``classifier_from_token`` pair; ``pooling``, ``normalize``
-    and ``dimensions`` do not apply. ``truncate_prompt_tokens``: use only the prompt's last ``k``
-    tokens when it is longer (None: a prompt over the context limit is refused)."""
+    :class:`ScorePair` and the result one relevance score from the model's classification head or
+    its ``classifier_from_token`` pair; ``pooling``, ``normalize`` and ``dimensions`` do not apply.
+    ``truncate_prompt_tokens``: cut a longer prompt to ``k`` tokens (a decoder's last ones, an
+    encoder's text as its tokenizer truncates it); None: a prompt over the limit is refused."""
 
     pooling: str | None = None
     normalize: bool | None = None
