@@ -1,16 +1,20 @@
 """Embedding throughput: tokenmill's ``LLM.embed`` against sentence-transformers, same model, same threads.
 
-The model is a random decoder of bge-small's shape (hidden 384, 12 layers, 12 heads, MLP 1536; a
-Qwen3 decoder as Qwen3-Embedding is) with the default model's tokenizer, written once to
-``--work-dir``; the texts are 1,000 seeded sentences of 8-256 words (``--sentences``). Each engine
-runs in a fresh process, one after another, with 2 threads: sentence-transformers (its
-``Transformer`` + last-token ``Pooling`` + ``Normalize``, batches of 32, fp32) in ``--st-python``
-(a venv with sentence-transformers; it is never a tokenmill dependency), then tokenmill in fp32
-and at its default dtype. Prints sentences/s, the ratios, and the cosine agreement of the two
-engines' fp32 embeddings.
+``--model encoder`` (the default): a random ``BertModel`` of bge-small-en-v1.5's shape (hidden 384,
+12 layers, 12 heads, MLP 1536, 512 positions, GELU) saved as bge-small's sentence-transformers
+folder (``Transformer``, CLS ``Pooling``, ``Normalize``) with a WordPiece tokenizer trained on the
+benchmark's own seeded texts (``wordpiece.py``). ``--model decoder``: a random decoder of the same
+shape (a Qwen3 decoder as Qwen3-Embedding is; last-token pooling) with the default model's
+tokenizer. The folder is written once to ``--work-dir``; the texts are 1,000 seeded sentences of
+8-256 tokens (``--sentences``; counted with the model's tokenizer, special tokens included). Each
+engine runs in a fresh process, one after another, with 2 threads: sentence-transformers
+(``encode``, batches of 32, fp32) in ``--st-python`` (a venv with sentence-transformers; it is never
+a tokenmill dependency), then tokenmill in fp32 and at its default dtype. Prints sentences/s, the
+ratios, and the cosine agreement of the two engines' fp32 embeddings (the minimum over sentences).
 
     python -m venv --system-site-packages ST && ST/bin/pip install sentence-transformers
     python benchmarks/embeddings.py --st-python ST/bin/python --json
+    python benchmarks/embeddings.py --st-python ST/bin/python --model decoder --json
 """
 
 from __future__ import annotations
@@ -25,11 +29,50 @@ from pathlib import Path
 from typing import Any
 
 from fresh_process import answer, call
+from wordpiece import cut_to_tokens, save_wordpiece, word_texts
 
 THREADS = 2
+SENTENCES = 1000
+LENGTHS = (8, 256)
+"""The sentences' token counts, inclusive."""
 
 
-def make_model(folder: Path) -> Path:
+def make_encoder(folder: Path) -> Path:
+    """The random bge-small-shaped BERT as a sentence-transformers folder, with a WordPiece tokenizer
+    trained on the first :data:`SENTENCES` texts (written once)."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    from transformers import BertConfig, BertModel
+
+    save_wordpiece(folder, word_texts(1, lengths(SENTENCES)), max_length=512)
+    config = BertConfig(
+        vocab_size=30522,  # bge-small's; the trained vocabulary fills its first ids
+        hidden_size=384,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=1536,
+        max_position_embeddings=512,
+        hidden_act="gelu",
+    )
+    torch.manual_seed(0)
+    BertModel(config).save_pretrained(folder, safe_serialization=True)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules, indent=1))
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+    pooling = {"word_embedding_dimension": 384, **{f"pooling_mode_{mode}": mode == "cls_token" for mode in modes}}
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=1))
+    (folder / "2_Normalize").mkdir()
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
+    return folder
+
+
+def make_decoder(folder: Path) -> Path:
     """The random bge-small-shaped Qwen3 decoder with the default model's tokenizer (written once)."""
     if (folder / "config.json").is_file():
         return folder
@@ -58,23 +101,33 @@ def make_model(folder: Path) -> Path:
     return folder
 
 
-def sentences(n: int) -> list[str]:
+MODELS = {"encoder": ("bert-bge-small-shape", make_encoder), "decoder": ("qwen3-bge-small-shape", make_decoder)}
+"""``--model`` -> (its folder's name under ``--work-dir``, the function that writes it)."""
+
+
+def lengths(n: int) -> list[int]:
+    """The seeded token counts of the first ``n`` sentences."""
     rng = random.Random(0)
-    words = "the a model token engine cache page request batch text answer question value time".split()
-    words += "inference server memory thread kernel vector prompt output fast small large data".split()
-    return [" ".join(rng.choice(words) for _ in range(rng.randint(8, 256))) for _ in range(n)]
+    return [rng.randint(*LENGTHS) for _ in range(n)]
+
+
+def sentences(n: int, folder: Path) -> list[str]:
+    """``n`` seeded sentences, each cut to its :func:`lengths` count with ``folder``'s tokenizer (a
+    text of ``k`` words has at least ``k`` tokens)."""
+    counts = lengths(n)
+    return cut_to_tokens(folder, word_texts(1, counts), counts)
 
 
 def tokenmill_task(spec: dict[str, Any]) -> dict[str, Any]:
     from tokenmill import LLM, PoolingParams
 
-    llm = LLM(model=spec["model"], dtype=spec["dtype"], cpu_threads=THREADS)
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], runner=spec["runner"], cpu_threads=THREADS)
     llm.embed(spec["texts"][:8], PoolingParams(), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = llm.embed(spec["texts"], PoolingParams(), use_tqdm=False)
     elapsed = time.perf_counter() - start
     llm.shutdown()
-    return {"elapsed_s": elapsed, "embeddings": [o.outputs.embedding for o in outputs[: spec["keep"]]]}
+    return {"elapsed_s": elapsed, "embeddings": [o.outputs.embedding for o in outputs]}
 
 
 def st_task(spec: dict[str, Any]) -> dict[str, Any]:
@@ -82,15 +135,18 @@ def st_task(spec: dict[str, Any]) -> dict[str, Any]:
     from sentence_transformers import SentenceTransformer, models
 
     torch.set_num_threads(THREADS)
-    transformer = models.Transformer(spec["model"], max_seq_length=1024)
-    transformer.tokenizer.pad_token = transformer.tokenizer.pad_token or transformer.tokenizer.eos_token
-    pooling = models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode="lasttoken")
-    model = SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device="cpu")
+    if spec["kind"] == "encoder":
+        model = SentenceTransformer(spec["model"], device="cpu")
+    else:
+        transformer = models.Transformer(spec["model"], max_seq_length=1024)
+        transformer.tokenizer.pad_token = transformer.tokenizer.pad_token or transformer.tokenizer.eos_token
+        pooling = models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode="lasttoken")
+        model = SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device="cpu")
     model.encode(spec["texts"][:8], batch_size=32)  # warm-up
     start = time.perf_counter()
     vectors = model.encode(spec["texts"], batch_size=32)
     elapsed = time.perf_counter() - start
-    return {"elapsed_s": elapsed, "embeddings": vectors[: spec["keep"]].tolist()}
+    return {"elapsed_s": elapsed, "embeddings": vectors.tolist()}
 
 
 def cosines(a: list[list[float]], b: list[list[float]]) -> list[float]:
@@ -100,16 +156,20 @@ def cosines(a: list[list[float]], b: list[list[float]]) -> list[float]:
 
 
 def main(args: argparse.Namespace) -> None:
-    model = str(make_model(Path(args.work_dir) / "qwen3-bge-small-shape"))
-    texts = sentences(args.sentences)
-    spec = {"model": model, "texts": texts, "keep": 50}
+    folder_name, make = MODELS[args.model]
+    folder = make(Path(args.work_dir) / folder_name)
+    texts = sentences(args.sentences, folder)
+    spec = {"model": str(folder), "kind": args.model, "texts": texts}
+    runner = "pooling" if args.model == "decoder" else "auto"  # an encoder folder is a pooling model by itself
     st = call(__file__, str(args.st_python), "st", spec)
-    fp32 = call(__file__, sys.executable, "tokenmill", {**spec, "dtype": "float32"})
-    auto = call(__file__, sys.executable, "tokenmill", {**spec, "dtype": "auto"})
+    fp32 = call(__file__, sys.executable, "tokenmill", {**spec, "dtype": "float32", "runner": runner})
+    auto = call(__file__, sys.executable, "tokenmill", {**spec, "dtype": "auto", "runner": runner})
     rate = {name: len(texts) / run["elapsed_s"] for name, run in (("st", st), ("fp32", fp32), ("auto", auto))}
     agreement = cosines(st["embeddings"], fp32["embeddings"])
     result = {
+        "model": args.model,
         "sentences": len(texts),
+        "tokens": sum(lengths(len(texts))),
         "sentence_transformers_fp32_per_s": rate["st"],
         "tokenmill_fp32_per_s": rate["fp32"],
         "tokenmill_default_dtype_per_s": rate["auto"],
@@ -123,7 +183,8 @@ def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--st-python", type=Path, default=None)
-    parser.add_argument("--sentences", type=int, default=1000)
+    parser.add_argument("--model", choices=list(MODELS), default="encoder")
+    parser.add_argument("--sentences", type=int, default=SENTENCES)
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "tokenmill-bench-embeddings"))
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)

@@ -114,26 +114,38 @@ class LLM:
         return [EmbeddingRequestOutput.from_output(output) for output in outputs]
 
     def score(
-        self, query: str, documents: str | list[str], instruction: str | None = None, use_tqdm: bool = True
+        self,
+        query: str,
+        documents: str | list[str],
+        instruction: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
     ) -> list[ScoringRequestOutput]:
         """How relevant each document is to ``query``, in document order (``engine/scoring.py``: a
         cross-encoder's or decoder reranker's score of the pair, else the cosine similarity of the
-        embeddings); ``instruction`` fills a decoder reranker's template. Needs runner "pooling"."""
+        embeddings); ``instruction`` fills a decoder reranker's template; ``truncate_prompt_tokens``
+        as in :class:`~tokenmill.request.PoolingParams`. Needs runner "pooling"."""
         pooling = self._pooling("score")
         docs = check_documents(documents, self.engine.config.max_score_documents)
-        prompts, params = score_requests(pooling, query, docs, instruction)
+        prompts, params = score_requests(pooling, query, docs, instruction, truncate_prompt_tokens)
         return score_outputs(pooling, self._run(list(prompts), [params] * len(prompts), use_tqdm))
 
     def rerank(
-        self, query: str, documents: list[str], top_n: int | None = None, instruction: str | None = None
+        self,
+        query: str,
+        documents: list[str],
+        top_n: int | None = None,
+        instruction: str | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[RerankResult]:
         """The documents by relevance to ``query`` (:meth:`score`), highest first, the first
         ``top_n``; RuntimeError if a document could not be scored."""
-        results = self.score(query, documents, instruction, use_tqdm=False)
+        rerank([], [], top_n)  # a bad top_n is refused before anything runs
+        results = self.score(query, documents, instruction, truncate_prompt_tokens, use_tqdm=False)
         failed = next((r for r in results if r.error is not None or r.finish_reason != "stop"), None)
         if failed is not None:
             raise RuntimeError(f"scoring request {failed.request_id} failed: {failed.error or failed.finish_reason}")
-        docs = check_documents(documents, self.engine.config.max_score_documents)
+        docs = [documents] if isinstance(documents, str) else documents
         return rerank([r.outputs.score for r in results], docs, top_n)
 
     def _pooling(self, task: str) -> PoolingConfig:

@@ -1,14 +1,14 @@
-"""OpenAI embeddings: ``POST /v1/embeddings`` (a decoder model as an embedder).
+"""OpenAI embeddings: ``POST /v1/embeddings`` (an embedder: runner "pooling").
 
 ``input`` is a string, a list of strings, token ids or a list of token-id lists; each input is one
-engine pooling request (:class:`~tokenmill.request.PoolingParams`, "last" pooling, L2-normalized),
-scheduled beside generation under the same budget and limits; every input is validated before any
-is queued (``AsyncEngine.embed``). ``dimensions`` keeps the first ``d``
-values before normalizing (1 .. the model's hidden size). ``encoding_format`` "float" (default) or
-"base64": the little-endian float32 bytes, base64-encoded, as OpenAI sends them.
-``truncate_prompt_tokens`` (vLLM's) embeds each input's last ``k`` tokens. ``usage`` counts each
-input's tokens once (after truncation). Refusals name the parameter: ``input`` (empty, too long, bad token ids),
-``dimensions``.
+engine pooling request (:class:`~tokenmill.request.PoolingParams`, the model's pooling), scheduled
+under the same budget and limits as generation; every input is validated before any is queued
+(``AsyncEngine.pool``). ``dimensions`` keeps the first ``d`` values before normalizing (1 .. the
+model's hidden size). ``encoding_format`` "float" (default) or "base64": the little-endian float32
+bytes, base64-encoded, as OpenAI sends them. ``truncate_prompt_tokens`` (vLLM's) cuts each input to
+``k`` tokens (a decoder's last ones, an encoder's text as its tokenizer truncates it). ``usage``
+counts each input's tokens once (after truncation). Refusals name the parameter: ``input`` (empty,
+too long, bad token ids), ``dimensions``.
 """
 
 from __future__ import annotations
