@@ -147,13 +147,14 @@ def bidirectional_attention(
 ) -> torch.Tensor:
     """Softmax attention of each request's rows (consecutive runs of ``lens`` rows of ``q``, ``k``,
     ``v``, each ``[T, heads, head_dim]``) over all of that request's rows; ``[T, heads, head_dim]``.
-    One call per request: no padding to compute or copy (faster on CPU than one padded, masked call)."""
+    One call per request: no padding to compute or copy (faster on CPU than one padded, masked call);
+    4-D inputs, which torch's CPU flash kernel takes (3-D ones fall back to the math kernel)."""
     out = torch.empty_like(q)
     start = 0
     for n in lens:
         rows = slice(start, start + n)
-        heads_first = (x[rows].transpose(0, 1) for x in (q, k, v))
-        out[rows] = F.scaled_dot_product_attention(*heads_first, scale=scale).transpose(0, 1)
+        heads_first = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        out[rows] = F.scaled_dot_product_attention(*heads_first, scale=scale)[0].transpose(0, 1)
         start += n
     return out
 
