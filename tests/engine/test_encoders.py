@@ -392,3 +392,37 @@ def test_encoder_settings_refused_at_build(bert_folder: Path, option: str, value
 def test_an_encoder_does_not_generate(bert_folder: Path) -> None:
     with pytest.raises(ModelConfigError, match="pooling"):
         LLM(model=str(bert_folder), dtype="float32", num_kv_slots=64, runner="generate")
+
+
+def test_bf16_embeddings_and_scores_within_twice_transformers_own_bf16_error(tmp_path: Path) -> None:
+    """In bf16 an embedding (and a cross-encoder's score) differs from the fp32 oracle by at most
+    twice (plus 1e-3) what transformers' own bf16 model differs by, over the same inputs."""
+    texts = [words(12), words(33, 4)]
+    for kind in ("bert", "bert-cross"):
+        folder = tmp_path / kind
+        hf = save_tiny_encoder(folder, kind, st_pooling="cls" if kind == "bert" else None)
+        tok = AutoTokenizer.from_pretrained(folder)
+        hf_bf16 = transformers.AutoModel.from_pretrained(folder) if kind == "bert" else None
+        llm = LLM(model=str(folder), dtype="bfloat16", num_kv_slots=256)
+        try:
+            if kind == "bert":
+                assert hf_bf16 is not None
+                hf_bf16 = hf_bf16.to(torch.bfloat16).eval()
+                got = [torch.tensor(o.outputs.embedding) for o in llm.embed(texts, use_tqdm=False)]
+                for text, vector in zip(texts, got):
+                    inputs = tok(text, return_tensors="pt")
+                    exact = torch.nn.functional.normalize(hidden_states(hf, inputs)[0], dim=0)
+                    theirs = torch.nn.functional.normalize(hidden_states(hf_bf16, inputs)[0], dim=0)
+                    assert (vector - exact).abs().max() <= 2 * (theirs - exact).abs().max() + 1e-3
+            else:
+                hf_cross = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+                hf_cross = hf_cross.to(torch.bfloat16).eval()
+                scores = [r.outputs.score for r in llm.score(texts[0], texts, use_tqdm=False)]
+                for text, score in zip(texts, scores):
+                    inputs = tok(texts[0], text, return_tensors="pt")
+                    with torch.no_grad():
+                        exact = torch.sigmoid(hf(**inputs).logits[0, 0]).item()
+                        theirs = torch.sigmoid(hf_cross(**inputs).logits[0, 0].float()).item()
+                    assert abs(score - exact) <= 2 * abs(theirs - exact) + 1e-3
+        finally:
+            llm.shutdown()
