@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.embedding_checks import assert_embedding_close
 from tests.tiny_models import hf_greedy, save_tiny_checkpoint
 from tokenmill import LLM, PoolingParams, SamplingParams
 from tokenmill.request import ParameterError, RequestOutput
@@ -53,13 +54,6 @@ def oracle(hf_model, prompt: list[int], pooling: str, dimensions: int | None = N
     return torch.nn.functional.normalize(vector, dim=0) if normalize else vector
 
 
-def assert_close(embedding: list[float], expected: torch.Tensor) -> None:
-    got = torch.tensor(embedding)
-    assert got.shape == expected.shape
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
-    assert torch.nn.functional.cosine_similarity(got, expected, dim=0) >= 0.99999
-
-
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 def test_embeddings_match_transformers_alone_in_a_batch_and_chunked(llm: LLM, checkpoint, pooling: str) -> None:
     params = PoolingParams(pooling=pooling, normalize=False)
@@ -69,8 +63,8 @@ def test_embeddings_match_transformers_alone_in_a_batch_and_chunked(llm: LLM, ch
     batch = llm.embed(PROMPTS, params, use_tqdm=False)
     for prompt, one, many in zip(PROMPTS, alone, batch):
         assert one.prompt_token_ids == prompt and one.finish_reason == "stop"
-        assert_close(one.outputs.embedding, oracle(checkpoint[1], prompt, pooling, normalize=False))
-        assert_close(many.outputs.embedding, oracle(checkpoint[1], prompt, pooling, normalize=False))
+        assert_embedding_close(one.outputs.embedding, oracle(checkpoint[1], prompt, pooling, normalize=False))
+        assert_embedding_close(many.outputs.embedding, oracle(checkpoint[1], prompt, pooling, normalize=False))
 
 
 @pytest.mark.parametrize("pooling", ["last", "mean"])
@@ -78,10 +72,10 @@ def test_normalize_and_dimensions(llm: LLM, checkpoint, pooling: str) -> None:
     prompt = PROMPTS[0]
     full = llm.embed([prompt], PoolingParams(pooling=pooling), use_tqdm=False)[0].outputs.embedding
     assert len(full) == 64 and torch.tensor(full).norm() == pytest.approx(1.0, abs=1e-5)
-    assert_close(full, oracle(checkpoint[1], prompt, pooling))
+    assert_embedding_close(full, oracle(checkpoint[1], prompt, pooling))
     cut = llm.embed([prompt], PoolingParams(pooling=pooling, dimensions=16), use_tqdm=False)[0].outputs.embedding
     assert len(cut) == 16 and torch.tensor(cut).norm() == pytest.approx(1.0, abs=1e-5)  # cut, then normalized
-    assert_close(cut, oracle(checkpoint[1], prompt, pooling, dimensions=16))
+    assert_embedding_close(cut, oracle(checkpoint[1], prompt, pooling, dimensions=16))
 
 
 def test_last_pooling_after_prefix_cache_hits(llm: LLM, checkpoint) -> None:
@@ -90,7 +84,7 @@ def test_last_pooling_after_prefix_cache_hits(llm: LLM, checkpoint) -> None:
     hits = llm.engine.stats()["cache"]["prefix_hit_tokens"]
     for pooling in ("last", "mean"):
         out = llm.embed([prompt], PoolingParams(pooling=pooling), use_tqdm=False)[0]
-        assert_close(out.outputs.embedding, oracle(checkpoint[1], prompt, pooling))
+        assert_embedding_close(out.outputs.embedding, oracle(checkpoint[1], prompt, pooling))
     assert llm.engine.stats()["cache"]["prefix_hit_tokens"] > hits  # "last" reused the cached pages
 
 
@@ -139,9 +133,9 @@ def test_truncate_prompt_tokens_embeds_the_last_tokens(llm: LLM, checkpoint, poo
         llm.embed([long], PoolingParams(pooling=pooling), use_tqdm=False)
     (cut,) = llm.embed([long], PoolingParams(pooling=pooling, truncate_prompt_tokens=40), use_tqdm=False)
     assert cut.prompt_token_ids == long[-40:]
-    assert_close(cut.outputs.embedding, oracle(checkpoint[1], long[-40:], pooling))
+    assert_embedding_close(cut.outputs.embedding, oracle(checkpoint[1], long[-40:], pooling))
     (whole,) = llm.embed([PROMPTS[1]], PoolingParams(pooling=pooling, truncate_prompt_tokens=40), use_tqdm=False)
-    assert_close(whole.outputs.embedding, oracle(checkpoint[1], PROMPTS[1], pooling))
+    assert_embedding_close(whole.outputs.embedding, oracle(checkpoint[1], PROMPTS[1], pooling))
 
 
 @pytest.mark.parametrize(

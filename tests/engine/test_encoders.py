@@ -29,6 +29,7 @@ import torch
 import transformers
 from transformers import AutoTokenizer
 
+from tests.embedding_checks import assert_embedding_close
 from tests.tiny_encoders import save_tiny_encoder
 from tests.tiny_models import save_tiny_checkpoint
 from tests.tiny_tokenizer import WORDS
@@ -90,13 +91,6 @@ def oracle(
     return torch.nn.functional.normalize(vector, dim=0) if normalize else vector
 
 
-def assert_close(embedding: list[float], expected: torch.Tensor) -> None:
-    got = torch.tensor(embedding)
-    assert got.shape == expected.shape
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
-    assert torch.nn.functional.cosine_similarity(got, expected, dim=0) >= 0.99999
-
-
 def refused(llm: LLM, param: str, call: Callable[[], object], match: str | None = None) -> ParameterError:
     """``call()`` raises ParameterError naming ``param`` and leaves every KV page free as it was."""
     free = llm.engine.stats()["kv_free_pages"]
@@ -142,7 +136,7 @@ def test_the_folders_pooling_is_the_default(embedder: Encoder) -> None:
     outs = embedder.llm.embed(TEXTS, use_tqdm=False)
     for text, out in zip(TEXTS, outs):
         assert out.finish_reason == "stop" and out.prompt_token_ids == embedder.tok(text)["input_ids"]
-        assert_close(out.outputs.embedding, oracle(embedder, text, embedder.pooling, embedder.normalize))
+        assert_embedding_close(out.outputs.embedding, oracle(embedder, text, embedder.pooling, embedder.normalize))
         norm = float(torch.tensor(out.outputs.embedding).norm())
         assert (abs(norm - 1) < 1e-5) == embedder.normalize
 
@@ -156,7 +150,7 @@ def test_explicit_pooling_params_override_the_folders(
 ) -> None:
     params = PoolingParams(pooling=pooling, normalize=normalize, dimensions=dimensions)
     for text, out in zip(TEXTS, embedder.llm.embed(TEXTS, params, use_tqdm=False)):
-        assert_close(out.outputs.embedding, oracle(embedder, text, pooling, normalize, dimensions))
+        assert_embedding_close(out.outputs.embedding, oracle(embedder, text, pooling, normalize, dimensions))
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
@@ -167,14 +161,14 @@ def test_batch_composition_does_not_change_a_result(embedder: Encoder, pooling: 
     for text, many in zip(TEXTS, batch):
         (alone,) = embedder.llm.embed([text], params, use_tqdm=False)
         torch.testing.assert_close(torch.tensor(many), torch.tensor(alone.outputs.embedding), atol=1e-5, rtol=0)
-        assert_close(many, oracle(embedder, text, pooling, normalize=False))
+        assert_embedding_close(many, oracle(embedder, text, pooling, normalize=False))
 
 
 def test_token_id_prompts_get_no_special_tokens(embedder: Encoder) -> None:
     outs = embedder.llm.embed([IDS, {"prompt_token_ids": IDS[:4]}], use_tqdm=False)
     for ids, out in zip([IDS, IDS[:4]], outs):
         assert out.prompt_token_ids == ids
-        assert_close(out.outputs.embedding, oracle(embedder, ids, embedder.pooling, embedder.normalize))
+        assert_embedding_close(out.outputs.embedding, oracle(embedder, ids, embedder.pooling, embedder.normalize))
 
 
 def test_inputs_up_to_the_position_limit_and_truncation(embedder: Encoder) -> None:
@@ -185,7 +179,7 @@ def test_inputs_up_to_the_position_limit_and_truncation(embedder: Encoder) -> No
     at_limit, over = words(limit - 2), words(limit - 1)  # plus the two special tokens
     assert len(embedder.tok(at_limit)["input_ids"]) == limit
     (out,) = llm.embed([at_limit], use_tqdm=False)
-    assert_close(out.outputs.embedding, oracle(embedder, at_limit, embedder.pooling, embedder.normalize))
+    assert_embedding_close(out.outputs.embedding, oracle(embedder, at_limit, embedder.pooling, embedder.normalize))
     refused(llm, "prompt", lambda: llm.embed([over], use_tqdm=False), match="truncate_prompt_tokens")
     long_ids = [4 + (5 * i) % 90 for i in range(limit + 1)]
     refused(llm, "prompt", lambda: llm.embed([long_ids], use_tqdm=False))
@@ -194,10 +188,14 @@ def test_inputs_up_to_the_position_limit_and_truncation(embedder: Encoder) -> No
         (cut,) = llm.embed([over], params, use_tqdm=False)
         expected_ids = embedder.tok(over, truncation=True, max_length=k)["input_ids"]
         assert cut.prompt_token_ids == expected_ids and len(expected_ids) == k
-        assert_close(cut.outputs.embedding, oracle(embedder, over, embedder.pooling, embedder.normalize, None, k))
+        assert_embedding_close(
+            cut.outputs.embedding, oracle(embedder, over, embedder.pooling, embedder.normalize, None, k)
+        )
         (cut_ids,) = llm.embed([long_ids], params, use_tqdm=False)
         assert cut_ids.prompt_token_ids == long_ids[:k]
-        assert_close(cut_ids.outputs.embedding, oracle(embedder, long_ids[:k], embedder.pooling, embedder.normalize))
+        assert_embedding_close(
+            cut_ids.outputs.embedding, oracle(embedder, long_ids[:k], embedder.pooling, embedder.normalize)
+        )
 
 
 def test_an_embedders_score_is_the_cosine_similarity_of_the_embeddings(embedder: Encoder) -> None:
@@ -363,7 +361,7 @@ def test_many_mixed_inputs_under_a_small_budget_each_run_whole(budgeted: Encoder
     assert after["steps"] - before["steps"] >= math.ceil(sum(lengths) / 64) and after["max_batch_tokens"] <= 64
     for text, n, out in zip(texts, lengths, outs):
         assert out.finish_reason == "stop" and len(out.prompt_token_ids) == n
-        assert_close(out.outputs.embedding, oracle(budgeted, text, "mean", normalize=False))
+        assert_embedding_close(out.outputs.embedding, oracle(budgeted, text, "mean", normalize=False))
 
 
 def test_an_input_over_the_step_budget_is_refused_unless_truncated(budgeted: Encoder) -> None:
@@ -372,7 +370,7 @@ def test_an_input_over_the_step_budget_is_refused_unless_truncated(budgeted: Enc
     refused(llm, "prompt", lambda: llm.embed([list(range(4, 69))], use_tqdm=False), match="max_num_batched_tokens")
     (cut,) = llm.embed([text], PoolingParams(truncate_prompt_tokens=64), use_tqdm=False)
     assert cut.prompt_token_ids == budgeted.tok(text, truncation=True, max_length=64)["input_ids"]
-    assert_close(cut.outputs.embedding, oracle(budgeted, text, "mean", False, None, 64))
+    assert_embedding_close(cut.outputs.embedding, oracle(budgeted, text, "mean", False, None, 64))
 
 
 # ---------------------------------------------------------------------------------------- build refusals

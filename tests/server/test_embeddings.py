@@ -17,6 +17,7 @@ import pytest
 import torch
 import transformers
 
+from tests.embedding_checks import assert_embedding_close
 from tests.server.conftest import MODEL, Server, serve
 from tokenmill import Engine
 
@@ -46,12 +47,6 @@ def oracle(hf_model, ids: list[int], dimensions: int | None = None) -> torch.Ten
     return torch.nn.functional.normalize(last[:dimensions] if dimensions else last, dim=0)
 
 
-def assert_close(embedding: list[float], expected: torch.Tensor) -> None:
-    got = torch.tensor(embedding)
-    assert got.shape == expected.shape
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
-
-
 def post(server: Server, body: dict, **kwargs) -> httpx.Response:
     return httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=60, **kwargs)
 
@@ -63,20 +58,20 @@ def test_float_embeddings_of_strings_with_usage(client: openai.OpenAI, server: S
     assert reply.object == "list" and reply.model == MODEL
     assert [d.index for d in reply.data] == [0, 1] and all(d.object == "embedding" for d in reply.data)
     for data, prompt in zip(reply.data, ids):
-        assert_close(data.embedding, oracle(hf_model, prompt))
+        assert_embedding_close(data.embedding, oracle(hf_model, prompt))
     assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(len(p) for p in ids)
 
 
 def test_base64_decoded_by_the_client_and_by_hand(client: openai.OpenAI, server: Server, hf_model) -> None:
     ids = server.engine.tokenizer.encode("hello world")
     default = client.embeddings.create(model=MODEL, input="hello world")  # the client asks base64 and decodes it
-    assert_close(default.data[0].embedding, oracle(hf_model, ids))
+    assert_embedding_close(default.data[0].embedding, oracle(hf_model, ids))
     raw = post(server, {"model": MODEL, "input": "hello world", "encoding_format": "base64"})
     assert raw.status_code == 200, raw.text
     encoded = raw.json()["data"][0]["embedding"]
     blob = base64.b64decode(encoded)
     assert len(blob) == 4 * 64
-    assert_close(list(struct.unpack("<64f", blob)), oracle(hf_model, ids))
+    assert_embedding_close(list(struct.unpack("<64f", blob)), oracle(hf_model, ids))
     floats = post(server, {"model": MODEL, "input": "hello world"}).json()["data"][0]["embedding"]
     assert isinstance(floats, list) and list(struct.unpack("<64f", blob)) == pytest.approx(floats, abs=1e-7)
 
@@ -84,10 +79,10 @@ def test_base64_decoded_by_the_client_and_by_hand(client: openai.OpenAI, server:
 def test_dimensions_and_token_id_inputs(client: openai.OpenAI, hf_model) -> None:
     one = client.embeddings.create(model=MODEL, input=[5, 17, 33, 2], dimensions=8, encoding_format="float")
     assert len(one.data) == 1 and len(one.data[0].embedding) == 8
-    assert_close(one.data[0].embedding, oracle(hf_model, [5, 17, 33, 2], dimensions=8))
+    assert_embedding_close(one.data[0].embedding, oracle(hf_model, [5, 17, 33, 2], dimensions=8))
     assert one.usage.prompt_tokens == 4
     many = client.embeddings.create(model=MODEL, input=[[5, 17, 33, 2], [9, 4, 71]], encoding_format="float")
-    assert_close(many.data[1].embedding, oracle(hf_model, [9, 4, 71]))
+    assert_embedding_close(many.data[1].embedding, oracle(hf_model, [9, 4, 71]))
     assert many.usage.total_tokens == 7
 
 
@@ -95,8 +90,8 @@ def test_truncate_prompt_tokens_embeds_each_inputs_last_tokens(server: Server, h
     long = [(7 * i) % 90 + 4 for i in range(600)]  # over the context limit: refused whole
     body = {"model": MODEL, "input": [long, [9, 4, 71]], "encoding_format": "float", "truncate_prompt_tokens": 16}
     reply = post(server, body).json()
-    assert_close(reply["data"][0]["embedding"], oracle(hf_model, long[-16:]))
-    assert_close(reply["data"][1]["embedding"], oracle(hf_model, [9, 4, 71]))
+    assert_embedding_close(reply["data"][0]["embedding"], oracle(hf_model, long[-16:]))
+    assert_embedding_close(reply["data"][1]["embedding"], oracle(hf_model, [9, 4, 71]))
     assert reply["usage"]["prompt_tokens"] == 16 + 3
 
 
