@@ -10,16 +10,19 @@ folded in). A slot holding no adapter is all zeros.
 :class:`LoRABatch` says which slot each row of a step's flat batch uses (-1: none), grouped by slot
 once per step. :func:`add_lora` adds every row's delta in one call per projection: the C++
 ``lora_add`` (rows sorted by slot, each slot's matrices streamed once) for CPU batches of at most
-``CPP_MAX_ROWS`` rows, else per slot two matmuls on that slot's rows (at most ``max_loras`` of them;
-never a loop per request). :class:`LoRABinding` is how the step's batch reaches the projections:
+``CPP_MAX_ROWS`` rows, two Triton kernels for CUDA batches (``kernels/lora_triton.py``: tiles of
+one slot's rows, :attr:`LoRABatch.tiles`), else per slot two matmuls on that slot's rows (at most
+``max_loras`` of them; never a loop per request). :class:`LoRABinding` is how the step's batch reaches the projections:
 the model worker binds it for one forward and unbinds it after (one object shared by a model's
 LoRA projections; None outside a forward with adapters).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -27,6 +30,10 @@ from tokenmill.kernels.cpu import load_cpu_kernels
 
 CPP_MAX_ROWS = 256
 """Up to how many rows the C++ kernel computes the LoRA deltas; beyond, per-slot matmuls."""
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+"""Whether CUDA batches can use the Triton kernels (``kernels/lora_triton.py``); else per-slot matmuls."""
+TILE_ROWS = 16
+"""Rows of one slot per tile of :attr:`LoRABatch.tiles` (the Triton kernels' row block)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,17 @@ class LoRABatch:
             slots.to("cpu", torch.int64),
         )
 
+    @cached_property
+    def tiles(self) -> torch.Tensor:
+        """``[n_tiles, 3]`` int32 on ``order``'s device: each tile's slot and its span
+        ``[start, end)`` of ``order`` (at most ``TILE_ROWS`` rows, all of that slot)."""
+        tiles = [
+            (slot, start, min(start + TILE_ROWS, self.bounds[i + 1]))
+            for i, slot in enumerate(self.slots)
+            for start in range(self.bounds[i], self.bounds[i + 1], TILE_ROWS)
+        ]
+        return torch.tensor(tiles, dtype=torch.int32).to(self.order.device)
+
 
 class LoRABinding:
     """The batch a model's LoRA projections read during one forward (None: no adapter rows)."""
@@ -94,6 +112,7 @@ class LoRAWeights:
         self.a = torch.zeros(max_loras, len(self.segments) * max_rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, max_rank, out_features, dtype=dtype, device=device)
         self.column_bounds = torch.tensor([s.start for s in self.segments] + [out_features], dtype=torch.int64)
+        self.device_column_bounds = self.column_bounds.to(device)  # the Triton kernels' copy
 
     def load(self, slot: int, segment: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> None:
         """Put an adapter's ``lora_a`` ``[r, in]`` and ``lora_b`` ``[cols, r]`` (``cols`` the segment's
@@ -116,6 +135,11 @@ class LoRAWeights:
 def add_lora(out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, batch: LoRABatch) -> None:
     """``out[t] += delta of row t's slot`` for every row of ``batch`` (``x`` ``[T, in]``, ``out``
     ``[T, out]``, both contiguous, ``T == batch.n_rows``), in place."""
+    if x.is_cuda and TRITON_AVAILABLE:
+        from tokenmill.kernels.lora_triton import add_lora_triton  # imported on use (TRITON_INTERPRET)
+
+        add_lora_triton(out, x, weights, batch)
+        return
     if x.is_cpu and x.shape[0] <= CPP_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
         kernels = load_cpu_kernels()
         if kernels is not None:
