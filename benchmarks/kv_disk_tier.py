@@ -1,4 +1,4 @@
-"""The KV cache's disk tier against recomputing, on the default model (or ``--model``).
+"""The KV cache's disk and host tiers against recomputing, on the default model (or ``--model``).
 
 Two parts, each engine in a fresh process, one after another, 2 threads:
 
@@ -10,7 +10,8 @@ Two parts, each engine in a fresh process, one after another, 2 threads:
 * ``cycle``: 32 system prompts of 1,500 tokens, each request one of them plus a 16-token question
   (96 requests cycling through the prompts, 16 output tokens each, all submitted at once) on a KV
   pool of 16,384 slots, a third of the prefixes: the device's prefix cache evicts each prompt before
-  it comes back. Output tokens/s with and without the tier (the tier starts empty).
+  it comes back. Output tokens/s without a tier, with the disk tier and with a 2 GiB host tier
+  (each tier starts empty).
 
     python benchmarks/kv_disk_tier.py --json
 """
@@ -51,7 +52,8 @@ def engine(spec: dict[str, Any], **options: Any) -> Any:
     from tokenmill import LLM
 
     tier = {"kv_cache_disk_dir": spec["tier"]} if spec.get("tier") else {}
-    return LLM(model=spec["model"], cpu_threads=THREADS, **tier, **options)
+    host = {"kv_cache_host_bytes": spec["host_bytes"]} if spec.get("host_bytes") else {}
+    return LLM(model=spec["model"], cpu_threads=THREADS, **tier, **host, **options)
 
 
 def ttft_task(spec: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +89,7 @@ def cycle_task(spec: dict[str, Any]) -> dict[str, Any]:
         "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
         "cached_tokens": sum(o.num_cached_tokens for o in outputs),
         "disk_tier": stats["disk_tier"],
+        "host_tier": stats["host_tier"],
     }
 
 
@@ -118,16 +121,23 @@ def cycle_part(model: str, work: Path) -> dict[str, Any]:
     spec["num_kv_slots"] = 16384
     without = call(__file__, sys.executable, "cycle", spec)
     with_tier = call(__file__, sys.executable, "cycle", {**spec, "tier": str(work / "cycle")})
-    rate = {name: run["output_tokens"] / run["elapsed_s"] for name, run in (("off", without), ("on", with_tier))}
+    with_host = call(__file__, sys.executable, "cycle", {**spec, "host_bytes": 2 * 1024**3})
+    runs = (("off", without), ("on", with_tier), ("host", with_host))
+    rate = {name: run["output_tokens"] / run["elapsed_s"] for name, run in runs}
     return {
         "requests": len(requests),
         "output_tok_s_without_tier": rate["off"],
         "output_tok_s_with_tier": rate["on"],
         "ratio": rate["on"] / rate["off"],
+        "output_tok_s_with_host_tier": rate["host"],
+        "ratio_host": rate["host"] / rate["off"],
         "cached_tokens_without_tier": without["cached_tokens"],
         "cached_tokens_with_tier": with_tier["cached_tokens"],
+        "cached_tokens_with_host_tier": with_host["cached_tokens"],
         "disk_hit_tokens": with_tier["disk_tier"]["hit_tokens"],
         "disk_tier_bytes": with_tier["disk_tier"]["bytes"],
+        "host_hit_tokens": with_host["host_tier"]["hit_tokens"],
+        "host_tier_bytes": with_host["host_tier"]["bytes"],
     }
 
 

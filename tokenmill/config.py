@@ -156,6 +156,14 @@ class EngineConfig:
         "Bytes the disk tier's files may take (least recently used blocks are deleted past it).",
         section="KV cache",
     )
+    kv_cache_host_bytes: int = option(
+        0,
+        "Bytes of this process's memory for a host tier of the KV cache: prefixes the prefix cache "
+        "computed are also kept there (blocks of 64 tokens, least recently used dropped past it) and "
+        "copied back instead of recomputed; in front of the disk tier when both are set (write-through). "
+        "Meant for GPU KV caches (CPU memory beside device memory). 0: no host tier.",
+        section="KV cache",
+    )
 
     max_running_requests: int = option(
         128,
@@ -395,6 +403,13 @@ class EngineConfig:
                 raise ValueError("kv_cache_disk_dir is not supported with tensor parallelism yet")
             if self.kv_cache_disk_bytes < 1:
                 raise ValueError(f"kv_cache_disk_bytes must be >= 1, got {self.kv_cache_disk_bytes}")
+        if self.kv_cache_host_bytes < 0:
+            raise ValueError(f"kv_cache_host_bytes must be >= 0 (0: no host tier), got {self.kv_cache_host_bytes}")
+        if self.kv_cache_host_bytes > 0:
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_cache_host_bytes needs enable_prefix_caching (the host tier holds prefixes)")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_cache_host_bytes is not supported with tensor parallelism yet")
         if isinstance(self.lora_modules, dict):  # {name: path} from Python
             self.lora_modules = tuple(f"{name}={path}" for name, path in self.lora_modules.items())
         self.lora_modules = tuple(self.lora_modules)

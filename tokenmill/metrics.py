@@ -78,51 +78,60 @@ class _EngineCollector(Collector):
         return engine + _speculation_metrics(stats) + _tier_metrics(stats) + _lora_metrics(stats)
 
 
-# name, help, family, value from the disk tier's counters (engine stats' "disk_tier")
-_TIER_METRICS: list[tuple[str, str, type[Metric], Callable[[Stats], float]]] = [
+# name, help, family, the counter's key in a tier's snapshot (engine stats' "host_tier", "disk_tier")
+_TIER_METRICS: list[tuple[str, str, type[Metric], str]] = [
     (
         "tokenmill_kv_tier_hit_tokens",
-        "Prompt tokens served from a KV cache tier (device: the prefix cache; disk: read back from files).",
+        "Prompt tokens served from a KV cache tier (device: the prefix cache; host: copied back from "
+        "memory; disk: read back from files).",
         CounterMetricFamily,
-        lambda tier: tier["hit_tokens"],
+        "hit_tokens",
     ),
     (
         "tokenmill_kv_tier_query_tokens",
-        "Prompt tokens looked up in a KV cache tier (the disk tier sees those past the device's match).",
+        "Prompt tokens looked up in a KV cache tier (the host and disk tiers see those past the device's match).",
         CounterMetricFamily,
-        lambda tier: tier["query_tokens"],
+        "query_tokens",
     ),
-    ("tokenmill_kv_tier_bytes", "Bytes a KV cache tier's blocks take.", GaugeMetricFamily, lambda t: t["bytes"]),
-    ("tokenmill_kv_tier_read_bytes", "Bytes read back from a tier.", CounterMetricFamily, lambda t: t["read_bytes"]),
-    ("tokenmill_kv_tier_read_seconds", "Seconds reading them.", CounterMetricFamily, lambda t: t["read_seconds"]),
-    ("tokenmill_kv_tier_write_bytes", "Bytes written to a tier.", CounterMetricFamily, lambda t: t["write_bytes"]),
-    ("tokenmill_kv_tier_write_seconds", "Seconds writing them.", CounterMetricFamily, lambda t: t["write_seconds"]),
+    ("tokenmill_kv_tier_bytes", "Bytes a KV cache tier's blocks take.", GaugeMetricFamily, "bytes"),
+    ("tokenmill_kv_tier_read_bytes", "Bytes read back from a tier.", CounterMetricFamily, "read_bytes"),
+    ("tokenmill_kv_tier_read_seconds", "Seconds reading them.", CounterMetricFamily, "read_seconds"),
+    ("tokenmill_kv_tier_write_bytes", "Bytes written to a tier.", CounterMetricFamily, "write_bytes"),
+    ("tokenmill_kv_tier_write_seconds", "Seconds writing them (disk).", CounterMetricFamily, "write_seconds"),
     (
         "tokenmill_kv_tier_dropped_writes",
         "Blocks not written (writer queue full, disk full, write error): requests never wait for a write.",
         CounterMetricFamily,
-        lambda t: t["dropped_writes"],
+        "dropped_writes",
     ),
     (
         "tokenmill_kv_tier_rejected_files",
         "Corrupt, truncated or foreign block files deleted instead of served.",
         CounterMetricFamily,
-        lambda t: t["rejected_files"],
+        "rejected_files",
+    ),
+    (
+        "tokenmill_kv_tier_evicted_blocks",
+        "Blocks the host tier dropped past its byte budget (the disk tier, if any, still holds them).",
+        CounterMetricFamily,
+        "evicted_blocks",
     ),
 ]
 
 
 def _tier_metrics(stats: Stats | None) -> list[Metric]:
-    """Per tier (label ``tier``): the device's prefix cache (hits and lookups) and the disk tier
-    (every counter; no samples without one). ``stats`` None: the families only."""
+    """Per tier (label ``tier``): the device's prefix cache (hits and lookups), and the host and disk
+    tiers (the counters each keeps; no samples without the tier). ``stats`` None: the families only."""
     families = {name: family(name, doc, labels=["tier"]) for name, doc, family, _ in _TIER_METRICS}
     if stats is not None:
         cache = stats["cache"]
         families["tokenmill_kv_tier_hit_tokens"].add_metric(["device"], cache["prefix_hit_tokens"])
         families["tokenmill_kv_tier_query_tokens"].add_metric(["device"], cache["prefix_query_tokens"])
-        disk = stats["disk_tier"]
-        for name, _, _, value in _TIER_METRICS if disk is not None else ():
-            families[name].add_metric(["disk"], value(disk))
+        for tier in ("host", "disk"):
+            counters = stats[f"{tier}_tier"] or {}
+            for name, _, _, key in _TIER_METRICS:
+                if key in counters:
+                    families[name].add_metric([tier], counters[key])
     return list(families.values())
 
 

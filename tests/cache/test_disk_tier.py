@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tokenmill.cache import disk_tier
-from tokenmill.cache.disk_tier import SUFFIX, TMP_SUFFIX, DiskKVTier, DiskTierError, block_keys
+from tokenmill.cache.disk_tier import SUFFIX, TMP_SUFFIX, DiskKVTier, DiskTierError
+from tokenmill.cache.kv_tier import block_keys
 
 # [n_layers, block_tokens, n_kv_heads, head_dim]: 2 KiB of float32 keys and values per block, big
 # enough that a budget of a few files passes the tier's floor (one block plus 4096 bytes).
@@ -219,7 +220,7 @@ def test_round_trip_while_queued_and_after_reopen(tiers: Tiers, gate: Gate, dtyp
     tier = tiers.reopen(tier)  # close drains the queue
     assert tier.contains(key(1))
     assert_block_equal(tier.load(key(1)), block)
-    assert tier.stats.read_bytes == tier.payload_bytes and tier.read_bytes_per_second() is not None
+    assert tier.stats.read_bytes == tier.payload_bytes and tier.read_totals()[1] > 0
 
 
 def test_load_of_an_unknown_key_is_none(tiers: Tiers) -> None:
@@ -251,7 +252,7 @@ def test_reopen_with_the_same_namespace_keeps_the_blocks(tiers: Tiers) -> None:
     tier = tiers.reopen(tier)
     snapshot = tier.snapshot()
     sizes = [kv_path(tier, name).stat().st_size for name in blocks]
-    assert snapshot["files"] == 3 == tier.n_files
+    assert snapshot["blocks"] == 3 == tier.n_files
     assert snapshot["bytes"] == sum(sizes) == tier.n_bytes
     assert all(size > tier.payload_bytes for size in sizes)
     for name, block in blocks.items():
@@ -267,7 +268,7 @@ def test_reopen_with_another_namespace_clears_the_directory(tiers: Tiers) -> Non
     assert tier.n_files == 3
     tier = tiers.reopen(tier, namespace="namespace-b")
     assert kv_files(tier.directory) == set()
-    assert tier.snapshot()["files"] == 0 and tier.snapshot()["bytes"] == 0
+    assert tier.snapshot()["blocks"] == 0 and tier.snapshot()["bytes"] == 0
     assert not tier.contains(key(0)) and tier.load(key(0)) is None
     assert json.loads((tier.directory / "tier.json").read_text())["namespace"] == "namespace-b"
     tier = tiers.reopen(tier, namespace=NS)  # and back: nothing comes back
@@ -289,7 +290,7 @@ def test_files_stay_within_the_budget_oldest_first(tiers: Tiers, tmp_path: Path)
         wait_written(tier, key(i))
         assert tier.n_bytes <= max_bytes
     assert kv_files(tier.directory) == {key(2), key(3), key(4)}
-    assert tier.snapshot()["files"] == 3
+    assert tier.snapshot()["blocks"] == 3
     for i in (0, 1):
         assert not tier.contains(key(i)) and tier.load(key(i)) is None
     for i in (2, 3, 4):

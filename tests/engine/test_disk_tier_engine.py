@@ -220,7 +220,7 @@ def test_reset_prefix_cache_clears_the_tiers(checkpoint, tmp_path: Path) -> None
         run(llm, batch)
         assert run(llm, batch)[0][1] == 199  # a device hit: every token but the last
         llm.reset_prefix_cache()
-        assert not blocks(tmp_path) and tier_stats(llm)["files"] == 0
+        assert not blocks(tmp_path) and tier_stats(llm)["blocks"] == 0
         assert run(llm, batch)[0][1] == 0
     finally:
         llm.shutdown()

@@ -1,6 +1,7 @@
-"""The KV disk tier behind the HTTP server: a restarted server serves a repeated prompt's prefix
-from disk (``cached_tokens`` in the official client's usage, the same text), the tiers' metrics,
-and ``POST /reset_prefix_cache`` (API key required) clearing both tiers."""
+"""The KV host and disk tiers behind the HTTP server: a restarted server serves a repeated prompt's
+prefix from disk (``cached_tokens`` in the official client's usage, the same text) and keeps it in
+host memory, the tiers' metrics and status, and ``POST /reset_prefix_cache`` (API key required)
+clearing every tier."""
 
 from __future__ import annotations
 
@@ -24,15 +25,21 @@ def complete(url: str) -> tuple[str, int]:
     return reply.choices[0].text, reply.usage.prompt_tokens_details.cached_tokens
 
 
-def tier_metric(url: str, name: str) -> float:
+def tier_metric(url: str, name: str, tier: str = "disk") -> float:
     text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    line = next(line for line in text.splitlines() if line.startswith(f'{name}{{tier="disk"}}'))
+    line = next(line for line in text.splitlines() if line.startswith(f'{name}{{tier="{tier}"}}'))
     return float(line.split()[-1])
 
 
 def test_restarted_server_serves_the_prefix_from_disk(checkpoint: Path, tmp_path: Path) -> None:
     def engine() -> Engine:
-        return Engine(dtype="float32", model=str(checkpoint), num_kv_slots=4096, kv_cache_disk_dir=str(tmp_path))
+        return Engine(
+            dtype="float32",
+            model=str(checkpoint),
+            num_kv_slots=4096,
+            kv_cache_disk_dir=str(tmp_path),
+            kv_cache_host_bytes=2**24,
+        )
 
     with serve(engine(), api_key=KEY) as live:
         text, cached = complete(live.url)
@@ -46,8 +53,12 @@ def test_restarted_server_serves_the_prefix_from_disk(checkpoint: Path, tmp_path
         status = httpx.get(f"{live.url}/status", headers={"Authorization": f"Bearer {KEY}"}).json()
         assert status["kv_cache_dtype"] == "float32"
         assert status["disk_tier"]["blocks"] == 4 and status["disk_tier"]["hit_rate"] == 256 / 299
+        assert status["host_tier"]["blocks"] == 4 and status["host_tier"]["hit_rate"] == 0.0  # kept from disk
+        assert tier_metric(live.url, "tokenmill_kv_tier_hit_tokens_total", "host") == 0
+        assert tier_metric(live.url, "tokenmill_kv_tier_bytes", "host") > 0
         assert httpx.post(f"{live.url}/reset_prefix_cache").status_code == 401
         reply = httpx.post(f"{live.url}/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"})
         assert reply.status_code == 200 and reply.json() == {"success": True}
         assert not list(tmp_path.glob(f"*{SUFFIX}"))
+        assert tier_metric(live.url, "tokenmill_kv_tier_bytes", "host") == 0
         assert complete(live.url) == (text, 0)

@@ -1,10 +1,9 @@
-"""DiskKVTier: the KV cache's second tier, blocks of keys and values in files of a directory.
+"""DiskKVTier: a tier of the KV cache (``cache/kv_tier.py``), blocks of keys and values in files of a directory.
 
 A block holds the keys and values of ``block_tokens`` consecutive tokens of a prefix, for every
-layer (``[n_layers, block_tokens, n_kv_heads, head_dim]`` each; an int8 block also their fp32
-scales, ``[n_layers, block_tokens, n_kv_heads]`` each, see ``cache/kv_quant.py``), and is named by a chain hash of
-all the tokens up to its end (``block_keys``), rooted at the tier's namespace: the same prefix
-under the same model always has the same names, and nothing else does.
+layer (``kv_tier.block_parts``), and is named by a chain hash of all the tokens up to its end
+(``block_keys``), rooted at the tier's namespace: the same prefix under the same model always has
+the same names, and nothing else does.
 
 Contracts:
 
@@ -33,7 +32,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -43,7 +41,6 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from queue import Empty, Queue
@@ -51,8 +48,7 @@ from typing import IO
 
 import torch
 
-from tokenmill.cache.storage import KVStorage
-from tokenmill.config import EngineConfig
+from tokenmill.cache.kv_tier import block_parts, check_block, part_bytes
 
 logger = logging.getLogger("tokenmill.cache")
 
@@ -60,7 +56,6 @@ FORMAT = b"TMKV0001"
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 INDEX_PERIOD_S = 10.0
-BLOCK_TOKENS = 64
 _HEADER_LEN = struct.Struct("<I")
 
 
@@ -80,25 +75,6 @@ class DiskTierStats:
 
 class DiskTierError(ValueError):
     """A disk tier that cannot start: the message names the directory and what is wrong."""
-
-
-def block_keys(root: str, tokens: Sequence[int], block_tokens: int, known: list[str]) -> list[str]:
-    """The names of the whole blocks of ``tokens``: ``known`` (a list of those computed before, for
-    the same tokens and root) extended in place and returned."""
-    for b in range(len(known), len(tokens) // block_tokens):
-        previous = known[b - 1] if b else root
-        block = struct.pack(f"<{block_tokens}q", *tokens[b * block_tokens : (b + 1) * block_tokens])
-        known.append(hashlib.blake2b(previous.encode() + block, digest_size=16).hexdigest())
-    return known
-
-
-def open_disk_tier(config: EngineConfig, storage: KVStorage, namespace: str) -> DiskKVTier:
-    """The tier ``config`` asks for (``kv_cache_disk_dir``, ``kv_cache_disk_bytes``) for blocks of
-    ``storage``'s layers, heads and dtype; blocks of ``max(BLOCK_TOKENS, page_size)`` tokens."""
-    assert config.kv_cache_disk_dir is not None
-    n_layers, _, n_kv_heads, head_dim = storage.k_buffer.shape
-    block = (n_layers, max(BLOCK_TOKENS, config.page_size), n_kv_heads, head_dim)
-    return DiskKVTier(config.kv_cache_disk_dir, config.kv_cache_disk_bytes, namespace, block, storage.k_buffer.dtype)
 
 
 class DiskKVTier:
@@ -122,9 +98,8 @@ class DiskKVTier:
         self.dtype = dtype
         self.max_bytes = max_bytes
         self.max_pending_bytes = max_pending_bytes
-        scales = [(block_shape[:3], torch.float32)] * 2 if dtype == torch.int8 else []
-        self.parts: list[tuple[tuple[int, ...], torch.dtype]] = [(block_shape, dtype)] * 2 + scales
-        self.payload_bytes = sum(_part_bytes(shape, part_dtype) for shape, part_dtype in self.parts)
+        self.parts = block_parts(block_shape, dtype)
+        self.payload_bytes = sum(part_bytes(shape, part_dtype) for shape, part_dtype in self.parts)
         self.stats = DiskTierStats()
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # name -> file bytes, least recently used first
@@ -156,15 +131,22 @@ class DiskKVTier:
             return self._bytes
 
     def snapshot(self) -> dict[str, float]:
-        """Counters (``DiskTierStats``) with the files' count and bytes and the byte budget."""
+        """Counters (``DiskTierStats``) with the blocks (files) held, their bytes and the byte budget."""
         with self._lock:
-            held = {"files": len(self._index), "bytes": self._bytes, "max_bytes": self.max_bytes}
+            held = {"blocks": len(self._index), "bytes": self._bytes, "max_bytes": self.max_bytes}
         return {**asdict(self.stats), **held}
 
-    def read_bytes_per_second(self) -> float | None:
-        """Measured read speed (None before the first read)."""
-        stats = self.stats
-        return stats.read_bytes / stats.read_seconds if stats.read_seconds > 0 else None
+    def snapshots(self) -> dict[str, dict[str, float]]:
+        return {"disk": self.snapshot()}
+
+    def record_query(self, n_tokens: int) -> None:
+        self.stats.query_tokens += n_tokens
+
+    def record_hit(self, key: str, n_tokens: int) -> None:
+        self.stats.hit_tokens += n_tokens
+
+    def read_totals(self) -> tuple[int, float]:
+        return self.stats.read_bytes, self.stats.read_seconds
 
     # ------------------------------------------------------------------ engine thread
     def contains(self, key: str) -> bool:
@@ -176,11 +158,7 @@ class DiskKVTier:
         """Queue block ``key`` (``parts``: keys, values and for int8 their scales, CPU tensors the
         caller no longer writes) for writing; False when it is dropped (already held, too much
         queued, not writing)."""
-        if len(parts) != len(self.parts):
-            raise ValueError(f"a block has {len(self.parts)} parts (keys, values, int8 scales), got {len(parts)}")
-        for part, (shape, dtype) in zip(parts, self.parts):
-            if part.shape != shape or part.dtype != dtype:
-                raise ValueError(f"a block part is {shape} {dtype}, got {tuple(part.shape)} {part.dtype}")
+        check_block(parts, self.parts)
         parts = tuple(part.contiguous() for part in parts)
         with self._lock:
             if key in self._index or key in self._pending:
@@ -221,7 +199,7 @@ class DiskKVTier:
         self.stats.read_bytes += len(payload)
         flat, parts, start = torch.frombuffer(payload, dtype=torch.uint8), [], 0
         for shape, dtype in self.parts:
-            n = _part_bytes(shape, dtype)
+            n = part_bytes(shape, dtype)
             parts.append(flat[start : start + n].view(dtype).view(shape))
             start += n
         return tuple(parts)
@@ -437,10 +415,6 @@ class DiskKVTier:
             _replace_with(self.directory / "index.json", json.dumps(names).encode())
         except OSError as exc:
             logger.warning("disk KV tier: writing its index failed: %s", exc)
-
-
-def _part_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
 
 
 def _replace_with(path: Path, data: bytes) -> None:

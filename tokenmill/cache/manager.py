@@ -12,9 +12,10 @@ Epochs: ``reset_prefix_cache`` (e.g. after a weight update) starts a new epoch; 
 admitted in an older epoch never inserts its KV into the radix cache, so no later request can
 reuse KV computed under old weights.
 
-The disk tier (optional, ``cache/disk_tier.py``): whole blocks of a prefix that enter the radix
-cache are queued to be saved, and an admission whose device match ends where the tier holds the
-next blocks loads them instead of computing them (when reading is measured faster than prefill).
+The second tier (optional, ``cache/kv_tier.py``: host memory, disk, or host memory in front of
+disk): whole blocks of a prefix that enter the radix cache are queued to be saved, and an admission
+whose device match ends where the tier holds the next blocks loads them instead of computing them
+(when reading is measured faster than prefill).
 The manager never touches KV data: ``take_tier_moves`` hands the step's executor the slots to
 save from (before any later forward can overwrite them) and the blocks to store into freshly
 allocated slots (before the forward that reads them). A handle's positions waiting for a load
@@ -30,8 +31,8 @@ from typing import Any
 import torch
 
 from tokenmill.cache.allocator import PageAllocator
-from tokenmill.cache.disk_tier import DiskKVTier, block_keys
 from tokenmill.cache.handle import KVHandle
+from tokenmill.cache.kv_tier import KVTier, block_keys
 from tokenmill.cache.radix import RadixCache
 from tokenmill.cache.storage import ReqToTokenPool
 from tokenmill.config import EngineConfig
@@ -48,7 +49,7 @@ class CacheStats:
 
 @dataclass(frozen=True)
 class TierLoad:
-    """Keys and values (and an int8 cache's scales) read from the disk tier for ``slots`` of ``kv``
+    """Keys and values (and an int8 cache's scales) read from the second tier for ``slots`` of ``kv``
     (each part ``[n_layers, len(slots), ...]``, as ``KVStorage.read_slots`` returns them)."""
 
     kv: KVHandle
@@ -59,10 +60,10 @@ class TierLoad:
 
 class CacheManager:
     def __init__(
-        self, config: EngineConfig, n_slots: int, req_pool: ReqToTokenPool, tier: DiskKVTier | None = None
+        self, config: EngineConfig, n_slots: int, req_pool: ReqToTokenPool, tier: KVTier | None = None
     ) -> None:
         """``n_slots``: the KV storage's slots (``n_slots // page_size`` pages); ``req_pool``: layer 2;
-        ``tier``: the disk tier (needs the radix cache; its blocks a whole number of pages)."""
+        ``tier``: the second tier (needs the radix cache; its blocks a whole number of pages)."""
         self.config = config
         self.page_size = config.page_size
         self.req_pool = req_pool
@@ -111,9 +112,10 @@ class CacheManager:
     def snapshot(self) -> dict[str, Any]:
         """Counters and occupancy for metrics: ``cache`` (the :class:`CacheStats`), ``kv_usage`` (pages
         of live sequences), ``kv_prefix_cache_usage`` (pages only the prefix cache holds), free,
-        capacity and cached pages, free request rows, the disk tier's counters (None without one).
+        capacity and cached pages, free request rows, the host and disk tiers' counters (None without them).
         Walks the prefix tree once."""
         live_usage, prefix_cache_usage = self.usage()
+        tiers = self.tier.snapshots() if self.tier is not None else {}
         return {
             "cache": asdict(self.stats),
             "kv_usage": live_usage,
@@ -122,14 +124,15 @@ class CacheManager:
             "kv_capacity_pages": self.allocator.capacity,
             "kv_cached_pages": self.radix.n_cached_pages if self.radix is not None else 0,
             "free_rows": self.req_pool.n_free,
-            "disk_tier": self.tier.snapshot() if self.tier is not None else None,
+            "host_tier": tiers.get("host"),
+            "disk_tier": tiers.get("disk"),
         }
 
     # ----------------------------------------------------------------- lifecycle
     def alloc(self, kv: KVHandle, tokens: Sequence[int], use_prefix_cache: bool = True, namespace: str = "") -> bool:
         """Give ``kv`` a row and the cached prefix of ``tokens`` (the sequence's token ids) in
         ``namespace`` (KV computed with other weights, e.g. a LoRA adapter's: ``""`` is the base
-        model's; only the base model's prefixes go to the disk tier). All or nothing: False leaves
+        model's; only the base model's prefixes go to the second tier). All or nothing: False leaves
         nothing allocated.
 
         The prefix match is capped so at least one token remains to compute (the step that
@@ -291,25 +294,25 @@ class CacheManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix of the device (e.g. after a weight update). Running sequences
-        keep theirs; nothing computed before joins the disk tier."""
+        keep theirs; nothing computed before joins the second tier."""
         if self.radix is not None:
             self.radix.reset()
         self._saves.clear()
         self.epoch += 1
 
     def clear_tiers(self) -> None:
-        """Forget every cached prefix, on the device and on disk."""
+        """Forget every cached prefix, on the device and in the second tier."""
         self.reset_prefix_cache()
         if self.tier is not None:
             self.tier.clear()
 
     def rename_tier(self, namespace: str) -> None:
-        """The weights changed: the disk tier serves ``namespace`` from now on (its blocks deleted)."""
+        """The weights changed: the second tier serves ``namespace`` from now on (its blocks deleted)."""
         if self.tier is not None:
             self._saves.clear()
             self.tier.renamespace(namespace)
 
-    # ----------------------------------------------------------------- disk tier
+    # ----------------------------------------------------------------- second tier
     def take_tier_moves(self) -> tuple[list[tuple[str, torch.Tensor]], list[TierLoad]]:
         """``(saves, loads)`` queued since the last call: blocks to save (name, the slots holding them
         now) and blocks read for new slots. Saves must be read before loads are stored, both before
@@ -327,15 +330,17 @@ class CacheManager:
         self._prefill_seconds_per_token = per_token if previous is None else 0.8 * previous + 0.2 * per_token
 
     def tier_load_pays(self) -> bool:
-        """Whether reading a token's KV from disk is faster than computing it (True until both are measured)."""
+        """Whether loading a token's KV from the tier is faster than computing it (True until both are measured)."""
         tier, per_token = self.tier, self._prefill_seconds_per_token
-        read_speed = tier.read_bytes_per_second() if tier is not None else None
-        if tier is None or read_speed is None or per_token is None:
-            return tier is not None
-        return tier.payload_bytes / tier.block_tokens / read_speed < per_token
+        if tier is None:
+            return False
+        read_bytes, read_seconds = tier.read_totals()
+        if read_seconds <= 0 or per_token is None:
+            return True
+        return tier.payload_bytes / tier.block_tokens * read_seconds / read_bytes < per_token
 
     def _block_keys(self, kv: KVHandle, tokens: Sequence[int]) -> list[str]:
-        """The disk-tier names of the whole blocks of ``tokens`` (``kv``'s sequence's first tokens)."""
+        """The tier's names of the whole blocks of ``tokens`` (``kv``'s sequence's first tokens)."""
         assert self.tier is not None
         if kv.keys_epoch != self.epoch:
             kv.block_keys, kv.keys_epoch = [], self.epoch
@@ -349,7 +354,7 @@ class CacheManager:
         assert tier is not None and kv.row is not None
         bt, start = tier.block_tokens, kv.n_kv
         first = start // bt
-        tier.stats.query_tokens += len(tokens) - start
+        tier.record_query(len(tokens) - start)
         keys = self._block_keys(kv, tokens)[first:]
         held = 0
         while held < len(keys) and tier.contains(keys[held]):
@@ -367,13 +372,13 @@ class CacheManager:
         if slots is None:
             return
         position, offset = start, start - first * bt
-        for block in blocks:
+        for key, block in zip(keys, blocks):
             part = slots[position - start : position - start + bt - offset]
             self._loads.append(TierLoad(kv, position, part, tuple(p[:, offset:] for p in block)))
+            tier.record_hit(key, part.numel())
             position += part.numel()
             offset = 0
         kv.n_cached_tokens = kv.n_kv
-        tier.stats.hit_tokens += n
 
     def _save_to_tier(self, kv: KVHandle, tokens: Sequence[int]) -> None:
         """Queue the whole blocks of ``tokens`` (computed in ``kv``'s row) that the tier lacks."""

@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
-from tokenmill.cache.disk_tier import DiskKVTier, open_disk_tier
 from tokenmill.cache.fingerprint import checkpoint_fingerprint
+from tokenmill.cache.kv_tier import KVTier
 from tokenmill.cache.manager import CacheManager
 from tokenmill.cache.storage import ReqToTokenPool
+from tokenmill.cache.tier_chain import open_kv_tier
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.worker_group import WorkerGroup, WorkerGroupError, start_worker_group
 from tokenmill.engine.commands import EngineDeadError
@@ -98,7 +99,7 @@ class Engine(EngineLoop):
         self.step_time = 0.0  # wall seconds in steps that ran a forward
         self.forward_time = 0.0  # of which inside the model forward
         self.workers: WorkerGroup | None = None  # the other tensor-parallel ranks (tensor_parallel_size > 1)
-        self.tier: DiskKVTier | None = None  # the KV cache's disk tier (kv_cache_disk_dir)
+        self.tier: KVTier | None = None  # the KV cache's host / disk tier (kv_cache_host_bytes, kv_cache_disk_dir)
         self._checkpoint_namespace = ""  # the tier's namespace for the checkpoint's own weights
         self.executor: StepExecutor | None = None
         self.lora: LoRAManager | None = None  # the LoRA adapters (enable_lora)
@@ -120,9 +121,9 @@ class Engine(EngineLoop):
         agree = self.workers.agree_on_slots if self.workers else None
         self.worker = build_model_worker(cfg, tp, self.device, req_pool.table, agree)
         self.model = self.worker.model
-        if cfg.kv_cache_disk_dir is not None:
-            self.tier = open_disk_tier(cfg, self.worker.storage, self._tier_namespace())
-            self._checkpoint_namespace = self.tier.namespace
+        if cfg.kv_cache_disk_dir is not None or cfg.kv_cache_host_bytes > 0:
+            self._checkpoint_namespace = self._tier_namespace()
+            self.tier = open_kv_tier(cfg, self.worker.storage, self._checkpoint_namespace)
         self.cache = CacheManager(cfg, self.worker.storage.n_slots, req_pool, self.tier)
         self.context_limit = min(self.max_context_len, self.cache.capacity_tokens)
         speculative = cfg.speculative()
@@ -352,7 +353,7 @@ class Engine(EngineLoop):
         self.requests.admit(state)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix, on the device and on the disk tier (between steps; running
+        """Forget every cached prefix, on the device and in the host / disk tiers (between steps; running
         sequences keep their KV)."""
         self.call(self.cache.clear_tiers)
 
@@ -489,6 +490,7 @@ def _check_encoder_settings(cfg: EngineConfig) -> None:
             ("enable_lora", cfg.enable_lora),
             ("speculative_config", cfg.speculative() is not None),
             ("kv_cache_disk_dir", cfg.kv_cache_disk_dir is not None),
+            ("kv_cache_host_bytes", cfg.kv_cache_host_bytes > 0),
         )
         if on
     ]

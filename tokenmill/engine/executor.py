@@ -3,7 +3,7 @@
 tensor parallelism the step is broadcast first and rank 0's worker runs inside the broadcast's
 hold on the group); then, where the data is, the computed prompts go into the prefix cache and the
 prompt logprobs and pooling hidden states the step produced are collected into their sequences.
-With a disk tier, the blocks the cache queued move between the KV storage and the tier
+With a host or disk tier, the blocks the cache queued move between the KV storage and the tier
 (``move_tier_blocks``) before each forward and after each step's output stage.
 
 Batch order: decode sequences (one token each), verifications (a sequence's last token and its
@@ -70,7 +70,7 @@ class StepExecutor:
         return logits[:n_sample], logits[n_sample:n_scored]
 
     def move_tier_blocks(self) -> None:
-        """Hand the disk tier the blocks the cache queued for it (read from their slots now, before a
+        """Hand the tier the blocks the cache queued for it (read from their slots now, before a
         forward can overwrite them), then store the blocks it read into their new slots. Call before
         every forward and after the step's output stage (so nothing waits for the next step)."""
         tier = self.cache.tier

@@ -1,5 +1,5 @@
 """Cache control: ``POST /reset_prefix_cache`` forgets every cached prefix, on the device and on the
-disk tier (vLLM's route; running requests keep their KV). Protected by the API key like every route."""
+host and disk tiers (vLLM's route; running requests keep their KV). Protected by the API key like every route."""
 
 from __future__ import annotations
 

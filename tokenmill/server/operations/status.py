@@ -33,8 +33,8 @@ async def metrics(state: State) -> Response:
 @router.get("/status")
 async def status(state: State) -> dict[str, Any]:
     """The model and its settings, requests running and waiting, KV pages (used by requests, cached
-    only, free), the prefix cache's hit rate, the KV dtype, the disk tier's hit rate and size (None
-    without one) and the output tokens served so far."""
+    only, free), the prefix cache's hit rate, the KV dtype, the host and disk tiers' hit rates and sizes
+    (None without them) and the output tokens served so far."""
     engine = state.engine
     with engine_errors({}):  # a dead engine: 503
         stats = await asyncio.to_thread(engine.stats)
@@ -54,18 +54,19 @@ async def status(state: State) -> dict[str, Any]:
         "kv_pages_free": free,
         "prefix_cache_hit_rate": cache["prefix_hit_tokens"] / queried if queried else 0.0,
         "kv_cache_dtype": str(engine.worker.storage.k_buffer.dtype).removeprefix("torch."),
-        "disk_tier": _disk_tier(stats["disk_tier"]),
+        "host_tier": _tier(stats["host_tier"]),
+        "disk_tier": _tier(stats["disk_tier"]),
         "generation_tokens": int(state.metrics.registry.get_sample_value("tokenmill_generation_tokens_total") or 0),
     }
 
 
-def _disk_tier(tier: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The disk tier's hit rate (prompt tokens read back / looked up there), blocks and bytes; None without one."""
+def _tier(tier: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A host or disk tier's hit rate (prompt tokens it served / looked up), blocks and bytes; None without one."""
     if tier is None:
         return None
     queried = tier["query_tokens"]
     hit_rate = tier["hit_tokens"] / queried if queried else 0.0
-    return {"hit_rate": hit_rate, "blocks": tier["files"], "bytes": tier["bytes"], "max_bytes": tier["max_bytes"]}
+    return {"hit_rate": hit_rate, "blocks": tier["blocks"], "bytes": tier["bytes"], "max_bytes": tier["max_bytes"]}
 
 
 @router.get("/version")
