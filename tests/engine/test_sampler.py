@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tokenmill.engine.sampler import Sampler, apply_penalties
+from tokenmill.engine.sampler import Sampler, _filter_logits, _kept_candidates, apply_penalties
 from tokenmill.engine.sequence import Sequence
 from tokenmill.request import LOGPROB_FLOOR, SamplingParams
 
@@ -141,6 +141,57 @@ def test_top_k_and_top_p_limit_the_support() -> None:
     logits = probs.log()
     assert _support(logits, 400, temperature=1.0, top_k=2) == {0, 1}
     assert _support(logits, 400, temperature=1.0, top_p=0.8) == {0, 1, 2}  # 0.4 + 0.3 < 0.8
+
+
+def kept_by_definition(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """The tokens one row keeps, filter by filter: its ``top_k`` largest logits (all if 0), those with
+    at least ``min_p`` times the top probability, then the shortest most likely run of those whose
+    renormalized mass before each token is below ``top_p``."""
+    probs = logits.double().softmax(-1)
+    order = sorted(range(len(probs)), key=lambda t: -float(logits[t]))
+    kept = order[:top_k] if top_k > 0 else order
+    kept = [t for t in kept if probs[t] >= min_p * probs[order[0]]]
+    total, mass, result = sum(float(probs[t]) for t in kept), 0.0, []
+    for t in kept:
+        if result and top_p < 1.0 and mass >= top_p:
+            break
+        result.append(t)
+        mass += float(probs[t]) / total
+    return set(result)
+
+
+TOP_K_ROWS = [(3, 1.0, 0.0), (40, 0.7, 0.0), (12, 0.95, 0.05), (1, 1.0, 0.0), (25, 0.5, 0.2), (60, 1.0, 0.0)]
+TOP_P_ROWS = [(0, 0.9, 0.0), (0, 0.5, 0.0), (0, 1.0, 0.05), (0, 0.99, 0.02), (300, 0.8, 0.0), (7, 1.0, 0.0)]
+
+
+@pytest.mark.parametrize(
+    ("settings", "scale", "sorted_width"),
+    [
+        (TOP_K_ROWS, 3.0, 60),  # every row has a top-k: its largest 60 logits
+        (TOP_P_ROWS, 3.0, 256),  # peaked rows: the first PREFILTER_TOKENS hold what top-p and min-p keep
+        (TOP_P_ROWS, 0.3, 500),  # flat rows: the whole vocabulary
+        (TOP_K_ROWS + [(0, 0.9, 0.01)], 3.0, 256),
+    ],
+)
+def test_filters_keep_what_their_definitions_keep(settings: list, scale: float, sorted_width: int) -> None:
+    """min-p, top-k and top-p together, row by row, against their definitions, whichever number of
+    candidates the filter sorts."""
+    logits = torch.randn(len(settings), 500, generator=torch.Generator().manual_seed(3)) * scale
+    top_k, top_p, min_p = (torch.tensor(column) for column in zip(*settings))
+    assert _kept_candidates(logits, top_k, top_p, min_p)[0].shape[-1] == sorted_width
+    filtered = _filter_logits(logits.clone(), top_k, top_p, min_p)
+    for row, (k, p_, m) in enumerate(settings):
+        kept = set(torch.isfinite(filtered[row]).nonzero().flatten().tolist())
+        assert kept == kept_by_definition(logits[row], k, p_, m), (k, p_, m)
+        assert torch.equal(filtered[row, sorted(kept)], logits[row, sorted(kept)])
+
+
+def test_rows_without_a_filter_keep_every_token_beside_filtered_rows() -> None:
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(5))
+    seqs = [seq(0, temperature=1.0), seq(1, temperature=1.0, top_k=1)]
+    draws = [sampler(seed=s).sample(logits, seqs, set()).token_ids for s in range(60)]
+    assert len({d[0] for d in draws}) > 5  # the unfiltered row draws from many tokens
+    assert {d[1] for d in draws} == {int(logits[1].argmax())}
 
 
 def test_apply_penalties_numerically() -> None:

@@ -69,23 +69,52 @@ def apply_penalties(
     return penalized - frequency[:, None] * counts - presence[:, None] * in_output.to(logits.dtype)
 
 
+PREFILTER_TOKENS = 256
+"""How many of a row's largest logits are tried first for top-p and min-p without top-k: when they
+provably hold every token a row keeps, only they are sorted (``_kept_candidates``)."""
+
+
 def _filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Return ``logits`` ``[R, V]`` with tokens outside min-p / top-k / top-p set to ``-inf``.
 
     ``top_k[i] <= 0``, ``top_p[i] == 1`` and ``min_p[i] == 0`` disable the filter for row ``i``.
-    One sort serves all three filters; the most likely token always survives.
+    One sort serves all three filters; the most likely token always survives. Only the candidates
+    ``_kept_candidates`` finds are sorted (sorting a whole vocabulary costs more than the rest of a
+    decode step's sampling): the tokens outside them are dropped by every row's filters anyway, and
+    min-p and top-p over the kept tokens do not depend on them.
     """
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits, order = _kept_candidates(logits, top_k, top_p, min_p)
     probs = sorted_logits.softmax(dim=-1)
     drop = probs < min_p[:, None] * probs[:, :1]
-    positions = torch.arange(vocab, device=logits.device)
+    positions = torch.arange(sorted_logits.shape[-1], device=logits.device)
     drop |= (top_k[:, None] > 0) & (positions[None, :] >= top_k[:, None])
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 for the top token
     drop |= (top_p[:, None] < 1.0) & (mass_before >= top_p[:, None]) & (positions[None, :] > 0)
     kept = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, kept)
+
+
+def _kept_candidates(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's largest logits in descending order and their token ids, as many as hold every
+    token any row's filters keep: ``max(top_k)`` when every row has a top-k; else the first
+    ``PREFILTER_TOKENS`` when each row keeps at most those (its top-k, or their probability mass
+    reaches its top-p, or the last of them is below its min-p bound, each with a margin for
+    rounding); else the whole vocabulary."""
+    vocab = logits.shape[-1]
+    if int(top_k.min()) > 0 and int(top_k.max()) < vocab:
+        return logits.topk(int(top_k.max()), dim=-1)
+    if PREFILTER_TOKENS < vocab:
+        values, order = logits.topk(PREFILTER_TOKENS, dim=-1)
+        probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
+        covered = (top_k > 0) & (top_k <= PREFILTER_TOKENS)
+        covered |= (top_p < 1.0) & (probs.sum(dim=-1) >= top_p + 1e-4)
+        covered |= (min_p > 0.0) & (probs[:, -1] * (1 + 1e-4) < min_p * probs[:, 0])
+        if bool(covered.all()):
+            return values, order
+    return logits.sort(dim=-1, descending=True)
 
 
 class Sampler:
@@ -264,13 +293,19 @@ class Sampler:
         """Draw one token per row of ``logits`` ``[R, V]`` (modified in place) for non-greedy ``seqs``."""
         device = logits.device
         logits.div_(torch.tensor([s.params.temperature for s in seqs], device=device)[:, None])
-        if any(s.params.top_k > 0 or s.params.top_p < 1.0 or s.params.min_p > 0.0 for s in seqs):
-            logits = _filter_logits(
-                logits,
-                torch.tensor([s.params.top_k for s in seqs], device=device),
-                torch.tensor([s.params.top_p for s in seqs], device=device),
-                torch.tensor([s.params.min_p for s in seqs], device=device),
+        rows = [i for i, s in enumerate(seqs) if s.params.top_k > 0 or s.params.top_p < 1.0 or s.params.min_p > 0.0]
+        if rows:  # only rows with a filter (an unfiltered row would make every row sort its whole vocabulary)
+            params = [seqs[i].params for i in rows]
+            filtered = _filter_logits(
+                logits if len(rows) == len(seqs) else logits[rows],
+                torch.tensor([p.top_k for p in params], device=device),
+                torch.tensor([p.top_p for p in params], device=device),
+                torch.tensor([p.min_p for p in params], device=device),
             )
+            if len(rows) == len(seqs):
+                logits = filtered
+            else:
+                logits[rows] = filtered
         return _inverse_cdf_draw(logits.softmax(dim=-1), self._uniforms(seqs))
 
     def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
