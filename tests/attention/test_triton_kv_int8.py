@@ -202,7 +202,7 @@ def test_engine_greedy_tokens_match_torch_backend_over_int8(checkpoint: Path) ->
     for backend in ("torch", "triton"):
         llm = LLM(model=str(checkpoint), attention_backend=backend, **options)
         try:
-            assert llm.engine.model.backend.name == backend
+            assert llm.engine.model.backend.name == backend and llm.engine.worker.storage.k_buffer.dtype == torch.int8
             first = llm.generate(prompts, SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)
             (second,) = llm.generate([followup], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
             stats = llm.engine.stats()
