@@ -188,6 +188,3 @@ def test_int8_holds_about_twice_the_tokens_of_bf16() -> None:
 def test_refusals(model: Path) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be"):
         LLM(model=str(model), kv_cache_dtype="int4")
-    from tokenmill.attention.triton_capabilities import TRITON_CAPABILITIES
-
-    assert not TRITON_CAPABILITIES.reads_kv(torch.float32, torch.int8)

@@ -123,6 +123,8 @@ class CudaGraphDecodeRunner:
             seq_lens=self.seq_lens[:size],
             out_cache_loc=self.out_cache_loc[:size],
             max_seq_len=self.table.shape[1],  # an upper bound; capturable backends ignore it
+            k_scale=self.storage.k_scale,  # an int8 cache's scales (None otherwise)
+            v_scale=self.storage.v_scale,
         )
 
     def _plan(self, size: int) -> object:

@@ -1,7 +1,9 @@
 """TritonBackend: KV store, split-KV paged decode and ragged paged prefill as Triton kernels.
 
 Strict: every unsupported case raises at construction or in ``forward`` (attention logit
-soft-capping included); nothing falls back to another implementation. Sliding-window layers pass
+soft-capping included); nothing falls back to another implementation. An int8 KV cache
+(``cache/kv_quant.py``) is quantized by the store kernel as it writes and read in place by the
+attention kernels, with the scales of the view (``k_scale``/``v_scale``). Sliding-window layers pass
 their window to the kernels as a plain int argument (no device data). The decode path launches a
 fixed grid from tensor shapes and never syncs with the host, and its plan is tensor ops into
 buffers it owns, so a decode forward can be captured in a CUDA graph.
@@ -105,10 +107,13 @@ class TritonBackend(AttentionBackend[TritonPlan]):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         k_cache = view.k_buffer[layer_id]
         v_cache = view.v_buffer[layer_id]
-        store_kv(k, v, k_cache, v_cache, view.out_cache_loc)
+        quantized = view.k_scale is not None and view.v_scale is not None
+        k_scale = view.k_scale[layer_id] if quantized else None
+        v_scale = view.v_scale[layer_id] if quantized else None
+        store_kv(k, v, k_cache, v_cache, view.out_cache_loc, k_scale, v_scale)
         if isinstance(plan, TritonDecodePlan):
-            return decode_attention(q, k_cache, v_cache, plan, self.scale, sliding_window)
-        return prefill_attention(q, k_cache, v_cache, plan, self.scale, sliding_window)
+            return decode_attention(q, k_cache, v_cache, plan, self.scale, sliding_window, k_scale, v_scale)
+        return prefill_attention(q, k_cache, v_cache, plan, self.scale, sliding_window, k_scale, v_scale)
 
     def _check_rows(self, batch: int) -> None:
         if batch > self.config.max_rows:
@@ -137,3 +142,8 @@ class TritonBackend(AttentionBackend[TritonPlan]):
             raise ValueError("KV buffers must be contiguous in head_dim")
         if view.req_to_token.stride(-1) != 1:
             raise ValueError("req_to_token must be contiguous in its position dimension")
+        if view.k_buffer.dtype == torch.int8:
+            if view.k_scale is None or view.v_scale is None:
+                raise ValueError("an int8 KV cache needs its k_scale/v_scale in the view")
+            if view.k_scale.stride() != view.v_scale.stride():
+                raise ValueError("k_scale and v_scale must have the same strides")

@@ -26,6 +26,11 @@ def kernel_window(sliding_window: int | None, req_to_token: torch.Tensor) -> int
     return width if sliding_window is None else min(sliding_window, width)
 
 
+def scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
+    """Slot and head strides of one layer's int8 scales ``[n_slots, Hkv]`` ((0, 0) without: unused)."""
+    return (0, 0) if scale is None else (scale.stride(0), scale.stride(1))
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs use exact fp32 dots (matching the torch reference); 16-bit ones the tensor cores."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -44,25 +49,37 @@ def attend_kv_chunk(
     mask_d,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     kvh,
     stride_kcs,
     stride_kch,
     stride_vcs,
     stride_vch,
+    stride_ss,
+    stride_sh,
     qk_scale,
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     """One online-softmax step of rows ``q`` ``[M, D]`` over the KV slots ``slots`` ``[N]`` of
     KV head ``kvh``; ``visible`` (broadcastable to ``[M, N]``) masks scores (a row that sees none
     of the chunk's keys is left unchanged). Scores are scaled by ``qk_scale`` (which includes
-    log2(e)), so the running max ``m_i`` is in log2 units.
-    Returns the updated ``(m_i, l_i, acc)``."""
+    log2(e)), so the running max ``m_i`` is in log2 units. ``QUANTIZED``: the caches are int8 with
+    per-(slot, head) scales at ``k_scale_ptr``/``v_scale_ptr``, dequantized in registers: scores are
+    ``(q . k_int8) * k_scale`` (the int8 values exact in ``q``'s dtype, summed in fp32) and the
+    weights multiply ``v_int8 * v_scale`` (computed in fp32, then in ``q``'s dtype, as the torch
+    path reads it). Returns the updated ``(m_i, l_i, acc)``."""
     k = tl.load(  # [BLOCK_D, BLOCK_N]: K^T straight from the cache
         k_cache_ptr + slots[None, :] * stride_kcs + kvh * stride_kch + offs_d[:, None],
         mask=mask_d[:, None] & mask_n[None, :],
         other=0.0,
     )
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+    if QUANTIZED:
+        k_scale = tl.load(k_scale_ptr + slots * stride_ss + kvh * stride_sh, mask=mask_n, other=0.0)
+        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * (k_scale * qk_scale)[None, :]
+    else:
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row that has seen no key yet (sliding window) keeps m = -inf: subtract 0 instead (no NaN)
@@ -75,5 +92,8 @@ def attend_kv_chunk(
         mask=mask_n[:, None] & mask_d[None, :],
         other=0.0,
     )
+    if QUANTIZED:
+        v_scale = tl.load(v_scale_ptr + slots * stride_ss + kvh * stride_sh, mask=mask_n, other=0.0)
+        v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc

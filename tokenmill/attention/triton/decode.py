@@ -5,10 +5,11 @@ head ``g`` (the whole GQA group, padded to a 16-row ``tl.dot`` tile) over split 
 ``b``'s visible keys — positions ``[f + s * L // n, f + (s + 1) * L // n)`` with ``f = max(0,
 seq_lens[b] - window)`` (the last ``window`` keys; ``window`` a launch argument, the table width when
 the layer has none), ``L = seq_lens[b] - f`` and ``n = num_splits[b]`` — reading K/V slot by slot
-through ``req_to_token[req_pool_indices[b]]``.
-It writes the normalized partial output and its natural-log sum-exp to ``partial_out[b, h, s]``
-and ``partial_lse[b, h, s]``. Programs with ``s >= n`` exit at once; an empty split writes
-``lse = -inf``. Stage 2, grid ``(B, n_heads)``: merges the ``n`` partials of each head.
+through ``req_to_token[req_pool_indices[b]]`` (an int8 cache's tiles dequantized in registers with
+their scales, see ``common.attend_kv_chunk``). It writes the normalized partial output and its
+natural-log sum-exp to ``partial_out[b, h, s]`` and ``partial_lse[b, h, s]``. Programs with
+``s >= n`` exit at once; an empty split writes ``lse = -inf``. Stage 2, grid ``(B, n_heads)``:
+merges the ``n`` partials of each head.
 
 The grid depends only on tensor shapes, and split bounds are read on the device, so a decode
 step launches the same kernels whatever the lengths are (CUDA-graph capturable, no host sync).
@@ -27,6 +28,7 @@ from tokenmill.attention.triton.common import (
     dot_block,
     dot_precision,
     kernel_window,
+    scale_strides,
 )
 from tokenmill.attention.triton.plan import TritonDecodePlan
 
@@ -36,6 +38,8 @@ def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     req_to_token_ptr,
     req_pool_ptr,
     seq_lens_ptr,
@@ -48,6 +52,8 @@ def _decode_split_kernel(
     stride_kch,
     stride_vcs,
     stride_vch,
+    stride_ss,
+    stride_sh,
     stride_rt,
     stride_pob,
     stride_poh,
@@ -63,6 +69,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -107,13 +114,18 @@ def _decode_split_kernel(
             mask_d,
             k_cache_ptr,
             v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
             kvh,
             stride_kcs,
             stride_kch,
             stride_vcs,
             stride_vch,
+            stride_ss,
+            stride_sh,
             qk_scale,
             DOT_PRECISION,
+            QUANTIZED,
         )
 
     nonempty = l_i > 0
@@ -168,12 +180,15 @@ def decode_attention(
     plan: TritonDecodePlan,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` over each request's cached context (its last
     ``sliding_window`` keys when given); returns ``[B, H, D]``.
 
     ``k_cache``/``v_cache`` are one layer's ``[n_slots, Hkv, D]``; this step's k/v must already be
-    stored. Uses ``plan.partial_out/partial_lse`` rows ``0..B-1`` as scratch.
+    stored; with ``k_scale``/``v_scale`` (``[n_slots, Hkv]`` fp32) they are int8, read in place.
+    Uses ``plan.partial_out/partial_lse`` rows ``0..B-1`` as scratch.
     """
     batch, n_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[1]
@@ -189,6 +204,8 @@ def decode_attention(
         q,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         view.req_to_token,
         view.req_pool_indices,
         view.seq_lens,
@@ -201,6 +218,7 @@ def decode_attention(
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
+        *scale_strides(k_scale),
         view.req_to_token.stride(0),
         part_out.stride(0),
         part_out.stride(1),
@@ -216,6 +234,7 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=BLOCK_N,
         DOT_PRECISION=dot_precision(q.dtype),
+        QUANTIZED=k_scale is not None,
         num_warps=4,
     )
     _decode_combine_kernel[(batch, n_heads)](

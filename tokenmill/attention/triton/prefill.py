@@ -7,7 +7,8 @@ sits at absolute position ``p = prefix_lens[r] + j`` and attends to positions ``
 ``p - window < k`` (``window``: the layer's sliding window, or the table width when it has none),
 read in ``BLOCK_N`` chunks through ``req_to_token[req_pool_indices[r]]`` (the cached prefix and
 this step's tokens, which the store kernel has already written) from the first key the tile's first
-row sees. Online softmax in fp32 (exp2); GQA by indexing KV head ``h // group``.
+row sees. Online softmax in fp32 (exp2); GQA by indexing KV head ``h // group``. An int8 cache's
+tiles are dequantized in registers with their scales (``common.attend_kv_chunk``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tokenmill.attention.triton.common import (
     dot_block,
     dot_precision,
     kernel_window,
+    scale_strides,
 )
 from tokenmill.attention.triton.plan import TritonPrefillPlan
 
@@ -32,6 +34,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     o_ptr,
     req_to_token_ptr,
     req_pool_ptr,
@@ -48,6 +52,8 @@ def _prefill_kernel(
     stride_kch,
     stride_vcs,
     stride_vch,
+    stride_ss,
+    stride_sh,
     stride_rt,
     qk_scale,
     q_tile,
@@ -58,6 +64,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -106,13 +113,18 @@ def _prefill_kernel(
             mask_d,
             k_cache_ptr,
             v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
             kvh,
             stride_kcs,
             stride_kch,
             stride_vcs,
             stride_vch,
+            stride_ss,
+            stride_sh,
             qk_scale,
             DOT_PRECISION,
+            QUANTIZED,
         )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only in padding rows (not stored)
@@ -130,12 +142,15 @@ def prefill_attention(
     plan: TritonPrefillPlan,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the ragged ``q`` ``[T, H, D]`` over each request's prefix + new tokens
     (each query over its last ``sliding_window`` positions when given).
 
     ``k_cache``/``v_cache`` are one layer's ``[n_slots, Hkv, D]`` with this step's k/v already
-    stored. Returns ``[T, H, D]`` in ``q``'s dtype.
+    stored; with ``k_scale``/``v_scale`` (``[n_slots, Hkv]`` fp32) they are int8, read in place.
+    Returns ``[T, H, D]`` in ``q``'s dtype.
     """
     n_tokens, n_heads, head_dim = q.shape
     view = plan.view
@@ -148,6 +163,8 @@ def prefill_attention(
         q,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         out,
         view.req_to_token,
         view.req_pool_indices,
@@ -164,6 +181,7 @@ def prefill_attention(
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
+        *scale_strides(k_scale),
         view.req_to_token.stride(0),
         scale * LOG2E,
         plan.q_tile,
@@ -174,6 +192,7 @@ def prefill_attention(
         BLOCK_N=BLOCK_N,
         BLOCK_D=dot_block(head_dim),
         DOT_PRECISION=dot_precision(q.dtype),
+        QUANTIZED=k_scale is not None,
         num_warps=8 if block_m >= 128 else 4,
     )
     return out
