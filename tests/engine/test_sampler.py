@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tokenmill.engine.sampler import Sampler, _filter_logits, _kept_candidates, apply_penalties
+from tokenmill.engine.sampler import Sampler, _filter_logits, _sorted_candidates, apply_penalties
 from tokenmill.engine.sequence import Sequence
 from tokenmill.request import LOGPROB_FLOOR, SamplingParams
 
@@ -165,24 +165,31 @@ TOP_P_ROWS = [(0, 0.9, 0.0), (0, 0.5, 0.0), (0, 1.0, 0.05), (0, 0.99, 0.02), (30
 
 
 @pytest.mark.parametrize(
-    ("settings", "scale", "sorted_width"),
+    ("settings", "scales", "widths"),
     [
-        (TOP_K_ROWS, 3.0, 60),  # every row has a top-k: its largest 60 logits
-        (TOP_P_ROWS, 3.0, 256),  # peaked rows: the first PREFILTER_TOKENS hold what top-p and min-p keep
-        (TOP_P_ROWS, 0.3, 500),  # flat rows: the whole vocabulary
-        (TOP_K_ROWS + [(0, 0.9, 0.01)], 3.0, 256),
+        (TOP_K_ROWS, [3.0] * 6, [60] * 6),  # every row has a top-k: its largest 60 logits
+        # peaked rows: the first 256 hold what top-p and min-p keep (top-k 300: the first 4096)
+        (TOP_P_ROWS, [5.0] * 6, [256, 256, 256, 256, 4096, 256]),
+        (TOP_P_ROWS, [0.05] * 6, [6000, 4096, 6000, 6000, 4096, 256]),  # flat rows: most sort everything
+        (TOP_P_ROWS, [5.0, 0.05, 1.0, 5.0, 1.0, 0.05], [256, 4096, 4096, 256, 4096, 256]),
+        (TOP_K_ROWS + [(0, 0.9, 0.01)], [5.0] * 7, [256] * 7),
     ],
 )
-def test_filters_keep_what_their_definitions_keep(settings: list, scale: float, sorted_width: int) -> None:
+def test_filters_keep_what_their_definitions_keep(settings: list, scales: list[float], widths: list[int]) -> None:
     """min-p, top-k and top-p together, row by row, against their definitions, whichever number of
-    candidates the filter sorts."""
-    logits = torch.randn(len(settings), 500, generator=torch.Generator().manual_seed(3)) * scale
+    candidates each row sorts (the largest 60, 256 or 4096 logits, or all 6000)."""
+    noise = torch.randn(len(settings), 6000, generator=torch.Generator().manual_seed(3))
+    logits = noise * torch.tensor(scales)[:, None]
     top_k, top_p, min_p = (torch.tensor(column) for column in zip(*settings))
-    assert _kept_candidates(logits, top_k, top_p, min_p)[0].shape[-1] == sorted_width
+    sorted_widths = [0] * len(settings)
+    for rows, values, *_ in _sorted_candidates(logits, top_k, top_p, min_p):
+        for row in rows.tolist():
+            sorted_widths[row] = values.shape[-1]
+    assert sorted_widths == widths
     filtered = _filter_logits(logits.clone(), top_k, top_p, min_p)
     for row, (k, p_, m) in enumerate(settings):
         kept = set(torch.isfinite(filtered[row]).nonzero().flatten().tolist())
-        assert kept == kept_by_definition(logits[row], k, p_, m), (k, p_, m)
+        assert kept == kept_by_definition(logits[row], k, p_, m), (row, k, p_, m)
         assert torch.equal(filtered[row, sorted(kept)], logits[row, sorted(kept)])
 
 

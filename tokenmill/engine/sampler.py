@@ -69,52 +69,89 @@ def apply_penalties(
     return penalized - frequency[:, None] * counts - presence[:, None] * in_output.to(logits.dtype)
 
 
-PREFILTER_TOKENS = 256
-"""How many of a row's largest logits are tried first for top-p and min-p without top-k: when they
-provably hold every token a row keeps, only they are sorted (``_kept_candidates``)."""
+PREFILTER_WIDTHS = (256, 4096)
+"""How many of a row's largest logits are tried, in turn, for top-p and min-p without top-k: a row
+whose kept tokens provably lie among them sorts only those (``_sorted_candidates``)."""
+
+CandidateGroup = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""``(rows, sorted logits [n, W], their token ids [n, W], tail [n])``: each row's W largest logits in
+descending order, and the probability mass of the row's other tokens that survive its top-k and
+min-p, in units of the W candidates' mass (what top-p's renormalization must still count)."""
 
 
 def _filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Return ``logits`` ``[R, V]`` with tokens outside min-p / top-k / top-p set to ``-inf``.
 
     ``top_k[i] <= 0``, ``top_p[i] == 1`` and ``min_p[i] == 0`` disable the filter for row ``i``.
-    One sort serves all three filters; the most likely token always survives. Only the candidates
-    ``_kept_candidates`` finds are sorted (sorting a whole vocabulary costs more than the rest of a
-    decode step's sampling): the tokens outside them are dropped by every row's filters anyway, and
-    min-p and top-p over the kept tokens do not depend on them.
+    Min-p and top-k drop first; top-p keeps the shortest most likely run whose mass, renormalized
+    over the tokens they left, reaches ``top_p``; the most likely token always survives. A row sorts
+    only the candidates ``_sorted_candidates`` finds (sorting whole vocabularies costs more than a
+    decode step's forward): every token it keeps is among them.
     """
-    sorted_logits, order = _kept_candidates(logits, top_k, top_p, min_p)
+    out = torch.full_like(logits, float("-inf"))
+    groups = _sorted_candidates(logits, top_k, top_p, min_p)
+    for rows, sorted_logits, order, tail in groups:
+        kept = _filter_sorted(sorted_logits, top_k[rows], top_p[rows], min_p[rows], tail)
+        if len(groups) == 1:  # every row, in order
+            return out.scatter_(-1, order, kept)
+        row_out = torch.full((len(rows), logits.shape[-1]), float("-inf"), dtype=logits.dtype, device=logits.device)
+        out[rows] = row_out.scatter_(-1, order, kept)
+    return out
+
+
+def _filter_sorted(
+    sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, tail: torch.Tensor
+) -> torch.Tensor:
+    """``sorted_logits`` ``[R, W]`` (each row's largest, descending) with the filtered ones ``-inf``;
+    ``tail`` as in :data:`CandidateGroup`."""
     probs = sorted_logits.softmax(dim=-1)
     drop = probs < min_p[:, None] * probs[:, :1]
-    positions = torch.arange(sorted_logits.shape[-1], device=logits.device)
+    positions = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)
     drop |= (top_k[:, None] > 0) & (positions[None, :] >= top_k[:, None])
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    probs = probs.masked_fill(drop, 0.0)
+    probs = probs / (probs.sum(dim=-1, keepdim=True) + tail[:, None])
     mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 for the top token
     drop |= (top_p[:, None] < 1.0) & (mass_before >= top_p[:, None]) & (positions[None, :] > 0)
-    kept = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter_(-1, order, kept)
+    return sorted_logits.masked_fill(drop, float("-inf"))
 
 
-def _kept_candidates(
+def _sorted_candidates(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's largest logits in descending order and their token ids, as many as hold every
-    token any row's filters keep: ``max(top_k)`` when every row has a top-k; else the first
-    ``PREFILTER_TOKENS`` when each row keeps at most those (its top-k, or their probability mass
-    reaches its top-p, or the last of them is below its min-p bound, each with a margin for
-    rounding); else the whole vocabulary."""
+) -> list[CandidateGroup]:
+    """Groups covering every row once, each row with as many of its largest logits as hold every token
+    it keeps: ``max(top_k)`` when every row has a top-k; else the first of ``PREFILTER_WIDTHS`` where
+    its top-k fits, the last of them is below its min-p bound, or the mass of those that survive
+    min-p reaches its top-p share of every survivor's (each with a margin for rounding); else its
+    whole vocabulary."""
     vocab = logits.shape[-1]
+    everyone = torch.arange(logits.shape[0], device=logits.device)
+    no_tail = torch.zeros(logits.shape[0], dtype=logits.dtype, device=logits.device)
     if int(top_k.min()) > 0 and int(top_k.max()) < vocab:
-        return logits.topk(int(top_k.max()), dim=-1)
-    if PREFILTER_TOKENS < vocab:
-        values, order = logits.topk(PREFILTER_TOKENS, dim=-1)
-        probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
-        covered = (top_k > 0) & (top_k <= PREFILTER_TOKENS)
-        covered |= (top_p < 1.0) & (probs.sum(dim=-1) >= top_p + 1e-4)
-        covered |= (min_p > 0.0) & (probs[:, -1] * (1 + 1e-4) < min_p * probs[:, 0])
-        if bool(covered.all()):
-            return values, order
-    return logits.sort(dim=-1, descending=True)
+        return [(everyone, *logits.topk(int(top_k.max()), dim=-1), no_tail)]
+    groups, pending = [], everyone
+    log_total = logits.logsumexp(dim=-1)
+    for width in PREFILTER_WIDTHS:
+        if width >= vocab or not pending.numel():
+            break
+        values, order = logits[pending].topk(width, dim=-1)
+        candidates = (values - log_total[pending, None]).exp()  # probabilities over the whole row
+        k, p, m = top_k[pending], top_p[pending], min_p[pending]
+        bound = (m * candidates[:, 0])[:, None]
+        kept_mass = (candidates * (candidates >= bound)).sum(dim=-1)
+        survivors = torch.ones_like(kept_mass)  # every token survives min-p 0
+        if bool((m > 0.0).any()):
+            row_probs = (logits[pending] - log_total[pending, None]).exp()
+            survivors = (row_probs * (row_probs >= bound)).sum(dim=-1)
+        tail = torch.where((k > 0) & (k <= width), 0.0, (survivors - kept_mass).clamp(min=0.0))
+        covered = (k > 0) & (k <= width)
+        covered |= (m > 0.0) & (candidates[:, -1] * (1 + 1e-4) < bound[:, 0])
+        covered |= (k <= 0) & (p < 1.0) & (kept_mass >= (p + 1e-4) * survivors)
+        if bool(covered.any()):
+            groups.append((pending[covered], values[covered], order[covered], (tail / candidates.sum(dim=-1))[covered]))
+            pending = pending[~covered]
+    if pending.numel():
+        groups.append((pending, *logits[pending].sort(dim=-1, descending=True), no_tail[: pending.numel()]))
+    return groups
 
 
 class Sampler:
