@@ -2,7 +2,8 @@
 
 A block holds the keys and values of ``block_tokens`` consecutive tokens of a prefix, for every
 layer (``[n_layers, block_tokens, n_kv_heads, head_dim]`` each; an int8 block also their fp32
-scales, ``[n_layers, block_tokens, n_kv_heads]`` each, see ``cache/kv_quant.py``), and is named by a chain hash of
+scales, ``[n_layers, block_tokens, n_kv_heads]`` each, see ``cache/kv_quant.py``; an fp8 block its bytes
+alone, ``cache/kv_fp8.py``), and is named by a chain hash of
 all the tokens up to its end (``block_keys``), rooted at the tier's namespace: the same prefix
 under the same model always has the same names, and nothing else does.
 
