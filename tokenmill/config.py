@@ -29,8 +29,15 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-KV_DTYPES: dict[str, torch.dtype] = {**DTYPES, "int8": torch.int8}
-"""KV cache dtypes: the model dtypes, and int8 (symmetric, one fp32 scale per token and KV head)."""
+KV_DTYPES: dict[str, torch.dtype] = {
+    **DTYPES,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+"""KV cache dtypes: the model dtypes, int8 (symmetric, one fp32 scale per token and KV head) and fp8
+(e4m3fn or e5m2, one fixed scale 1 per layer: ``cache/kv_fp8.py``; "fp8" is e4m3, as in vLLM)."""
 
 
 def option(default: Any, help: str, section: str, metavar: str | None = None, comma_separated: bool = False) -> Any:
@@ -109,9 +116,10 @@ class EngineConfig:
 
     kv_cache_dtype: str = option(
         "auto",
-        '"auto" (the model\'s dtype), "float32", "bfloat16", "float16" (CPU backends: fp32 or bf16) or '
+        '"auto" (the model\'s dtype), "float32", "bfloat16", "float16" (CPU backends: fp32 or bf16), '
         '"int8" (each token\'s keys and values per KV head as int8 with an fp32 scale: about half of '
-        "bf16's bytes; the torch and cpu backends).",
+        'bf16\'s bytes), "fp8_e4m3" (alias "fp8") or "fp8_e5m2" (one byte a value, a fixed scale of 1: '
+        "values beyond the format's range saturate); int8 and fp8 on the torch and cpu backends only.",
         section="KV cache",
     )
     page_size: int = option(

@@ -616,3 +616,21 @@ def test_an_int8_block_carries_its_scales_through_a_reopen(tiers: Tiers) -> None
     loaded = tier.load(key(1))
     assert loaded is not None and len(loaded) == 4
     assert all(torch.equal(a, b) for a, b in zip(loaded, (k, v, k_scale, v_scale)))
+
+
+@pytest.mark.parametrize(("fp8", "other"), [(torch.float8_e4m3fn, torch.float8_e5m2), (torch.float8_e5m2, torch.int8)])
+def test_an_fp8_block_round_trips_and_no_other_kv_dtype_reads_it(
+    tiers: Tiers, fp8: torch.dtype, other: torch.dtype
+) -> None:
+    """fp8 blocks are their keys' and values' bytes alone (every byte pattern, NaNs included), equal
+    after a reopen; each file carries the KV dtype, so a tier of another one (even of the same size)
+    on the same directory and namespace never serves it."""
+    tier = tiers.open(dtype=fp8)
+    k, v = (torch.randint(0, 256, SHAPE, dtype=torch.uint8).view(fp8) for _ in range(2))
+    assert tier.payload_bytes == 2 * k.numel()
+    assert tier.save(key(1), k, v)
+    tier = tiers.reopen(tier)
+    loaded = tier.load(key(1))
+    assert loaded is not None and len(loaded) == 2 and all(part.dtype == fp8 for part in loaded)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(loaded, (k, v)))
+    assert tiers.reopen(tier, dtype=other).load(key(1)) is None

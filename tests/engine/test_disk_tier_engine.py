@@ -79,6 +79,35 @@ def test_restart_serves_prefix_from_disk_equal_to_transformers(checkpoint, tmp_p
         assert again == tokens == hf_greedy(hf_model, prompt, 8)
 
 
+def test_fp8_blocks_round_trip_and_another_kv_dtype_never_reads_them(checkpoint, tmp_path: Path) -> None:
+    """An fp8 cache's blocks, read back after a restart, give exactly the tokens and logprobs of the
+    run that computed them; the tier's namespace holds the KV dtype, so an e5m2 or int8 engine on
+    the same directory computes everything again."""
+    path, _ = checkpoint
+    batch = prompts(2, 300, seed=7)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    results = []
+    for kv in ("fp8_e4m3", "fp8_e4m3", "fp8_e5m2", "int8"):
+        llm = engine(path, tmp_path, kv_cache_dtype=kv)
+        try:
+            outputs = llm.generate(batch, [params] * 2, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        results.append(
+            [
+                (
+                    o.outputs[0].token_ids,
+                    [e[t].logprob for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+                    o.num_cached_tokens,
+                )
+                for o in outputs
+            ]
+        )
+    assert [[cached for *_, cached in run] for run in results] == [[0, 0], [256, 256], [0, 0], [0, 0]]
+    for (tokens, logprobs, _), (again, again_logprobs, _) in zip(results[0], results[1]):
+        assert again == tokens and again_logprobs == pytest.approx(logprobs, abs=1e-5)
+
+
 def test_int8_blocks_carry_their_scales(checkpoint, tmp_path: Path) -> None:
     """An int8 cache's blocks are written with their scales: after a restart the prefix read back
     gives exactly the tokens and logprobs the run that computed it gave."""

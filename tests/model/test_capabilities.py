@@ -82,6 +82,7 @@ def _backend_row(name: str, caps: BackendCapabilities) -> str:
         devices += f" ({', '.join(caps.interpreter_devices)}: interpreter, tests only)"
     kv = f"any of {_dtypes(caps.dtypes)}" if caps.converts_kv_dtype else "the model's"
     kv += ", int8" if caps.kv_int8 else ""
+    kv += ", fp8" if caps.kv_fp8 else ""
     flags = (caps.sliding_window, caps.softcap, caps.cuda_graphs, caps.cpu_decode_forward)
     cells = [f"`{name}`", devices, _dtypes(caps.dtypes), kv, *(_yes(f) for f in flags)]
     return "| " + " | ".join(cells) + " |"

@@ -31,6 +31,7 @@ from typing import ClassVar, Generic, TypeVar
 import torch
 
 from tokenmill.attention.capabilities import BackendCapabilities
+from tokenmill.cache.kv_fp8 import is_fp8
 from tokenmill.cache.views import DecodeKVCache, KVView, PrefillKVCache
 
 PlanT = TypeVar("PlanT")
@@ -122,6 +123,8 @@ class AttentionBackend(ABC, Generic[PlanT]):
             raise ValueError(f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype} must be equal")
         if buffer.dtype == torch.int8 and not self.capabilities.kv_int8:
             raise ValueError(f"the {self.name} backend does not read an int8 KV cache")
+        if is_fp8(buffer.dtype) and not self.capabilities.kv_fp8:
+            raise ValueError(f"the {self.name} backend does not read an fp8 KV cache")
         if buffer.dtype not in (q.dtype, torch.int8) and not self.capabilities.converts_kv_dtype:
             raise ValueError(f"the {self.name} backend needs a KV cache of q's dtype {q.dtype}, got {buffer.dtype}")
         if kv_view.out_cache_loc.numel() != n_tokens:

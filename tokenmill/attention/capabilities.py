@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.cache.kv_fp8 import is_fp8
+
 
 @dataclass(frozen=True)
 class BackendCapabilities:
@@ -25,6 +27,8 @@ class BackendCapabilities:
     """The KV cache may hold another of ``dtypes`` than the model's: stored and read converted."""
     kv_int8: bool
     """Reads an int8 KV cache (``cache/kv_quant.py``: a scale per token and KV head) in place."""
+    kv_fp8: bool
+    """Reads an fp8 KV cache (``cache/kv_fp8.py``: e4m3fn or e5m2, scale 1) in place."""
     sliding_window: bool
     """Applies a layer's sliding window."""
     softcap: bool
@@ -48,4 +52,6 @@ class BackendCapabilities:
         """Whether it runs a ``dtype`` model over a ``kv_dtype`` KV cache."""
         if kv_dtype == torch.int8:
             return self.kv_int8
+        if is_fp8(kv_dtype):
+            return self.kv_fp8
         return kv_dtype in self.dtypes and (kv_dtype == dtype or self.converts_kv_dtype)

@@ -2,8 +2,8 @@
 
 Decode rows (a decode step, or the one-token rows of a mixed step) are attended by
 ``paged_decode_attention``, which reads each request's keys and values in place through the
-request-to-token table, an int8 cache's with their scales (the torch path gathers them into padded
-batches for SDPA). Prefill rows
+request-to-token table, an int8 cache's with their scales, an fp8 one's widened as they are read (the
+torch path gathers them into padded batches for SDPA). Prefill rows
 of at least ``MIN_KERNEL_QUERY_ROWS`` are two matmuls around the fused ``causal_softmax_`` kernel.
 Both apply a layer's sliding window by reading only the keys inside it (decode: each request's last
 ``sliding_window``; prefill: those of some query row of the block) and masking the rest.
@@ -20,6 +20,7 @@ import torch
 
 from tokenmill.attention.capabilities import BackendCapabilities
 from tokenmill.attention.torch_native import TorchNativeBackend
+from tokenmill.cache.kv_fp8 import FP8_DTYPES
 from tokenmill.cache.kv_quant import LayerKV
 from tokenmill.cache.views import KVView
 from tokenmill.kernels.cpu import load_cpu_kernels
@@ -31,6 +32,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 it reads them; its output is rounded back to the model's dtype)."""
 MIN_KERNEL_QUERY_ROWS = 32
 """Below this many query rows the torch path is faster (it needs fewer op calls)."""
+KV_DTYPES = (*SUPPORTED_DTYPES, torch.int8, *FP8_DTYPES)
+"""The KV cache dtypes its kernels read."""
 
 
 class CpuBackend(TorchNativeBackend):
@@ -42,6 +45,7 @@ class CpuBackend(TorchNativeBackend):
         dtypes=SUPPORTED_DTYPES,
         converts_kv_dtype=True,
         kv_int8=True,
+        kv_fp8=True,
         sliding_window=True,
         softcap=True,
         cuda_graphs=False,
@@ -63,7 +67,8 @@ class CpuBackend(TorchNativeBackend):
         self._causal_softmax = kernels.causal_softmax_
 
     def _layer_kv(self, view: KVView, layer: int) -> LayerKV:
-        """An int8 cache stored and read by the C++ ops (``kv_int8.cpp``; the torch path's results)."""
+        """An int8 or fp8 cache stored and read by the C++ ops (``kv_int8.cpp``, ``kv_fp8.cpp``; the torch
+        path's results)."""
         return LayerKV.of(view, layer, self._kernels)
 
     def _decode(
@@ -77,9 +82,9 @@ class CpuBackend(TorchNativeBackend):
         window: int | None,
     ) -> torch.Tensor:
         kv_dtype = cache.k.dtype
-        if q.device.type != "cpu" or q.dtype not in SUPPORTED_DTYPES or kv_dtype not in (*SUPPORTED_DTYPES, torch.int8):
+        if q.device.type != "cpu" or q.dtype not in SUPPORTED_DTYPES or kv_dtype not in KV_DTYPES:
             raise ValueError(
-                f"the cpu attention backend supports fp32/bf16 CPU tensors and int8 KV, got {q.dtype} q and "
+                f"the cpu attention backend supports fp32/bf16 CPU tensors and int8/fp8 KV, got {q.dtype} q and "
                 f"{kv_dtype} KV on {q.device}"
             )
         if self.softcap is not None:  # the decode kernel does not soft-cap

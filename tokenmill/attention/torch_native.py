@@ -30,6 +30,7 @@ class TorchNativeBackend(AttentionBackend[KVView]):
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
         converts_kv_dtype=True,
         kv_int8=True,
+        kv_fp8=True,
         sliding_window=True,
         softcap=True,
         cuda_graphs=False,
@@ -102,7 +103,7 @@ class TorchNativeBackend(AttentionBackend[KVView]):
                 first = 0 if window is None else max(0, prefix - window + 1)  # first key any row sees
                 if prefix == 0 and not cache.quantized:  # nothing cached: this step's k/v are the whole context
                     keys, values = k[start : start + n], v[start : start + n]
-                else:  # (an int8 cache's rows are read back: attention sees the values it stored)
+                else:  # (an int8 or fp8 cache's rows are read back: attention sees the values it stored)
                     keys, values = cache.read(view.req_to_token[row, first : prefix + n].long(), q.dtype)
                 out[start : start + n] = self._attend_causal(q[start : start + n], keys, values, prefix - first, window)
             start += n

@@ -12,6 +12,7 @@ TRITON_CAPABILITIES = BackendCapabilities(
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
     converts_kv_dtype=False,
     kv_int8=True,
+    kv_fp8=False,
     sliding_window=True,
     softcap=False,
     cuda_graphs=True,

@@ -1,4 +1,5 @@
-"""The int8 KV cache's format, and one layer's cache as the torch paths store and read it.
+"""The int8 KV cache's format, and one layer's cache as the torch paths store and read it (an fp8
+cache's too: ``cache/kv_fp8.py``).
 
 int8 (``kv_cache_dtype="int8"``): each token's keys (and values) of one KV head are ``q * scale``
 with ``q`` int8 in ``[-127, 127]`` and one fp32 ``scale = max|x| / 127`` (symmetric, round to
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.cache.kv_fp8 import is_fp8, to_fp8
 from tokenmill.cache.views import KVView
 
 QMAX = 127.0
@@ -36,8 +38,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 @dataclass(frozen=True)
 class LayerKV:
     """One layer's keys and values ``[n_slots, n_kv_heads, head_dim]`` (and an int8 cache's scales).
-    With ``kernels`` (the C++ CPU ops) an int8 cache is stored and read by ``kv_int8.cpp``, with
-    the same results as the torch code here."""
+    With ``kernels`` (the C++ CPU ops) an int8 cache is stored and read by ``kv_int8.cpp``, an fp8
+    one by ``kv_fp8.cpp``, with the same results as the torch code here (which moves fp8 bytes as
+    uint8: torch's CPU index ops have no fp8 kernels)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -58,10 +61,18 @@ class LayerKV:
 
     @property
     def quantized(self) -> bool:
-        return self.k_scale is not None
+        """int8 or fp8: a read gives the stored (rounded) values, not those given, so attention reads them back."""
+        return self.k_scale is not None or is_fp8(self.k.dtype)
 
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``/``v`` ``[T, n_kv_heads, head_dim]`` into ``slots`` ``[T]`` (int64), converted."""
+        if is_fp8(self.k.dtype):
+            if self.kernels is not None and k.dtype in (torch.float32, torch.bfloat16):
+                self.kernels.store_kv_fp8_(k.contiguous(), v.contiguous(), self.k, self.v, slots)
+                return
+            for values, buffer in ((k, self.k), (v, self.v)):
+                buffer.view(torch.uint8).index_copy_(0, slots, to_fp8(values, buffer.dtype).view(torch.uint8))
+            return
         if self.k_scale is None or self.v_scale is None:
             # index_copy_: far faster than index_put on CPU
             self.k.index_copy_(0, slots, k.to(self.k.dtype))
@@ -81,10 +92,15 @@ class LayerKV:
         """The keys and values of ``slots`` (int64, any shape ``S``) as ``dtype``: ``[*S, n_kv_heads, head_dim]``."""
         flat = slots.reshape(-1)
         shape = (*slots.shape, *self.k.shape[1:])
-        if self.k_scale is None or self.v_scale is None:
+        kernel, bf16 = self.kernels is not None and dtype in (torch.float32, torch.bfloat16), dtype == torch.bfloat16
+        if is_fp8(self.k.dtype) and kernel:
+            keys = self.kernels.read_kv_fp8(self.k, flat.contiguous(), bf16)
+            values = self.kernels.read_kv_fp8(self.v, flat.contiguous(), bf16)
+        elif is_fp8(self.k.dtype):
+            keys, values = (b.view(torch.uint8).index_select(0, flat).view(b.dtype).to(dtype) for b in (self.k, self.v))
+        elif self.k_scale is None or self.v_scale is None:
             keys, values = self.k.index_select(0, flat).to(dtype), self.v.index_select(0, flat).to(dtype)
-        elif self.kernels is not None and dtype in (torch.float32, torch.bfloat16):
-            bf16 = dtype == torch.bfloat16
+        elif kernel:
             keys = self.kernels.read_kv_int8(self.k, self.k_scale, flat.contiguous(), bf16)
             values = self.kernels.read_kv_int8(self.v, self.v_scale, flat.contiguous(), bf16)
         else:

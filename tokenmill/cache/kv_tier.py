@@ -71,8 +71,8 @@ BlockParts = list[tuple[tuple[int, ...], torch.dtype]]
 
 def block_parts(block_shape: tuple[int, int, int, int], dtype: torch.dtype) -> BlockParts:
     """The shapes and dtypes of a block's parts: keys, values ``block_shape`` (``[n_layers,
-    block_tokens, n_kv_heads, head_dim]``) of ``dtype``, and for int8 their fp32 scales
-    (``[n_layers, block_tokens, n_kv_heads]`` each, see ``cache/kv_quant.py``)."""
+    block_tokens, n_kv_heads, head_dim]``) of ``dtype`` (fp8: its bytes alone, ``cache/kv_fp8.py``),
+    and for int8 their fp32 scales (``[n_layers, block_tokens, n_kv_heads]`` each, ``cache/kv_quant.py``)."""
     scales = [(block_shape[:3], torch.float32)] * 2 if dtype == torch.int8 else []
     return [(block_shape, dtype)] * 2 + scales
 

@@ -24,7 +24,8 @@ NO_WRITES = (_EMPTY, _EMPTY, _EMPTY)
 class KVStorage:
     """``k_buffer`` / ``v_buffer`` of shape ``[n_layers, n_slots, n_kv_heads, head_dim]``; with dtype
     int8 also ``k_scale`` / ``v_scale`` ``[n_layers, n_slots, n_kv_heads]`` fp32 (a slot's values
-    are ``buffer * scale``, see ``cache/kv_quant.py``; None otherwise).
+    are ``buffer * scale``, see ``cache/kv_quant.py``; None otherwise: an fp8 cache's scale is a fixed
+    1, ``cache/kv_fp8.py``).
 
     Buffers are allocated uninitialized (untouched memory costs nothing until used): every slot
     is written before it is read, except ``RESERVED_SLOT``, which padded or masked reads may touch and
@@ -81,7 +82,8 @@ class KVStorage:
 
     @staticmethod
     def bytes_per_slot(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes that one token's keys and values take over all layers (an int8 cache's scales included)."""
+        """Bytes that one token's keys and values take over all layers (an int8 cache's scales included;
+        fp8: one byte a value, nothing more)."""
         scales = 4 if dtype == torch.int8 else 0
         return 2 * n_layers * n_kv_heads * (head_dim * torch.empty((), dtype=dtype).element_size() + scales)
 

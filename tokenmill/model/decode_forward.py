@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from tokenmill.attention.base import AttentionBackend
+from tokenmill.cache.kv_fp8 import FP8_DTYPES
 from tokenmill.cache.views import DecodeKVCache
 from tokenmill.kernels import linear as linear_kernels
 from tokenmill.kernels.cpu import load_cpu_kernels
@@ -26,7 +27,10 @@ from tokenmill.model.capabilities import cpu_decode_forward_applies
 from tokenmill.model.causal_lm import CausalLM, CpuDecodeWeights
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-"""Model dtypes of the kernel (its cache has the model's dtype, or is int8: ``cache/kv_quant.py``)."""
+"""Model dtypes of the kernel (its cache has the model's dtype, or is int8 or fp8: ``cache/kv_quant.py``,
+``cache/kv_fp8.py``)."""
+QUANTIZED_KV_DTYPES = (torch.int8, *FP8_DTYPES)
+"""The KV dtypes the kernel stores and reads whatever the model's dtype."""
 
 
 class CpuDecodeForward:
@@ -48,10 +52,10 @@ class CpuDecodeForward:
     def build(cls, model: CausalLM, backend: AttentionBackend, kv_dtype: torch.dtype) -> CpuDecodeForward | None:
         """The C++ decode forward of ``model`` attending like ``backend`` over a ``kv_dtype`` cache;
         None where not supported (the kernel stores and reads a cache in the model's dtype, fp32 or bf16,
-        or an int8 one)."""
+        or an int8 or fp8 one)."""
         softcap = backend.softcap is not None
         applies = cpu_decode_forward_applies(backend.capabilities, model.capabilities, softcap, model.tp.size)
-        if not applies or kv_dtype not in (*KERNEL_DTYPES, torch.int8):
+        if not applies or kv_dtype not in (*KERNEL_DTYPES, *QUANTIZED_KV_DTYPES):
             return None
         weights = model.cpu_decode_weights()
         if weights is None:
@@ -63,10 +67,10 @@ class CpuDecodeForward:
 
     def can_run(self, batch_size: int) -> bool:
         """Whether a decode step of ``batch_size`` requests fits the kernel: CPU weights in the cache's
-        dtype (or an int8 cache), and at most ``BLOCKED_MAX_ROWS`` requests (``PANEL_MAX_ROWS`` for fp32 without blocked
-        weights, beyond which the functional linear may need oneDNN)."""
+        dtype (or an int8 or fp8 cache), and at most ``BLOCKED_MAX_ROWS`` requests (``PANEL_MAX_ROWS``
+        for fp32 without blocked weights, beyond which the functional linear may need oneDNN)."""
         embed = self.weights.embed
-        cache_fits = embed.dtype == self._kv_dtype or self._kv_dtype == torch.int8
+        cache_fits = embed.dtype == self._kv_dtype or self._kv_dtype in QUANTIZED_KV_DTYPES
         if not embed.is_cpu or not cache_fits:
             return False
         plain_fp32 = embed.dtype == torch.float32 and torch.float32 not in linear_kernels.BLOCKED_MIN_ROWS

@@ -1,6 +1,7 @@
 """C++ kernels for CPU (fp32; bf16 where noted), built once per machine as ``torch.ops.tokenmill_cpu``.
 
 ``decode_attention.cpp``: paged decode attention over the token-slot KV storage (CpuBackend).
+``kv_int8.cpp``, ``kv_fp8.cpp``: the int8 and fp8 KV caches' store and read (``cache/kv_quant.py``).
 ``elementwise.cpp``: rms_norm, add_rms_norm, silu_and_mul, rotary_split_qkv (``kernels/fused.py``),
 causal_softmax_ (CpuBackend prefill).
 ``skinny_linear.cpp``: ``x @ W^T`` for few rows of x (``kernels/linear.py``, decode batches).
@@ -46,6 +47,7 @@ SOURCES = [
         "decode_attention.cpp",
         "decode_forward.cpp",
         "elementwise.cpp",
+        "kv_fp8.cpp",
         "kv_int8.cpp",
         "lora_add.cpp",
         "panel_linear.cpp",

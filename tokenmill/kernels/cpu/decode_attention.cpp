@@ -1,6 +1,7 @@
 // Paged decode attention on CPU: one query token (fp32 or bf16) per request; keys and values (fp32,
-// bf16, or int8 with an fp32 scale per slot and KV head; widened to fp32 as they are read, an int8
-// key's scale applied to its score and a value's to its weight) are read in place from the token-slot KV storage
+// bf16, fp8 e4m3fn or e5m2 (scale 1), or int8 with an fp32 scale per slot and KV head; widened to fp32
+// as they are read, an int8 key's scale applied to its score and a value's to its weight) are read in
+// place from the token-slot KV storage
 // through the request-to-token table (no gather copies, no padding to the longest request). The
 // math is fp32; the output has the query's dtype. With a sliding window W > 0 a request reads only
 // its last W keys (positions max(0, len - W) .. len - 1), as the query at position len - 1 sees them.
@@ -157,8 +158,8 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
       const KV* key_rows[4];
       for (int64_t j = 0; j < 4; ++j) key_rows[j] = p.k_cache + slots[l + j] * slot_stride + offset;
       for (int64_t h = 0, r = 0; h < kv_end - kv_begin; ++h) {
-        // bf16 keys of this head are widened once for the whole group where the four fit in
-        // registers (head_dim 64); fp32 ones, and longer heads, are read directly
+        // bf16, int8 and fp8 keys of this head are widened once for the whole group where the four
+        // fit in registers (head_dim 64); fp32 ones, and longer heads, are read directly
         constexpr bool kWiden = !std::is_same_v<KV, float> && kHeadDim <= 64;
         vec16 k[kWiden ? 4 : 1][kWiden ? kVecs : 1];
         if constexpr (kWiden) {
@@ -346,7 +347,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 
 }  // namespace
 
-// q [B, H, D] fp32 or bf16; k_cache/v_cache [S, Hkv, D], both fp32, bf16 or int8 (then k_scale/v_scale
+// q [B, H, D] fp32 or bf16; k_cache/v_cache [S, Hkv, D], both fp32, bf16, fp8 or int8 (then k_scale/v_scale
 // [S, Hkv] fp32: a slot's values are the int8 ones times its scale); req_to_token [R, C] int32;
 // req_pool_indices [B] and seq_lens [B] int64. Request b attends to slots
 // req_to_token[req_pool_indices[b], 0:seq_lens[b]], or only the last `window` of them when window > 0 (a
@@ -359,8 +360,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const auto kv_type = k_cache.scalar_type();
   TORCH_CHECK((q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16) &&
                   v_cache.scalar_type() == kv_type &&
-                  (kv_type == at::kFloat || kv_type == at::kBFloat16 || kv_type == at::kChar),
-              "q fp32 or bf16; k/v caches both fp32, both bf16 or both int8");
+                  (kv_type == at::kFloat || kv_type == at::kBFloat16 || kv_type == at::kChar ||
+                   kv_type == at::kFloat8_e4m3fn || kv_type == at::kFloat8_e5m2),
+              "q fp32 or bf16; k/v caches both fp32, bf16, int8, fp8 e4m3fn or fp8 e5m2");
   const bool int8 = kv_type == at::kChar;
   TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), "scales come with an int8 cache only");
   if (int8) {
@@ -383,6 +385,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   } else if (kv_type == at::kBFloat16) {
     attend_all<tokenmill_simd::bf16_t>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window,
                                        nullptr, nullptr, out);
+  } else if (kv_type == at::kFloat8_e4m3fn) {
+    attend_all<tokenmill_simd::fp8_e4m3_t>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale,
+                                           window, nullptr, nullptr, out);
+  } else if (kv_type == at::kFloat8_e5m2) {
+    attend_all<tokenmill_simd::fp8_e5m2_t>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale,
+                                           window, nullptr, nullptr, out);
   } else {
     attend_all<int8_t>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window,
                        k_scale->data_ptr<float>(), v_scale->data_ptr<float>(), out);

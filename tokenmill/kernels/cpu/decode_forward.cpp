@@ -72,8 +72,8 @@ struct PlainLinear {
 // projection kept quantized (quant_linear.cpp's layout; its weight slot then holds the packed int8
 // or uint8 weight: 8 or 4 bits; min None for int8) or None for one that is not, multiplied by
 // quantized_linear with stream_max_rows as kernels/quant_linear.py calls it; k_buffer/v_buffer
-// [layers, slots, Hkv, D] in the model's dtype, or int8 with k_scale_buffer/v_scale_buffer [layers, slots, Hkv]
-// (kv_quant's format); windows: each layer's sliding window (0: global attention). Returns the logits [B, V'].
+// [layers, slots, Hkv, D] in the model's dtype, fp8 (kv_fp8's format), or int8 with k_scale_buffer/v_scale_buffer
+// [layers, slots, Hkv] (kv_quant's format); windows: each layer's sliding window (0: global attention). Returns the logits [B, V'].
 at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& embed,
                           const at::Tensor& cos_table, const at::Tensor& sin_table, at::TensorList weights,
                           const c10::List<std::optional<at::Tensor>>& blocked, const at::Tensor& final_norm,

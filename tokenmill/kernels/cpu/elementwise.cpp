@@ -6,7 +6,7 @@
 //   silu_and_mul      [T, 2I] -> [T, I]: silu(gate) * up
 //   rotary_split_qkv  fused qkv rows [T, (H + 2 Hkv) D] -> contiguous q, k (rotate_half RoPE) and v
 //   rotary_store_kv   the same, with k and v written to their KV-cache slots (decode_forward.cpp); an int8
-//                     cache's through kv_int8.cpp
+//                     cache's through kv_int8.cpp, an fp8 cache's through kv_fp8.cpp
 //   causal_softmax_   in place over fp32 attention scores: scale, causal (and sliding-window) mask, softmax
 // Rows are split over torch's intra-op threads. Loops are written for the compiler to vectorize
 // (exp is a polynomial, so silu vectorizes too).
@@ -225,12 +225,14 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
                            const c10::optional<at::Tensor>& v_scale) {
   check_qkv(qkv, cos, sin, n_heads, n_kv_heads, head_dim);
   const int64_t n_slots = k_cache.size(0);
-  const bool int8 = k_cache.scalar_type() == at::kChar;
-  const auto kv_type = int8 ? at::kChar : qkv.scalar_type();
+  const auto cache_type = k_cache.scalar_type();
+  const bool int8 = cache_type == at::kChar;
+  const bool fp8 = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  const auto kv_type = int8 || fp8 ? cache_type : qkv.scalar_type();
   TORCH_CHECK(k_cache.scalar_type() == kv_type && v_cache.scalar_type() == kv_type && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.numel() == n_slots * n_kv_heads * head_dim,
-              "k_cache/v_cache must be contiguous [S, Hkv, D] in qkv's dtype or int8");
+              "k_cache/v_cache must be contiguous [S, Hkv, D] in qkv's dtype, int8 or fp8");
   TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), "scales come with an int8 cache only");
   if (int8) {
     for (const at::Tensor* s : {&*k_scale, &*v_scale}) {
@@ -246,6 +248,11 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
     auto [q, k, v] = rotary_split_qkv(qkv, cos, sin, n_heads, n_kv_heads, head_dim);
     at::Tensor k_scales = *k_scale, v_scales = *v_scale;  // handles to the caller's tensors
     store_kv_int8(k, v, k_cache, v_cache, k_scales, v_scales, out_cache_loc);
+    return q;
+  }
+  if (fp8) {
+    auto [q, k, v] = rotary_split_qkv(qkv, cos, sin, n_heads, n_kv_heads, head_dim);
+    store_kv_fp8(k, v, k_cache, v_cache, out_cache_loc);
     return q;
   }
   return dispatch(qkv, [&](auto tag) {

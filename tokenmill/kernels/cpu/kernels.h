@@ -1,6 +1,7 @@
 // The kernels' C++ entry points, for decode_forward.cpp to call them directly (not through the
 // dispatcher). Each is defined in its own .cpp; all but rotary_store_kv (decode_forward.cpp's alone)
-// are also registered as torch.ops.tokenmill_cpu ops (store_kv_int8 as store_kv_int8_).
+// are also registered as torch.ops.tokenmill_cpu ops (store_kv_int8 as store_kv_int8_, store_kv_fp8 as
+// store_kv_fp8_).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -24,6 +25,8 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
                            const c10::optional<at::Tensor>& v_scale);
 void store_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                    at::Tensor& k_scale, at::Tensor& v_scale, const at::Tensor& slots);
+void store_kv_fp8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                  const at::Tensor& slots);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                                   const at::Tensor& seq_lens, double scale, int64_t window,

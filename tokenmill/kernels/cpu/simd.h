@@ -1,6 +1,6 @@
 // Helpers shared by the CPU kernels: 8- and 16-wide fp32 vectors (GCC/Clang vector extensions, so
-// any x86/ARM target compiles them), loads of bf16 into them, bf16 rounding, horizontal sums, a
-// vectorizable exp, and a software prefetch of a byte range.
+// any x86/ARM target compiles them), loads of bf16, int8 and fp8 into them, bf16 rounding,
+// horizontal sums, a vectorizable exp, and a software prefetch of a byte range.
 // torch's rebuild check hashes only the listed .cpp sources, so kernels/cpu/__init__.py adds this
 // header's content hash to the compile flags: an edit here rebuilds the extension too.
 #pragma once
@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -119,6 +120,92 @@ inline vec16 load16(const int8_t* p) {
 #endif
   return v;
 }
+
+
+// fp8 values (an fp8 KV cache's, cache/kv_fp8.py) as their raw byte: OCP e4m3fn (bias 7, no
+// infinities, S.1111.111 the only NaN) or e5m2 (bias 15: the upper byte of the fp16 of equal value).
+struct fp8_e4m3_t {
+  uint8_t bits;
+};
+struct fp8_e5m2_t {
+  uint8_t bits;
+};
+
+// The exact value of fp8 byte b with kMantissaBits (3: e4m3fn, 2: e5m2) and kBias; e5m2 has
+// infinities and NaNs in its top exponent, e4m3fn only the NaN S.1111.111.
+template <int kMantissaBits, int kBias>
+constexpr float fp8_value(int b) {
+  const int top = (1 << (7 - kMantissaBits)) - 1, full = (1 << kMantissaBits) - 1;
+  const int exponent = (b & 0x7F) >> kMantissaBits, mantissa = b & full;
+  const bool has_inf = kMantissaBits == 2;
+  float magnitude = 0.f;
+  if (exponent == top && (has_inf || mantissa == full)) {
+    magnitude = has_inf && mantissa == 0 ? std::numeric_limits<float>::infinity()
+                                         : std::numeric_limits<float>::quiet_NaN();
+  } else {  // (implicit one + mantissa) * 2^(exponent - bias - mantissa bits); subnormals at exponent 1
+    magnitude = static_cast<float>(exponent > 0 ? (1 << kMantissaBits) + mantissa : mantissa);
+    for (int e = (exponent > 0 ? exponent : 1) - kBias - kMantissaBits; e != 0; e += e > 0 ? -1 : 1) {
+      magnitude *= e > 0 ? 2.f : 0.5f;
+    }
+  }
+  return b & 0x80 ? -magnitude : magnitude;
+}
+
+// Every byte's value: the scalar reads (and the vector ones without AVX2/F16C) look them up.
+template <int kMantissaBits, int kBias>
+struct Fp8Table {
+  float values[256];
+  constexpr Fp8Table() : values() {
+    for (int b = 0; b < 256; ++b) values[b] = fp8_value<kMantissaBits, kBias>(b);
+  }
+};
+inline constexpr Fp8Table<3, 7> kE4m3Values{};
+inline constexpr Fp8Table<2, 15> kE5m2Values{};
+
+inline float to_float(fp8_e4m3_t x) { return kE4m3Values.values[x.bits]; }
+inline float to_float(fp8_e5m2_t x) { return kE5m2Values.values[x.bits]; }
+
+// 8 fp8 values widened to fp32 through fp16 (F16C's exact conversion): an e5m2 byte is the upper
+// byte of its fp16; an e4m3fn byte's 7 low bits shifted into an fp16's exponent and mantissa read
+// 2^-8 times its value (subnormals included: they become fp16 subnormals), its NaN is made an fp16
+// NaN. Without AVX2/F16C: the table.
+inline vec8 load8(const fp8_e4m3_t* p) {
+  vec8 v;
+#if defined(__AVX2__) && defined(__F16C__)
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i magnitude = _mm_and_si128(w, _mm_set1_epi16(0x7F));
+  __m128i h = _mm_or_si128(_mm_slli_epi16(magnitude, 7), _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+  h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7E00)));
+  const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+  std::memcpy(&v, &f, sizeof(v));
+#else
+  for (int i = 0; i < 8; ++i) v[i] = to_float(p[i]);
+#endif
+  return v;
+}
+
+inline vec8 load8(const fp8_e5m2_t* p) {
+  vec8 v;
+#if defined(__AVX2__) && defined(__F16C__)
+  const __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8);
+  const __m256 f = _mm256_cvtph_ps(h);
+  std::memcpy(&v, &f, sizeof(v));
+#else
+  for (int i = 0; i < 8; ++i) v[i] = to_float(p[i]);
+#endif
+  return v;
+}
+
+template <typename Fp8>
+inline vec16 load16_fp8(const Fp8* p) {
+  vec16 v;
+  const vec8 lo = load8(p), hi = load8(p + 8);
+  std::memcpy(&v, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+  return v;
+}
+inline vec16 load16(const fp8_e4m3_t* p) { return load16_fp8(p); }
+inline vec16 load16(const fp8_e5m2_t* p) { return load16_fp8(p); }
 
 inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
