@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.attention.helpers import PagedLayout
+from tests.cache.test_kv_int8 import greedy
 from tests.model.test_bf16 import GREEDY_TOKENS, GREEDY_VOCAB, MIN_MARGIN, candidate_prompts, min_margin
 from tests.tiny_models import save_tiny_model
 from tokenmill import LLM, SamplingParams
@@ -136,15 +137,6 @@ def test_cpu_prefill_over_an_fp8_prefix_matches_the_reference(fp8: torch.dtype) 
     q, k, v = torch.randn(n, 6, 64), torch.randn(n, 2, 64), torch.randn(n, 2, 64)
     expected = TorchNativeBackend(6, 2, 64).forward(q, k, v, 1, view)
     assert (CpuBackend(6, 2, 64).forward(q, k, v, 1, view) - expected).abs().max().item() <= 1e-5
-
-
-def greedy(path: Path, prompts: list[list[int]], **options: object) -> list:
-    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
-    llm = LLM(model=str(path), device="cpu", num_kv_slots=4096, skip_tokenizer_init=True, **options)
-    try:
-        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    finally:
-        llm.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,18 @@ def run_fresh(model: Path, tier: Path, batch: list[list[int]], **overrides: obje
         llm.shutdown()
 
 
+def tokens_logprobs_cached(outputs: list) -> list[tuple[list[int], list[float], int]]:
+    """Each output's tokens, their logprobs and its prompt tokens served from a cache tier."""
+    return [
+        (
+            o.outputs[0].token_ids,
+            [e[t].logprob for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+            o.num_cached_tokens,
+        )
+        for o in outputs
+    ]
+
+
 def blocks(tier: Path) -> list[Path]:
     return sorted(tier.glob(f"*{SUFFIX}"))
 
@@ -93,16 +105,7 @@ def test_fp8_blocks_round_trip_and_another_kv_dtype_never_reads_them(checkpoint,
             outputs = llm.generate(batch, [params] * 2, use_tqdm=False)
         finally:
             llm.shutdown()
-        results.append(
-            [
-                (
-                    o.outputs[0].token_ids,
-                    [e[t].logprob for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
-                    o.num_cached_tokens,
-                )
-                for o in outputs
-            ]
-        )
+        results.append(tokens_logprobs_cached(outputs))
     assert [[cached for *_, cached in run] for run in results] == [[0, 0], [256, 256], [0, 0], [0, 0]]
     for (tokens, logprobs, _), (again, again_logprobs, _) in zip(results[0], results[1]):
         assert again == tokens and again_logprobs == pytest.approx(logprobs, abs=1e-5)
@@ -121,16 +124,7 @@ def test_int8_blocks_carry_their_scales(checkpoint, tmp_path: Path) -> None:
             outputs = llm.generate(batch, [params] * 2, use_tqdm=False)
         finally:
             llm.shutdown()
-        results.append(
-            [
-                (
-                    o.outputs[0].token_ids,
-                    [e[t].logprob for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
-                    o.num_cached_tokens,
-                )
-                for o in outputs
-            ]
-        )
+        results.append(tokens_logprobs_cached(outputs))
     (first, second) = results
     assert [cached for *_, cached in first] == [0, 0] and [cached for *_, cached in second] == [256, 256]
     for (tokens, logprobs, _), (again, again_logprobs, _) in zip(first, second):
