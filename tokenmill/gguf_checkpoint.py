@@ -13,7 +13,9 @@ size, modification time and :data:`CONVERTER_VERSION`). The converted folder hol
   embeddings) gets its LM head loaded from ``token_embd.weight``, so a quantized embedding table
   stays a quantized LM head. One value transformers does not read is the file's: a Qwen3-MoE
   file's expert width (``qwen3moe.expert_feed_forward_length``, where transformers keeps the
-  class's 768 and then fails on the tensors of any other width);
+  class's 768 and then fails on the tensors of any other width), and its ``rope_freqs.weight`` tensor
+  (llama.cpp's frequency divisors, how it stores Llama 3.1's RoPE scaling; transformers ignores it)
+  as ``rope_scaling["freq_factors"]``;
 - the tokenizer (``transformers``' GGUF converter: BPE or SentencePiece, special tokens, chat template);
 - :data:`INDEX_FILE`: the GGUF file's path, its architecture, whether its output is tied to the
   embeddings, and each tensor's name, ggml type,
@@ -37,10 +39,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 """Bump when the converted folder's contents change: old conversions are then redone."""
 
 INDEX_FILE = "gguf_tensors.json"
+ROPE_FREQS = "rope_freqs.weight"
+"""llama.cpp's per-frequency RoPE divisors (how it stores Llama 3.1's scaling): read into the config."""
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -132,8 +136,11 @@ def convert(file: Path, folder: Path) -> None:
             f"supported: transformers reads such a file as a dense {ARCHITECTURES[arch]} without its experts, so "
             "there is no reference to check tokenmill against; use the safetensors checkpoint"
         )
-    tensors = []
+    tensors, freq_factors = [], None
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            freq_factors = [float(x) for x in tensor.data.astype("float64").ravel()]
+            continue
         if tensor.tensor_type not in GGML_QUANT_SIZES:
             raise GGUFError(f"{file}: tensor {tensor.name!r} has an unknown type {tensor.tensor_type!r}")
         shape = [int(d) for d in reversed(tensor.shape.tolist())]
@@ -157,6 +164,9 @@ def convert(file: Path, folder: Path) -> None:
     if arch == "qwen3moe" and expert_width:
         config["moe_intermediate_size"] = int(expert_width)
     config.pop("_model_name_or_path", None)
+    if freq_factors is not None:  # llama.cpp's frequency factors (Llama 3.1's scaling), which transformers ignores
+        rope_scaling = config.get("rope_scaling") or {"rope_type": "default"}
+        config["rope_scaling"] = {**rope_scaling, "freq_factors": freq_factors}
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     tokenizer.save_pretrained(str(folder))
     index = {"file": str(file.resolve()), "architecture": arch, "tied_output": tied, "tensors": tensors}

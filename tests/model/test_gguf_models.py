@@ -146,6 +146,41 @@ def test_f32_file_matches_transformers(case: str, tmp_path: Path) -> None:
         assert greedy(llm) == [hf_greedy(reference, p, ENGINE_TOKENS) for p in ENGINE_PROMPTS]
 
 
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+"""Llama 3.1's RoPE scaling, with an original context short enough to scale most of a tiny head's frequencies."""
+
+
+def test_a_rope_freqs_tensor_is_llama_3_1_scaling(tmp_path: Path) -> None:
+    """llama.cpp writes Llama 3.1's RoPE scaling as a ``rope_freqs`` tensor (each frequency's divisor)
+    and no metadata, and transformers' GGUF reader ignores it: tokenmill runs the file as the scaled
+    model (prefill logits to 1e-4 and greedy tokens of transformers' model with that scaling), not
+    as the unscaled model transformers reads."""
+    scaled = tiny_gguf_model("llama", rope_parameters=LLAMA3_ROPE, max_position_embeddings=512)
+    head_dim = scaled.config.head_dim
+    plain_inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    factors = plain_inv_freq / scaled.model.rotary_emb.inv_freq
+    assert factors.min() == 1.0 and ((factors > 1) & (factors < 8)).any() and factors.max() == pytest.approx(8.0)
+    tensors = {**gguf_tensors(scaled, "llama"), "rope_freqs.weight": factors.numpy().astype(np.float32)}
+    write_gguf(tmp_path / NAME, scaled.config, tensors, "llama")
+    unscaled = transformers_model(tmp_path / NAME)
+    prompt = torch.tensor([list(range(3, 3 + max(PROMPT_LENS)))])
+    with torch.no_grad():
+        assert (unscaled(prompt).logits - scaled(prompt).logits).abs().max() > 1e-2  # the scaling matters
+    model = load_model(checkpoint_folder(tmp_path / NAME), torch.float32, "cpu")
+    assert model.config.rope.freq_factors == pytest.approx(factors.tolist())
+    assert_counting_prompts_match(model, scaled)
+    scaled.generation_config.eos_token_id = None
+    with running(tmp_path / NAME) as llm:
+        assert greedy(llm) == [hf_greedy(scaled, p, ENGINE_TOKENS) for p in ENGINE_PROMPTS]
+
+
 QUANTIZED_CASES = {
     "q8_0_tied_q8_0_embeddings": (Q.Q8_0, Q.Q8_0, True),
     "q4_0_untied": (Q.Q4_0, F32, False),

@@ -39,6 +39,20 @@ def test_unsupported_rope_type(checkpoint: Path) -> None:
         load_model(checkpoint, torch.float32, "cpu")
 
 
+def test_freq_factors_are_positive_numbers_one_per_rotated_frequency(checkpoint: Path) -> None:
+    for factors, message in (
+        ("8", "'freq_factors' must be a list of positive numbers"),
+        ([1.0, 0.0] * 4, "'freq_factors' must be a list of positive numbers"),
+        ([1.0] * 7, r"rope 'freq_factors' has 7 entries, expected 8 \(rotary dims / 2\)"),
+    ):
+        _edit_config(checkpoint, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "freq_factors": factors})
+        with pytest.raises(ModelConfigError, match=message):
+            load_model_config(checkpoint)
+    _edit_config(checkpoint, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "freq_factors": [1.0] * 8})
+    with pytest.raises(ModelConfigError, match="'freq_factors' with rope type 'dynamic' is not supported"):
+        load_model_config(checkpoint)
+
+
 def test_longrope_needs_a_factor_per_rotated_frequency(checkpoint: Path) -> None:
     _edit_config(checkpoint, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4})
     with pytest.raises(ModelConfigError, match="rope type 'longrope' needs 'short_factor'"):

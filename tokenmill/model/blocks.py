@@ -127,6 +127,14 @@ class RotaryEmbedding(nn.Module):
 
 
 def _inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention factor: the type's, divided by ``rope.freq_factors`` if set."""
+    inv_freq, attention_factor = _type_inv_freq(dim, rope)
+    if rope.freq_factors is None:
+        return inv_freq, attention_factor
+    return inv_freq / torch.tensor(rope.freq_factors, dtype=inv_freq.dtype), attention_factor
+
+
+def _type_inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention factor (the transformers formulas for each type)."""
     base_inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     kind = rope.rope_type

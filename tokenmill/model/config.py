@@ -33,7 +33,9 @@ class RopeConfig:
     ``int(head_dim * partial_rotary_factor)``, see ``ModelConfig.rotary_dim``); only families with
     ``capabilities.partial_rotary`` accept a value other than 1. "longrope": ``short_factor`` and
     ``long_factor`` (one per rotated frequency) divide the frequencies of a request no longer /
-    longer than ``original_max_position_embeddings``.
+    longer than ``original_max_position_embeddings``. ``freq_factors`` (one per rotated frequency;
+    a GGUF file's ``rope_freqs`` tensor, as llama.cpp stores Llama 3.1's scaling) divide the
+    frequencies of a fixed-frequency type.
     """
 
     rope_type: str = "default"
@@ -51,6 +53,7 @@ class RopeConfig:
     partial_rotary_factor: float = 1.0
     short_factor: list[float] | None = None
     long_factor: list[float] | None = None
+    freq_factors: list[float] | None = None
 
 
 @dataclass
@@ -233,6 +236,13 @@ def parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
         partial = raw.get("partial_rotary_factor")
     partial = 1.0 if partial is None else partial
     rope = RopeConfig(rope_type=rope_type, theta=float(theta), partial_rotary_factor=float(partial))
+    freq_factors = params.get("freq_factors")
+    if freq_factors is not None:
+        if not isinstance(freq_factors, list) or not all(isinstance(x, (int, float)) and x > 0 for x in freq_factors):
+            raise ModelConfigError(f"{source}: 'freq_factors' must be a list of positive numbers")
+        if rope_type in ("dynamic", "longrope"):
+            raise ModelConfigError(f"{source}: 'freq_factors' with rope type {rope_type!r} is not supported")
+        rope.freq_factors = [float(x) for x in freq_factors]
     if rope_type == "default":
         return rope
     factor = params.get("factor")
@@ -262,14 +272,14 @@ def parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
 
 
 def _check_rotary(rope: RopeConfig, head_dim: int, source: str) -> None:
-    """The rotated dims are an even count within the head, and longrope has a factor per frequency."""
+    """The rotated dims are an even count within the head; longrope and ``freq_factors`` a factor per frequency."""
     rotary_dim = int(head_dim * rope.partial_rotary_factor)
     if rotary_dim <= 0 or rotary_dim > head_dim or rotary_dim % 2:
         raise ModelConfigError(
             f"{source}: partial_rotary_factor {rope.partial_rotary_factor} gives {rotary_dim} rotary dims of "
             f"head_dim {head_dim}; needs an even count in (0, head_dim]"
         )
-    for name in ("short_factor", "long_factor"):
+    for name in ("short_factor", "long_factor", "freq_factors"):
         factors = getattr(rope, name)
         if factors is not None and len(factors) != rotary_dim // 2:
             raise ModelConfigError(
