@@ -125,7 +125,8 @@ class AttentionBackend(ABC, Generic[PlanT]):
             raise ValueError(f"the {self.name} backend does not read an int8 KV cache")
         if is_fp8(buffer.dtype) and not self.capabilities.kv_fp8:
             raise ValueError(f"the {self.name} backend does not read an fp8 KV cache")
-        if buffer.dtype not in (q.dtype, torch.int8) and not self.capabilities.converts_kv_dtype:
+        quantized = buffer.dtype == torch.int8 or is_fp8(buffer.dtype)  # read per the flags above
+        if buffer.dtype != q.dtype and not quantized and not self.capabilities.converts_kv_dtype:
             raise ValueError(f"the {self.name} backend needs a KV cache of q's dtype {q.dtype}, got {buffer.dtype}")
         if kv_view.out_cache_loc.numel() != n_tokens:
             raise ValueError(f"out_cache_loc has {kv_view.out_cache_loc.numel()} entries for {n_tokens} tokens")

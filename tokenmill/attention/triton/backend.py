@@ -3,7 +3,9 @@
 Strict: every unsupported case raises at construction or in ``forward`` (attention logit
 soft-capping included); nothing falls back to another implementation. An int8 KV cache
 (``cache/kv_quant.py``) is quantized by the store kernel as it writes and read in place by the
-attention kernels, with the scales of the view (``k_scale``/``v_scale``). Sliding-window layers pass
+attention kernels, with the scales of the view (``k_scale``/``v_scale``); an fp8 cache
+(``cache/kv_fp8.py``, scale 1) is encoded by the store kernel and widened by the attention kernels,
+as bytes (see ``store.py``). Sliding-window layers pass
 their window to the kernels as a plain int argument (no device data). The decode path launches a
 fixed grid from tensor shapes and never syncs with the host, and its plan is tensor ops into
 buffers it owns, so a decode forward can be captured in a CUDA graph.

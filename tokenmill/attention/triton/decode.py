@@ -6,10 +6,10 @@ head ``g`` (the whole GQA group, padded to a 16-row ``tl.dot`` tile) over split 
 seq_lens[b] - window)`` (the last ``window`` keys; ``window`` a launch argument, the table width when
 the layer has none), ``L = seq_lens[b] - f`` and ``n = num_splits[b]`` — reading K/V slot by slot
 through ``req_to_token[req_pool_indices[b]]`` (an int8 cache's tiles dequantized in registers with
-their scales, see ``common.attend_kv_chunk``). It writes the normalized partial output and its
-natural-log sum-exp to ``partial_out[b, h, s]`` and ``partial_lse[b, h, s]``. Programs with
-``s >= n`` exit at once; an empty split writes ``lse = -inf``. Stage 2, grid ``(B, n_heads)``:
-merges the ``n`` partials of each head.
+their scales, an fp8 cache's bytes widened there, see ``common.attend_kv_chunk``). It writes the
+normalized partial output and its natural-log sum-exp to ``partial_out[b, h, s]`` and
+``partial_lse[b, h, s]``. Programs with ``s >= n`` exit at once; an empty split writes ``lse =
+-inf``. Stage 2, grid ``(B, n_heads)``: merges the ``n`` partials of each head.
 
 The grid depends only on tensor shapes, and split bounds are read on the device, so a decode
 step launches the same kernels whatever the lengths are (CUDA-graph capturable, no host sync).
@@ -27,7 +27,9 @@ from tokenmill.attention.triton.common import (
     attend_kv_chunk,
     dot_block,
     dot_precision,
+    kernel_cache,
     kernel_window,
+    kv_format,
     scale_strides,
 )
 from tokenmill.attention.triton.plan import TritonDecodePlan
@@ -69,7 +71,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    QUANTIZED: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -125,7 +127,7 @@ def _decode_split_kernel(
             stride_sh,
             qk_scale,
             DOT_PRECISION,
-            QUANTIZED,
+            KV_FORMAT,
         )
 
     nonempty = l_i > 0
@@ -187,7 +189,8 @@ def decode_attention(
     ``sliding_window`` keys when given); returns ``[B, H, D]``.
 
     ``k_cache``/``v_cache`` are one layer's ``[n_slots, Hkv, D]``; this step's k/v must already be
-    stored; with ``k_scale``/``v_scale`` (``[n_slots, Hkv]`` fp32) they are int8, read in place.
+    stored; with ``k_scale``/``v_scale`` (``[n_slots, Hkv]`` fp32) they are int8, read in place (fp8
+    ones, without scales, too).
     Uses ``plan.partial_out/partial_lse`` rows ``0..B-1`` as scratch.
     """
     batch, n_heads, head_dim = q.shape
@@ -202,8 +205,8 @@ def decode_attention(
     block_d = dot_block(head_dim)
     _decode_split_kernel[(batch, n_kv_heads, max_splits)](
         q,
-        k_cache,
-        v_cache,
+        kernel_cache(k_cache),
+        kernel_cache(v_cache),
         k_scale,
         v_scale,
         view.req_to_token,
@@ -234,7 +237,7 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=BLOCK_N,
         DOT_PRECISION=dot_precision(q.dtype),
-        QUANTIZED=k_scale is not None,
+        KV_FORMAT=kv_format(k_cache, k_scale),
         num_warps=4,
     )
     _decode_combine_kernel[(batch, n_heads)](

@@ -8,7 +8,8 @@ sits at absolute position ``p = prefix_lens[r] + j`` and attends to positions ``
 read in ``BLOCK_N`` chunks through ``req_to_token[req_pool_indices[r]]`` (the cached prefix and
 this step's tokens, which the store kernel has already written) from the first key the tile's first
 row sees. Online softmax in fp32 (exp2); GQA by indexing KV head ``h // group``. An int8 cache's
-tiles are dequantized in registers with their scales (``common.attend_kv_chunk``).
+tiles are dequantized in registers with their scales, an fp8 cache's bytes widened there
+(``common.attend_kv_chunk``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from tokenmill.attention.triton.common import (
     attend_kv_chunk,
     dot_block,
     dot_precision,
+    kernel_cache,
     kernel_window,
+    kv_format,
     scale_strides,
 )
 from tokenmill.attention.triton.plan import TritonPrefillPlan
@@ -64,7 +67,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    QUANTIZED: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -124,7 +127,7 @@ def _prefill_kernel(
             stride_sh,
             qk_scale,
             DOT_PRECISION,
-            QUANTIZED,
+            KV_FORMAT,
         )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only in padding rows (not stored)
@@ -149,7 +152,8 @@ def prefill_attention(
     (each query over its last ``sliding_window`` positions when given).
 
     ``k_cache``/``v_cache`` are one layer's ``[n_slots, Hkv, D]`` with this step's k/v already
-    stored; with ``k_scale``/``v_scale`` (``[n_slots, Hkv]`` fp32) they are int8, read in place.
+    stored; with ``k_scale``/``v_scale`` (``[n_slots, Hkv]`` fp32) they are int8, read in place (fp8
+    ones, without scales, too).
     Returns ``[T, H, D]`` in ``q``'s dtype.
     """
     n_tokens, n_heads, head_dim = q.shape
@@ -161,8 +165,8 @@ def prefill_attention(
     block_m = dot_block(plan.q_tile)
     _prefill_kernel[(n_tiles, n_heads)](
         q,
-        k_cache,
-        v_cache,
+        kernel_cache(k_cache),
+        kernel_cache(v_cache),
         k_scale,
         v_scale,
         out,
@@ -192,7 +196,7 @@ def prefill_attention(
         BLOCK_N=BLOCK_N,
         BLOCK_D=dot_block(head_dim),
         DOT_PRECISION=dot_precision(q.dtype),
-        QUANTIZED=k_scale is not None,
+        KV_FORMAT=kv_format(k_cache, k_scale),
         num_warps=8 if block_m >= 128 else 4,
     )
     return out

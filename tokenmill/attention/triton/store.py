@@ -5,6 +5,11 @@ An int8 cache (``cache/kv_quant.py``) is quantized as it is written: per token a
 max|x| / 127`` (0 for an all-zero head) and ``q = round_half_even(x / scale)`` clamped to
 ``[-127, 127]``, both divisions IEEE-rounded (``div_rn``), so values and scales equal
 ``kv_quant.quantize`` bit for bit.
+
+An fp8 cache (``cache/kv_fp8.py``) is given as its bytes (``common.kernel_cache``) and each value is
+encoded by integer ops on its fp32 bits (``_f32_to_fp8``: saturate, then round to nearest even), so
+the bytes equal ``kv_fp8.to_fp8``'s in Triton's interpreter (whose own fp8 stores do not round as
+torch does) and, by the same integer semantics, on a GPU.
 """
 
 from __future__ import annotations
@@ -13,7 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.triton.common import scale_strides
+from tokenmill.attention.triton.common import (
+    KV_FP8_E4M3,
+    KV_FP8_E5M2,
+    KV_INT8,
+    kernel_cache,
+    kv_format,
+    scale_strides,
+)
 
 QMAX = 127.0
 
@@ -35,6 +47,30 @@ def _quantize_heads(x):
     safe = tl.where(scale > 0, scale, 1.0)
     q = _round_half_even(tl.math.div_rn(x, safe[:, None]))
     return tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int8), scale
+
+
+@triton.jit
+def _f32_to_fp8(x, E5M2: tl.constexpr):
+    """fp32 ``x`` -> fp8 bytes (uint8; e5m2 or e4m3fn) of ``x`` clamped to the format's largest finite
+    magnitude (57344 / 448; inf too), rounded to nearest even; NaN -> 0x7F with ``x``'s sign. torch's
+    (c10's) conversion on the clamped value: normals round in the integer bits (add half an ulp less one,
+    plus the kept mantissa's low bit); magnitudes below the smallest normal are aligned by an fp32 add
+    of 2**7 / 2**14, which the FPU rounds to nearest even."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    nan = a > 0x7F800000
+    if E5M2:
+        a = tl.minimum(a, 0x47600000)  # 57344
+        small = (a.to(tl.float32, bitcast=True) + 128.0).to(tl.int32, bitcast=True) - (134 << 23)
+        normal = (a - (112 << 23) + 0xFFFFF + ((a >> 21) & 1)) >> 21
+        r = tl.where(a < (113 << 23), small, normal)
+    else:
+        a = tl.minimum(a, 0x43E00000)  # 448
+        small = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+        normal = (a - (120 << 23) + 0x7FFFF + ((a >> 20) & 1)) >> 20
+        r = tl.where(a < (121 << 23), small, normal)
+    return (tl.where(nan, 0x7F, r) | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -60,7 +96,7 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    QUANTIZED: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc_ptr + t).to(tl.int64)
@@ -70,11 +106,14 @@ def _store_kv_kernel(
     mask = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + offs_d[None, :], mask=mask, other=0.0)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + offs_d[None, :], mask=mask, other=0.0)
-    if QUANTIZED:
+    if KV_FORMAT == KV_INT8:
         k, k_scale = _quantize_heads(k.to(tl.float32))
         v, v_scale = _quantize_heads(v.to(tl.float32))
         tl.store(k_scale_ptr + slot * stride_ss + h * stride_sh, k_scale, mask=mask_h)
         tl.store(v_scale_ptr + slot * stride_ss + h * stride_sh, v_scale, mask=mask_h)
+    elif KV_FORMAT >= KV_FP8_E4M3:
+        k = _f32_to_fp8(k.to(tl.float32), KV_FORMAT == KV_FP8_E5M2)
+        v = _f32_to_fp8(v.to(tl.float32), KV_FORMAT == KV_FP8_E5M2)
     tl.store(k_cache_ptr + slot * stride_kcs + h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
     tl.store(v_cache_ptr + slot * stride_vcs + h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
 
@@ -89,7 +128,8 @@ def store_kv(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``k``/``v`` ``[T, Hkv, D]`` into one layer's caches ``[n_slots, Hkv, D]`` at ``out_cache_loc`` ``[T]``;
-    with ``k_scale``/``v_scale`` (``[n_slots, Hkv]`` fp32, equal strides) the caches are int8, quantized as written.
+    with ``k_scale``/``v_scale`` (``[n_slots, Hkv]`` fp32, equal strides) the caches are int8, quantized as written;
+    fp8 caches (no scales) are written as ``kv_fp8.to_fp8`` does.
 
     Every tensor's last dimension must be contiguous.
     """
@@ -100,8 +140,8 @@ def store_kv(
     _store_kv_kernel[(n_tokens,)](
         k,
         v,
-        k_cache,
-        v_cache,
+        kernel_cache(k_cache),
+        kernel_cache(v_cache),
         k_scale,
         v_scale,
         out_cache_loc,
@@ -118,6 +158,6 @@ def store_kv(
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
-        QUANTIZED=k_scale is not None,
+        KV_FORMAT=kv_format(k_cache, k_scale),
         num_warps=max(1, min(8, block_h * block_d // 256)),
     )

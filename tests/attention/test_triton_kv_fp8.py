@@ -1,0 +1,235 @@
+"""The Triton backend over an fp8 KV cache (Triton's interpreter on CPU, tiny shapes).
+
+Oracles: the store kernel writes exactly ``kv_fp8.to_fp8``'s bytes for e4m3fn and e5m2 (saturation,
+ties to even, subnormals, zeros and negative zero, inf and NaN; fp32 and fp16 inputs, and every
+fp16 value); split-KV decode and ragged prefill over an fp8 cache equal the torch reference backend
+over the same fp8 cache (fp32 and fp16 queries, GQA, page sizes 1 and 16, contexts across the
+kernels' 64-key chunks and across split boundaries, a sliding window); and an engine on a tiny Llama
+with ``kv_cache_dtype="fp8_e4m3"`` gives the torch backend's greedy tokens; the CUDA-graph runner's
+static decode view (run eagerly) over an fp8 cache gives the eager decode's logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="needs triton")
+
+from tests.attention.helpers import PagedLayout  # noqa: E402
+from tests.tiny_models import save_tiny_checkpoint  # noqa: E402
+from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.attention.torch_native import TorchNativeBackend  # noqa: E402
+from tokenmill.attention.triton import TritonBackend  # noqa: E402
+from tokenmill.attention.triton.config import TritonConfig  # noqa: E402
+from tokenmill.attention.triton.store import store_kv  # noqa: E402
+from tokenmill.attention.triton_capabilities import TRITON_CAPABILITIES  # noqa: E402
+from tokenmill.cache.kv_fp8 import FP8_DTYPES, to_fp8  # noqa: E402
+from tokenmill.cache.manager import CacheManager  # noqa: E402
+from tokenmill.cache.storage import KVStorage, ReqToTokenPool  # noqa: E402
+from tokenmill.cache.view_binder import ViewBinder  # noqa: E402
+from tokenmill.cache.view_builder import make_decode_view, make_prefill_view  # noqa: E402
+from tokenmill.config import EngineConfig  # noqa: E402
+from tokenmill.engine.sequence import Sequence  # noqa: E402
+from tokenmill.model.loader import load_model  # noqa: E402
+from tokenmill.worker.cuda_graphs import CudaGraphDecodeRunner  # noqa: E402
+
+LAYER = 1  # of 2: exercises the per-layer buffer offsets
+N_HEADS = 4
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2}
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+FP8_IDS = [str(d).removeprefix("torch.float8_") for d in FP8_DTYPES]
+
+
+def test_capabilities_read_fp8() -> None:
+    assert TRITON_CAPABILITIES.kv_fp8
+    assert all(TRITON_CAPABILITIES.reads_kv(torch.float16, fp8) for fp8 in FP8_DTYPES)
+
+
+def edge_values(fp8: torch.dtype) -> torch.Tensor:
+    """Values at the format's edges: beyond the max (saturate), the max's rounding tie, ties between
+    neighbours, subnormals and their ties, zeros, inf and NaN."""
+    big, tiny = torch.finfo(fp8).max, torch.finfo(fp8).smallest_normal
+    sub = tiny / (8 if fp8 == torch.float8_e4m3fn else 4)  # the smallest subnormal
+    ulp1 = 2 ** -(3 if fp8 == torch.float8_e4m3fn else 2)  # spacing just above 1
+    values = [big, big * 1.03, big * 1.2, 1e9, float("inf"), 0.0, -0.0, float("nan")]
+    values += [1 + ulp1 / 2, 1 + 3 * ulp1 / 2, 1 + ulp1 / 2 + 2**-20, 2.5, 3.5, tiny, tiny * 0.999]
+    values += [sub, sub / 2, 3 * sub / 2, 5 * sub / 2, sub / 2 + 2**-30, sub / 4, 2**-40]
+    values = torch.tensor(values, dtype=torch.float64)
+    return torch.cat([values, -values]).float()
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=FP8_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_writes_kv_fp8_bytes(fp8: torch.dtype, dtype: torch.dtype) -> None:
+    """The cache's bytes equal ``to_fp8``'s bit for bit (edge values, every fp16 value, random ones);
+    other slots are left alone."""
+    torch.manual_seed(0)
+    every_fp16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    edges = edge_values(fp8).to(dtype)
+    values = torch.cat([edges, every_fp16.to(dtype), (torch.randn(4096) * 30).to(dtype)])
+    x = torch.cat([values, values.new_zeros(-values.numel() % 1024)]).view(-1, 4, 256)  # [T, Hkv, D]: few programs
+    n = x.shape[0]
+    slots = torch.randperm(n + 9)[:n] + 1
+    k_cache = torch.full((n + 10, 4, 256), 0x55, dtype=torch.uint8).view(fp8)
+    v_cache = k_cache.clone()
+    store_kv(x, -x, k_cache, v_cache, slots)
+    for cache, written in ((k_cache, x), (v_cache, -x)):
+        stored = cache.view(torch.uint8)[slots]
+        assert torch.equal(stored, to_fp8(written, fp8).view(torch.uint8))
+    edge_bytes = k_cache.view(torch.uint8)[slots].reshape(-1)[: edges.numel()]
+    assert edge_bytes[:3].tolist() == [0x7E if fp8 == torch.float8_e4m3fn else 0x7B] * 3  # saturated
+    assert edge_bytes[5:7].tolist() == [0x00, 0x80]  # 0.0, -0.0
+    untouched = torch.ones(n + 10, dtype=torch.bool)
+    untouched[slots] = False
+    assert bool((k_cache.view(torch.uint8)[untouched] == 0x55).all())
+
+
+def fp8_storage(fp8: torch.dtype, n_slots: int, n_kv: int, head_dim: int) -> KVStorage:
+    """An fp8 storage whose slots (but the zeroed slot 0) hold random fp8 keys/values."""
+    storage = KVStorage(2, n_slots, n_kv, head_dim, fp8, "cpu")
+    for buffer in (storage.k_buffer, storage.v_buffer):
+        raw = buffer.view(torch.uint8)
+        raw.zero_()
+        raw[:, 1:] = to_fp8(torch.randn(2, n_slots - 1, n_kv, head_dim) * 2, fp8).view(torch.uint8)
+    return storage
+
+
+class Fp8Pair:
+    """Two copies of one fp8 cache: one for the Triton backend (``dtype`` queries), one for the
+    torch reference (fp32 queries); every forward must leave their bytes equal."""
+
+    def __init__(self, fp8: torch.dtype, dtype: torch.dtype, head_dim: int, group: int, page_size: int) -> None:
+        self.dtype, self.head_dim, self.n_kv = dtype, head_dim, N_HEADS // group
+        self.layout = PagedLayout(page_size, n_pages=160 // page_size + 2, rows=4, context=96)
+        self.storage = fp8_storage(fp8, self.layout.allocator.n_pages * page_size, self.n_kv, head_dim)
+        self.ref = fp8_storage(fp8, self.storage.n_slots, self.n_kv, head_dim)
+        for name in ("k_buffer", "v_buffer"):
+            getattr(self.ref, name).view(torch.uint8).copy_(getattr(self.storage, name).view(torch.uint8))
+        self.torch = TorchNativeBackend(N_HEADS, self.n_kv, head_dim)
+
+    def triton(self, min_tokens: int = 64) -> TritonBackend:
+        config = TritonConfig(prefill_q_tile=8, max_decode_splits=4, decode_split_min_tokens=min_tokens, max_rows=4)
+        return TritonBackend(N_HEADS, self.n_kv, self.head_dim, config, "cpu")
+
+    def qkv(self, n_tokens: int) -> tuple[torch.Tensor, ...]:
+        shapes = ((n_tokens, N_HEADS), (n_tokens, self.n_kv), (n_tokens, self.n_kv))
+        return tuple((torch.randn(*s, self.head_dim) * 2).to(self.dtype) for s in shapes)
+
+    def run(self, make_view, qkv: tuple[torch.Tensor, ...], triton: TritonBackend, window: int | None) -> float:
+        """Max |Triton - reference| of one forward (both within ``window``); checks both stores."""
+        q, k, v = qkv
+        out = triton.forward(q, k, v, LAYER, triton.plan(make_view(self.storage)), window)
+        ref = self.torch.forward(q.float(), k.float(), v.float(), LAYER, make_view(self.ref), window)
+        for name in ("k_buffer", "v_buffer"):
+            mine, theirs = (getattr(s, name).view(torch.uint8) for s in (self.storage, self.ref))
+            assert torch.equal(mine, theirs), name
+        assert out.dtype == self.dtype and out.shape == q.shape
+        return (out.float() - ref).abs().max().item()
+
+    def prefill(self, rows: list[int], prefix: list[int], extend: list[int], window: int | None = None) -> float:
+        loc = torch.cat(self.layout.extend_interleaved(rows, extend))
+        table = self.layout.pool.table
+        view = lambda s: make_prefill_view(s, table, rows, prefix, extend, loc)  # noqa: E731
+        return self.run(view, self.qkv(sum(extend)), self.triton(), window)
+
+    def decode(self, rows: list[int], min_tokens: int, window: int | None = None) -> float:
+        loc = torch.cat(self.layout.extend_interleaved(rows, [1] * len(rows)))
+        seq_lens, table = [self.layout.lens[r] for r in rows], self.layout.pool.table
+        view = lambda s: make_decode_view(s, table, rows, seq_lens, loc)  # noqa: E731
+        return self.run(view, self.qkv(len(rows)), self.triton(min_tokens), window)
+
+
+# (fp8 dtype, query dtype, head_dim, GQA group, page_size, window); n_kv_heads = N_HEADS // group
+CASES = [
+    (torch.float8_e4m3fn, torch.float32, 32, 2, 16, None),
+    (torch.float8_e5m2, torch.float16, 64, 4, 1, None),
+    (torch.float8_e4m3fn, torch.float16, 16, 2, 1, None),
+    (torch.float8_e5m2, torch.float32, 24, 1, 16, 5),  # head_dim not a power of two; a sliding window
+]
+
+
+def case_id(case: tuple) -> str:
+    fp8, dtype, head_dim, group, page, window = case
+    return f"{str(fp8).removeprefix('torch.float8_')}-{str(dtype)[6:]}-d{head_dim}-g{group}-p{page}-w{window}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_prefill_then_decode_over_fp8_match_torch(case: tuple) -> None:
+    """Prefill (fresh, one-token extend, two q tiles over a 60-token prefix: keys across the 64-key
+    chunk) and decode with one split and with several, against the reference on the same cache."""
+    fp8, dtype, head_dim, group, page, window = case
+    torch.manual_seed(head_dim)
+    pair = Fp8Pair(fp8, dtype, head_dim, group, page)
+    rows = [pair.layout.new_row() for _ in range(3)]
+    prefix, extend = [0, 5, 60], [7, 1, 10]
+    pair.layout.extend_interleaved(rows, prefix)  # a cached prefix: fp8 keys/values already stored
+    assert pair.prefill(rows, prefix, extend, window) <= TOLERANCE[dtype]
+    assert pair.decode(rows, min_tokens=64, window=window) <= TOLERANCE[dtype]  # lens 8, 7, 71: 1, 1, 2 splits
+    assert pair.decode(rows, min_tokens=3, window=window) <= TOLERANCE[dtype]  # 3, 3 and 4 (capped) splits
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama-triton-fp8")
+    save_tiny_checkpoint(path, "llama")
+    return path
+
+
+def test_cuda_graph_static_decode_reads_fp8(checkpoint: Path) -> None:
+    """The runner's padded static decode view (run eagerly on CPU) over an fp8 e5m2 cache gives the
+    eager decode's logits."""
+    model = load_model(checkpoint, torch.float32, "cpu")
+    cfg = model.config
+    config = EngineConfig(device="cpu", page_size=16, max_running_requests=4, cuda_graph_max_batch=4)
+    storage = KVStorage(cfg.num_layers, 128, cfg.num_kv_heads, cfg.head_dim, torch.float8_e5m2, "cpu")
+    pool = ReqToTokenPool(4, 64, "cpu")
+    cache, views = CacheManager(config, storage.n_slots, pool), ViewBinder(storage, pool.table)
+    triton_config = TritonConfig(prefill_q_tile=16, max_decode_splits=2, decode_split_min_tokens=8, max_rows=4)
+    model.backend = TritonBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, triton_config, "cpu")
+    seqs = [Sequence(prompt_token_ids=list(range(4, 4 + n)), params=SamplingParams(max_tokens=8)) for n in (3, 12)]
+    for seq in seqs:
+        assert cache.alloc(seq.kv, seq.all_token_ids)
+    lens = [len(s.prompt_token_ids) for s in seqs]
+    loc = torch.cat([cache.extend(s.kv, n) for s, n in zip(seqs, lens)])
+    view = views.prefill([s.row for s in seqs], [0] * len(seqs), lens, loc)
+    model(torch.tensor([t for s in seqs for t in s.prompt_token_ids]), torch.cat([torch.arange(n) for n in lens]), view)
+
+    view = views.decode([s.row for s in seqs], [s.n_kv for s in seqs], cache.extend_decode([s.kv for s in seqs]))
+    last, positions = torch.tensor([s.prompt_token_ids[-1] for s in seqs]), view.seq_lens - 1
+    eager = model(last, positions, view)
+    runner = CudaGraphDecodeRunner(model, storage, pool.table, config)
+    runner._load(last, positions, view, 4)
+    static = runner._forward(4, runner._plan(4))
+    assert (static[:2] - eager).abs().max().item() <= 1e-5
+
+
+def test_engine_greedy_tokens_match_torch_backend_over_fp8(checkpoint: Path) -> None:
+    prompts = [list(range(3, 8)), [(7 * i) % 90 + 4 for i in range(19)], [(5 * i) % 80 + 6 for i in range(34)]]
+    options = dict(
+        device="cpu",
+        dtype="float32",
+        kv_cache_dtype="fp8_e4m3",
+        num_kv_slots=256,
+        page_size=16,
+        max_running_requests=4,
+        max_num_batched_tokens=24,
+        max_decode_splits=2,
+        decode_split_min_tokens=8,
+        cuda_graphs=False,
+    )
+    results = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(model=str(checkpoint), attention_backend=backend, **options)
+        try:
+            engine = llm.engine
+            assert engine.model.backend.name == backend and engine.worker.storage.k_buffer.dtype == torch.float8_e4m3fn
+            outputs = llm.generate(prompts, SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)
+            stats = engine.stats()
+        finally:
+            llm.shutdown()
+        assert stats["scheduler"]["chunked_prefills"] > 0
+        results[backend] = [o.outputs[0].token_ids for o in outputs]
+    assert results["triton"] == results["torch"]
