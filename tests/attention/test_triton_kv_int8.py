@@ -18,10 +18,9 @@ import torch
 
 pytest.importorskip("triton", reason="needs triton")
 
-from tests.attention.helpers import PagedLayout  # noqa: E402
+from tests.attention.cache_pair import CachePair  # noqa: E402
 from tests.tiny_models import save_tiny_checkpoint  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.attention.torch_native import TorchNativeBackend  # noqa: E402
 from tokenmill.attention.triton import TritonBackend  # noqa: E402
 from tokenmill.attention.triton.config import TritonConfig  # noqa: E402
 from tokenmill.attention.triton.store import store_kv  # noqa: E402
@@ -30,14 +29,11 @@ from tokenmill.cache.kv_quant import quantize  # noqa: E402
 from tokenmill.cache.manager import CacheManager  # noqa: E402
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool  # noqa: E402
 from tokenmill.cache.view_binder import ViewBinder  # noqa: E402
-from tokenmill.cache.view_builder import make_decode_view, make_prefill_view  # noqa: E402
 from tokenmill.config import EngineConfig  # noqa: E402
 from tokenmill.engine.sequence import Sequence  # noqa: E402
 from tokenmill.model.loader import load_model  # noqa: E402
 from tokenmill.worker.cuda_graphs import CudaGraphDecodeRunner  # noqa: E402
 
-LAYER = 1  # of 2: exercises the per-layer buffer and scale offsets
-N_HEADS = 4
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2}
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -77,50 +73,6 @@ def int8_storage(n_slots: int, n_kv: int, head_dim: int) -> KVStorage:
     return storage
 
 
-class Int8Pair:
-    """Two copies of one int8 cache: one for the Triton backend (``dtype`` queries), one for the
-    torch reference (fp32 queries); every forward must leave them equal."""
-
-    def __init__(self, dtype: torch.dtype, head_dim: int, group: int, page_size: int) -> None:
-        self.dtype, self.head_dim, self.n_kv = dtype, head_dim, N_HEADS // group
-        self.layout = PagedLayout(page_size, n_pages=160 // page_size + 2, rows=4, context=96)
-        self.storage = int8_storage(self.layout.allocator.n_pages * page_size, self.n_kv, head_dim)
-        self.ref = int8_storage(self.storage.n_slots, self.n_kv, head_dim)
-        for name in ("k_buffer", "v_buffer", "k_scale", "v_scale"):
-            getattr(self.ref, name).copy_(getattr(self.storage, name))
-        self.torch = TorchNativeBackend(N_HEADS, self.n_kv, head_dim)
-
-    def triton(self, min_tokens: int = 64) -> TritonBackend:
-        config = TritonConfig(prefill_q_tile=8, max_decode_splits=4, decode_split_min_tokens=min_tokens, max_rows=4)
-        return TritonBackend(N_HEADS, self.n_kv, self.head_dim, config, "cpu")
-
-    def qkv(self, n_tokens: int) -> tuple[torch.Tensor, ...]:
-        shapes = ((n_tokens, N_HEADS), (n_tokens, self.n_kv), (n_tokens, self.n_kv))
-        return tuple((torch.randn(*s, self.head_dim) * 2).to(self.dtype) for s in shapes)
-
-    def run(self, make_view, qkv: tuple[torch.Tensor, ...], triton: TritonBackend, window: int | None) -> float:
-        """Max |Triton - reference| of one forward (both within ``window``); checks both stores."""
-        q, k, v = qkv
-        out = triton.forward(q, k, v, LAYER, triton.plan(make_view(self.storage)), window)
-        ref = self.torch.forward(q.float(), k.float(), v.float(), LAYER, make_view(self.ref), window)
-        for name in ("k_buffer", "v_buffer", "k_scale", "v_scale"):
-            assert torch.equal(getattr(self.storage, name), getattr(self.ref, name)), name
-        assert out.dtype == self.dtype and out.shape == q.shape
-        return (out.float() - ref).abs().max().item()
-
-    def prefill(self, rows: list[int], prefix: list[int], extend: list[int], window: int | None = None) -> float:
-        loc = torch.cat(self.layout.extend_interleaved(rows, extend))
-        table = self.layout.pool.table
-        view = lambda s: make_prefill_view(s, table, rows, prefix, extend, loc)  # noqa: E731
-        return self.run(view, self.qkv(sum(extend)), self.triton(), window)
-
-    def decode(self, rows: list[int], min_tokens: int, window: int | None = None) -> float:
-        loc = torch.cat(self.layout.extend_interleaved(rows, [1] * len(rows)))
-        seq_lens, table = [self.layout.lens[r] for r in rows], self.layout.pool.table
-        view = lambda s: make_decode_view(s, table, rows, seq_lens, loc)  # noqa: E731
-        return self.run(view, self.qkv(len(rows)), self.triton(min_tokens), window)
-
-
 # (dtype, head_dim, GQA group, page_size, window); n_kv_heads = N_HEADS // group
 CASES = [
     (torch.float32, 32, 2, 16, None),
@@ -135,7 +87,7 @@ def test_prefill_then_decode_over_int8_match_torch(case: tuple) -> None:
     chunk) and decode with one split and with several, against the reference on the same cache."""
     dtype, head_dim, group, page, window = case
     torch.manual_seed(head_dim)
-    pair = Int8Pair(dtype, head_dim, group, page)
+    pair = CachePair(int8_storage, dtype, head_dim, group, page)
     rows = [pair.layout.new_row() for _ in range(3)]
     prefix, extend = [0, 5, 60], [7, 1, 10]
     pair.layout.extend_interleaved(rows, prefix)  # a cached prefix: int8 keys/values already stored
