@@ -18,21 +18,14 @@ import torch
 
 pytest.importorskip("triton", reason="needs triton")
 
-from tests.attention.cache_pair import CachePair  # noqa: E402
+from tests.attention.cache_pair import CachePair, static_decode_error  # noqa: E402
 from tests.tiny_models import save_tiny_checkpoint  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.attention.triton import TritonBackend  # noqa: E402
-from tokenmill.attention.triton.config import TritonConfig  # noqa: E402
 from tokenmill.attention.triton.store import store_kv  # noqa: E402
 from tokenmill.attention.triton_capabilities import TRITON_CAPABILITIES  # noqa: E402
 from tokenmill.cache.kv_quant import quantize  # noqa: E402
-from tokenmill.cache.manager import CacheManager  # noqa: E402
-from tokenmill.cache.storage import KVStorage, ReqToTokenPool  # noqa: E402
-from tokenmill.cache.view_binder import ViewBinder  # noqa: E402
-from tokenmill.config import EngineConfig  # noqa: E402
+from tokenmill.cache.storage import KVStorage  # noqa: E402
 from tokenmill.engine.sequence import Sequence  # noqa: E402
-from tokenmill.model.loader import load_model  # noqa: E402
-from tokenmill.worker.cuda_graphs import CudaGraphDecodeRunner  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2}
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -110,29 +103,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_cuda_graph_static_decode_reads_the_scales(checkpoint: Path) -> None:
     """The runner's padded static decode view (run eagerly on CPU) over an int8 cache gives the
     eager decode's logits: it passes the scale tensors to the kernels."""
-    model = load_model(checkpoint, torch.float32, "cpu")
-    cfg = model.config
-    config = EngineConfig(device="cpu", page_size=16, max_running_requests=4, cuda_graph_max_batch=4)
-    storage = KVStorage(cfg.num_layers, 128, cfg.num_kv_heads, cfg.head_dim, torch.int8, "cpu")
-    pool = ReqToTokenPool(4, 64, "cpu")
-    cache, views = CacheManager(config, storage.n_slots, pool), ViewBinder(storage, pool.table)
-    triton_config = TritonConfig(prefill_q_tile=16, max_decode_splits=2, decode_split_min_tokens=8, max_rows=4)
-    model.backend = TritonBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, triton_config, "cpu")
-    seqs = [new_seq(list(range(4, 4 + n))) for n in (3, 12)]
-    for seq in seqs:
-        assert cache.alloc(seq.kv, seq.all_token_ids)
-    lens = [len(s.prompt_token_ids) for s in seqs]
-    loc = torch.cat([cache.extend(s.kv, n) for s, n in zip(seqs, lens)])
-    view = views.prefill([s.row for s in seqs], [0] * len(seqs), lens, loc)
-    model(torch.tensor([t for s in seqs for t in s.prompt_token_ids]), torch.cat([torch.arange(n) for n in lens]), view)
-
-    view = views.decode([s.row for s in seqs], [s.n_kv for s in seqs], cache.extend_decode([s.kv for s in seqs]))
-    last, positions = torch.tensor([s.prompt_token_ids[-1] for s in seqs]), view.seq_lens - 1
-    eager = model(last, positions, view)
-    runner = CudaGraphDecodeRunner(model, storage, pool.table, config)
-    runner._load(last, positions, view, 4)
-    static = runner._forward(4, runner._plan(4))
-    assert (static[:2] - eager).abs().max().item() <= 1e-5
+    assert static_decode_error(checkpoint, torch.int8) <= 1e-5
 
 
 def test_engine_greedy_tokens_match_torch_backend_over_int8(checkpoint: Path) -> None:
