@@ -7,11 +7,11 @@ Two parts, each engine in a fresh process, one after another, 2 threads:
   (a restart), with its files in the page cache and then evicted from it (``posix_fadvise``
   DONTNEED: read from the disk itself). Each process first runs a short warm-up prompt. Reports
   TTFTs, their ratios and the tier's measured read speed.
-* ``cycle``: 32 system prompts of 1,500 tokens, each request one of them plus a 16-token question
-  (96 requests cycling through the prompts, 16 output tokens each, all submitted at once) on a KV
-  pool of 16,384 slots, a third of the prefixes: the device's prefix cache evicts each prompt before
-  it comes back. Output tokens/s without a tier, with the disk tier and with a 2 GiB host tier
-  (each tier starts empty).
+* ``cycle``: 32 system prompts (``--prompts``) of 1,500 tokens, each request one of them plus a
+  16-token question (three requests a prompt cycling through them, 16 output tokens each, all
+  submitted at once) on a KV pool of 512 slots a prompt (16,384 for 32), a third of the prefixes:
+  the device's prefix cache evicts each prompt before it comes back. Output tokens/s without a
+  tier, with the disk tier and with a 2 GiB host tier (each tier starts empty).
 
     python benchmarks/kv_disk_tier.py --json
 """
@@ -113,12 +113,12 @@ def restart_part(model: str, work: Path) -> dict[str, Any]:
     }
 
 
-def cycle_part(model: str, work: Path) -> dict[str, Any]:
+def cycle_part(model: str, work: Path, n_prompts: int) -> dict[str, Any]:
     rng = random.Random(1)
-    prompts = [token_ids(rng, 1500) for _ in range(32)]
-    requests = [prompts[i % 32] + token_ids(rng, 16) for i in range(96)]
+    prompts = [token_ids(rng, 1500) for _ in range(n_prompts)]
+    requests = [prompts[i % n_prompts] + token_ids(rng, 16) for i in range(3 * n_prompts)]
     spec = {"model": model, "requests": requests, "warmup": token_ids(rng, 32), "max_tokens": 16}
-    spec["num_kv_slots"] = 16384
+    spec["num_kv_slots"] = 512 * n_prompts  # a third of the prefixes
     without = call(__file__, sys.executable, "cycle", spec)
     with_tier = call(__file__, sys.executable, "cycle", {**spec, "tier": str(work / "cycle")})
     with_host = call(__file__, sys.executable, "cycle", {**spec, "host_bytes": 2 * 1024**3})
@@ -151,7 +151,7 @@ def main(args: argparse.Namespace) -> None:
         if "restart" in args.parts:
             result["restart"] = restart_part(model, work)
         if "cycle" in args.parts:
-            result["cycle"] = cycle_part(model, work)
+            result["cycle"] = cycle_part(model, work, args.prompts)
     print(json.dumps(result, indent=None if args.json else 1))
 
 
@@ -160,6 +160,7 @@ if __name__ == "__main__":
     parser.add_argument("--model", default=None)
     parser.add_argument("--parts", nargs="+", default=["restart", "cycle"], choices=["restart", "cycle"])
     parser.add_argument("--work-dir", default=None, help="where the tiers' folders go (default: the temp dir)")
+    parser.add_argument("--prompts", type=int, default=32, help="system prompts of the cycle part (3 requests each)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     ARGS = parser.parse_args()
