@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.attention.helpers import PagedLayout
-from tests.cache.test_kv_int8 import greedy
+from tests.cache.test_kv_int8 import greedy, together_and_alone
 from tests.model.test_bf16 import GREEDY_TOKENS, GREEDY_VOCAB, MIN_MARGIN, candidate_prompts, min_margin
 from tests.tiny_models import save_tiny_model
 from tokenmill import LLM, SamplingParams
@@ -213,25 +213,9 @@ def test_the_cpu_decode_forward_runs_fp8_as_the_step_by_step_path(model: Path, k
 def test_prefix_sharing_forks_and_preemption_keep_outputs(model: Path, backend: str) -> None:
     """n=3 siblings (the partial page copied), a shared cached prefix, and a pool small enough to
     preempt: each request's tokens equal the same request run alone."""
-    shared = candidate_prompts()[40]
-    prompts = [shared + [3 + i] for i in range(6)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, n=3)
-    options = dict(
-        dtype="float32", kv_cache_dtype="fp8", attention_backend=backend, skip_tokenizer_init=True, page_size=4
-    )
-    llm = LLM(model=str(model), num_kv_slots=256, max_num_batched_tokens=32, **options)
-    try:
-        assert llm.engine.worker.storage.k_buffer.dtype == torch.float8_e4m3fn
-        together = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
-        stats = llm.engine.stats()
-    finally:
-        llm.shutdown()
+    together, alone, stats, kv_dtype = together_and_alone(model, kv_cache_dtype="fp8", attention_backend=backend)
+    assert kv_dtype == torch.float8_e4m3fn
     assert stats["scheduler"]["preemptions"] > 0 and stats["cache"]["prefix_hit_tokens"] > 0
-    alone_engine = LLM(model=str(model), num_kv_slots=4096, enable_prefix_caching=False, **options)
-    try:
-        alone = [[c.token_ids for c in alone_engine.generate([p], params, use_tqdm=False)[0].outputs] for p in prompts]
-    finally:
-        alone_engine.shutdown()
     assert together == alone
 
 

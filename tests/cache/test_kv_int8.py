@@ -160,23 +160,32 @@ def test_the_cpu_decode_forward_runs_int8_as_the_step_by_step_path(model: Path) 
 def test_prefix_sharing_forks_and_preemption_keep_outputs(model: Path) -> None:
     """n=3 siblings (the partial page and its scales copied), a shared cached prefix, and a pool
     small enough to preempt: each request's tokens equal the same request run alone."""
-    shared = candidate_prompts()[40]
-    prompts = [shared + [3 + i] for i in range(6)]
+    together, alone, stats, kv_dtype = together_and_alone(model, kv_cache_dtype="int8")
+    assert kv_dtype == torch.int8
+    assert stats["scheduler"]["preemptions"] > 0 and stats["cache"]["prefix_hit_tokens"] > 0
+    assert together == alone
+
+
+def together_and_alone(model: Path, **options: object) -> tuple[list, list, dict, torch.dtype]:
+    """Six requests (n=3) sharing a cached prefix, run together on a pool small enough to preempt,
+    then each alone on a large pool without prefix caching: both runs' tokens, the first run's
+    stats and its KV dtype."""
+    prompts = [candidate_prompts()[40] + [3 + i] for i in range(6)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, n=3)
-    options = dict(dtype="float32", kv_cache_dtype="int8", skip_tokenizer_init=True, page_size=4)
+    options = dict(dtype="float32", skip_tokenizer_init=True, page_size=4, **options)
     llm = LLM(model=str(model), num_kv_slots=256, max_num_batched_tokens=32, **options)
     try:
+        kv_dtype = llm.engine.worker.storage.k_buffer.dtype
         together = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
         stats = llm.engine.stats()
     finally:
         llm.shutdown()
-    assert stats["scheduler"]["preemptions"] > 0 and stats["cache"]["prefix_hit_tokens"] > 0
     alone_engine = LLM(model=str(model), num_kv_slots=4096, enable_prefix_caching=False, **options)
     try:
         alone = [[c.token_ids for c in alone_engine.generate([p], params, use_tqdm=False)[0].outputs] for p in prompts]
     finally:
         alone_engine.shutdown()
-    assert together == alone
+    return together, alone, stats, kv_dtype
 
 
 def test_int8_holds_about_twice_the_tokens_of_bf16() -> None:
