@@ -17,7 +17,7 @@
 
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -137,6 +137,90 @@ void tile_product(const Packed& p, const float* x, const float* xsum, int64_t m0
   }
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// The 32 values of a run (its bytes from q) as q (unscaled) in four 8-wide vectors, in order.
+__attribute__((always_inline)) inline void unpack_run_avx2(const Packed& p, const uint8_t* q, __m256 w[4]) {
+  if (p.bits == 8) {
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i))));
+    }
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), nibble = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+}
+
+// tile_product for AVX2's 16 registers: the same sums, ordered to fit kRows (<= 2) x 4 8-wide
+// accumulators: each run of each of the 4 weight rows is unpacked once and dotted with every row of x
+// unscaled, the run's sum then added times its group's scale; an int4 weight's min terms (min times
+// the sum of x over the group) are one dot product per weight row and row of x over the groups, last.
+template <int kRows>
+void tile_product_avx2(const Packed& p, const float* x, const float* xsum, int64_t m0, int64_t n0, int64_t valid,
+                       float* y) {
+  __m256 acc[kRows][kBlock];
+  for (int m = 0; m < kRows; ++m) {
+    for (int64_t j = 0; j < kBlock; ++j) acc[m][j] = _mm256_setzero_ps();
+  }
+  const int64_t k_dim = p.k_dim, groups = p.groups_per_row, runs_per_group = p.group / kRun;
+  int64_t rows[kBlock];  // as in tile_product: rows past the last repeat it, never stored
+  for (int64_t j = 0; j < kBlock; ++j) rows[j] = n0 + std::min(j, valid - 1);
+  if (n0 + kBlock < p.n_out) {
+    const int64_t stride = p.bits == 8 ? k_dim : k_dim / 2;
+    tokenmill_simd::prefetch_range(row_bytes(p, n0 + kBlock, 0), std::min(kBlock, p.n_out - n0 - kBlock) * stride);
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t r = 0; r < runs_per_group; ++r) {
+      const int64_t k = g * p.group + r * kRun;
+#pragma GCC unroll 4
+      for (int64_t j = 0; j < kBlock; ++j) {
+        __m256 w[4];
+        unpack_run_avx2(p, row_bytes(p, rows[j], k), w);
+        const __m256 scale = _mm256_broadcast_ss(p.scale + rows[j] * groups + g);
+#pragma GCC unroll 2
+        for (int m = 0; m < kRows; ++m) {
+          const float* xr = x + (m0 + m) * k_dim + k;
+          __m256 run = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+#pragma GCC unroll 3
+          for (int i = 1; i < 4; ++i) run = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), run);
+          acc[m][j] = _mm256_fmadd_ps(run, scale, acc[m][j]);
+        }
+      }
+    }
+  }
+  float min_terms[kRows][kBlock] = {};
+  if (p.min != nullptr) {
+    for (int m = 0; m < kRows; ++m) {
+      const float* xs = xsum + (m0 + m) * groups;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const float* mins = p.min + rows[j] * groups;
+        float total = 0.f;
+        for (int64_t g = 0; g < groups; ++g) total += mins[g] * xs[g];
+        min_terms[m][j] = total;
+      }
+    }
+  }
+  for (int m = 0; m < kRows; ++m) {
+    // lanes 0-3 of `both`: the sums of acc[m][0..3] over their low halves, lanes 4-7 over the high
+    const __m256 both = _mm256_hadd_ps(_mm256_hadd_ps(acc[m][0], acc[m][1]), _mm256_hadd_ps(acc[m][2], acc[m][3]));
+    alignas(16) float s[4];
+    _mm_store_ps(s, _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1)));
+    for (int64_t j = 0; j < valid; ++j) y[(m0 + m) * p.n_out + n0 + j] = s[j] + min_terms[m][j];
+  }
+}
+
+// tile_product_avx2 over all m_rows rows of x, two at a time.
+void block_product(const Packed& p, const float* x, const float* xsum, int64_t m_rows, int64_t n0, float* y) {
+  const int64_t valid = std::min(kBlock, p.n_out - n0);
+  int64_t m0 = 0;
+  for (; m0 + 2 <= m_rows; m0 += 2) tile_product_avx2<2>(p, x, xsum, m0, n0, valid, y);
+  if (m0 < m_rows) tile_product_avx2<1>(p, x, xsum, m0, n0, valid, y);
+}
+#else
 // tile_product over all m_rows rows of x, four at a time.
 void block_product(const Packed& p, const float* x, const float* xsum, int64_t m_rows, int64_t n0, float* y) {
   const int64_t valid = std::min(kBlock, p.n_out - n0);
@@ -149,6 +233,7 @@ void block_product(const Packed& p, const float* x, const float* xsum, int64_t m
     default: break;
   }
 }
+#endif
 
 
 template <typename T>
