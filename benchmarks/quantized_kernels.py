@@ -1,13 +1,14 @@
-"""Products with quantized weights against bf16 ones, kernel by kernel, in one run.
+"""Products with quantized weights against unquantized ones, kernel by kernel, in one run.
 
 Thirty random weights of one shape (default SmolLM2-135M's MLP up projection, N=3072 x K=576, so
-a run reads more than the caches hold), multiplied by bf16 x of each row count: tokenmill's bf16
-``Linear`` (oneDNN blocked / skinny), and int4 (default groups) and int8 (per channel) in each
-layout: panels (int8 activations, ``quant_int8_dot.cpp``; needs AVX512-VNNI) and rows (fp32
-streaming up to ``STREAM_MAX_ROWS`` rows, dequantized + oneDNN beyond). Median ms for all thirty
-of ``--repeats`` runs after a warm-up; nothing else should run on the machine meanwhile.
+a run reads more than the caches hold), multiplied by x of each row count in ``--dtype`` (bf16 by
+default; float32 on CPUs without bf16 hardware): tokenmill's ``Linear`` in that dtype (oneDNN
+blocked / skinny), and int4 (default groups) and int8 (per channel) in each layout: panels (int8
+activations, ``quant_int8_dot.cpp``; needs AVX512-VNNI) and rows (fp32 streaming up to
+``STREAM_MAX_ROWS`` rows, 6 or with AVX2 alone 128; dequantized + oneDNN beyond). Median ms for
+all thirty of ``--repeats`` runs after a warm-up; nothing else should run on the machine meanwhile.
 
-    python benchmarks/quantized_kernels.py --json
+    python benchmarks/quantized_kernels.py --json [--dtype float32]
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ def main() -> None:
     parser.add_argument("--shape", type=int, nargs=2, default=(3072, 576), metavar=("N", "K"))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512, 2048])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     n, k = args.shape
     torch.manual_seed(0)
-    layers = [Linear(k, n, bias=False).bfloat16() for _ in range(30)]
+    dtype = getattr(torch, args.dtype)
+    layers = [Linear(k, n, bias=False).to(dtype) for _ in range(30)]
     weights = {}
     for name, scheme in SCHEMES.items():
         rows_layout = [quantize(layer.weight, scheme) for layer in layers]
@@ -56,12 +59,12 @@ def main() -> None:
     results = {}
     with torch.no_grad():
         for m in args.rows:
-            x = torch.randn(m, k).bfloat16()
-            row = {"bf16": median_ms(lambda x=x: [layer(x) for layer in layers], args.repeats)}
+            x = torch.randn(m, k).to(dtype)
+            row = {args.dtype: median_ms(lambda x=x: [layer(x) for layer in layers], args.repeats)}
             for name, quantized in weights.items():
                 row[name] = median_ms(lambda x=x, q=quantized: [quantized_linear(x, w) for w in q], args.repeats)
             results[m] = row
-    summary = {"shape": [n, k], "ms_for_30_products": results}
+    summary = {"shape": [n, k], "dtype": args.dtype, "ms_for_30_products": results}
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
 
 

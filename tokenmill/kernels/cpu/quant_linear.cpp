@@ -1,20 +1,24 @@
 // Products with weights kept quantized in memory (quant_packed.h's layout).
 //
 // quantized_linear: y [M, N] = x [M, K] @ w^T (+ bias), x and y fp32 or bf16; the packed weight is
-// never dequantized whole, except for many rows of the rows layout.
+// never dequantized whole.
 //   Panels layout, any rows: x is quantized per block to two int8 passes (value and residual) and
 //   multiplied in integers (quant_int8_dot.cpp).
 //   Rows layout, few rows (M <= stream_max_rows), in fp32: threads split the output columns in
 //   blocks of 4 weight rows, each 32-value run dequantized (times its scale) into registers and
 //   multiplied against up to 4 rows of x at a time; an int4 group's min is added once per group as
-//   min * sum(x over the group). More rows: the weight is dequantized to x's dtype (a temporary
-//   freed after the call) and multiplied by at::linear (oneDNN), whose cost then dominates.
-// dequantize_weight: a weight (either layout) whole in `dtype` (fp32 or bf16), for those paths and tests.
+//   min * sum(x over the group). With AVX2 alone (16 registers): so for up to 2 rows, 2 at a time;
+//   for more, each block of 4 weight rows is dequantized once into L1 and multiplied against every
+//   row of x, taken ~128 KiB of x at a time. More rows than stream_max_rows: the weight is
+//   dequantized to x's dtype a chunk of rows at a time and multiplied by oneDNN.
+// dequantize_weight: a weight (either layout) whole in `dtype` (fp32 or bf16), for the panels layout's
+// many rows (kernels/quant_linear.py) and tests.
 // int8_dot_products: whether this build has the panels layout's int8 path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -55,6 +59,35 @@ inline int64_t group_index(const Packed& p, int64_t n, int64_t k) {
   return n * p.groups_per_row + (p.group_shift >= 0 ? k >> p.group_shift : 0);
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// The 32 values of a run of a kBits-bit weight (its bytes from q) as q (unscaled) in four 8-wide
+// vectors, in order.
+template <int kBits>
+__attribute__((always_inline)) inline void unpack_run_avx2(const uint8_t* q, __m256 w[4]) {
+  if constexpr (kBits == 8) {
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i))));
+    }
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), nibble = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+}
+
+inline void unpack_run_avx2(const Packed& p, const uint8_t* q, __m256 w[4]) {
+  if (p.bits == 8) {
+    unpack_run_avx2<8>(q, w);
+  } else {
+    unpack_run_avx2<4>(q, w);
+  }
+}
+#endif
+
 // The 32 values [k, k + 32) of weight row n as q (int8 weights: the signed value; int4: 0..15)
 // times the group's scale, in two 16-wide halves; an int4 group's min is added per group by the
 // caller (min * the sum of x over the group), not per value.
@@ -72,6 +105,15 @@ __attribute__((always_inline)) inline void scaled_run(const Packed& p, int64_t n
     lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble))) * scale;
     hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble))) * scale;
   }
+#elif defined(__AVX2__)
+  __m256 w[4];
+  unpack_run_avx2(p, q, w);
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(w[i], s);
+  std::memcpy(&lo, &w[0], sizeof(w[0]));
+  std::memcpy(reinterpret_cast<char*>(&lo) + sizeof(w[0]), &w[1], sizeof(w[1]));
+  std::memcpy(&hi, &w[2], sizeof(w[2]));
+  std::memcpy(reinterpret_cast<char*>(&hi) + sizeof(w[2]), &w[3], sizeof(w[3]));
 #else
   u8x16 bytes;
   std::memcpy(&bytes, q, sizeof(bytes));
@@ -138,28 +180,11 @@ void tile_product(const Packed& p, const float* x, const float* xsum, int64_t m0
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// The 32 values of a run (its bytes from q) as q (unscaled) in four 8-wide vectors, in order.
-__attribute__((always_inline)) inline void unpack_run_avx2(const Packed& p, const uint8_t* q, __m256 w[4]) {
-  if (p.bits == 8) {
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i))));
-    }
-  } else {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), nibble = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-  }
-}
-
 // tile_product for AVX2's 16 registers: the same sums, ordered to fit kRows (<= 2) x 4 8-wide
 // accumulators: each run of each of the 4 weight rows is unpacked once and dotted with every row of x
 // unscaled, the run's sum then added times its group's scale; an int4 weight's min terms (min times
 // the sum of x over the group) are one dot product per weight row and row of x over the groups, last.
-template <int kRows>
+template <int kRows, int kBits>
 void tile_product_avx2(const Packed& p, const float* x, const float* xsum, int64_t m0, int64_t n0, int64_t valid,
                        float* y) {
   __m256 acc[kRows][kBlock];
@@ -168,9 +193,15 @@ void tile_product_avx2(const Packed& p, const float* x, const float* xsum, int64
   }
   const int64_t k_dim = p.k_dim, groups = p.groups_per_row, runs_per_group = p.group / kRun;
   int64_t rows[kBlock];  // as in tile_product: rows past the last repeat it, never stored
-  for (int64_t j = 0; j < kBlock; ++j) rows[j] = n0 + std::min(j, valid - 1);
+  const uint8_t* bytes[kBlock];
+  const float* scales[kBlock];
+  for (int64_t j = 0; j < kBlock; ++j) {
+    rows[j] = n0 + std::min(j, valid - 1);
+    bytes[j] = row_bytes(p, rows[j], 0);
+    scales[j] = p.scale + rows[j] * groups;
+  }
   if (n0 + kBlock < p.n_out) {
-    const int64_t stride = p.bits == 8 ? k_dim : k_dim / 2;
+    const int64_t stride = kBits == 8 ? k_dim : k_dim / 2;
     tokenmill_simd::prefetch_range(row_bytes(p, n0 + kBlock, 0), std::min(kBlock, p.n_out - n0 - kBlock) * stride);
   }
   for (int64_t g = 0; g < groups; ++g) {
@@ -179,8 +210,8 @@ void tile_product_avx2(const Packed& p, const float* x, const float* xsum, int64
 #pragma GCC unroll 4
       for (int64_t j = 0; j < kBlock; ++j) {
         __m256 w[4];
-        unpack_run_avx2(p, row_bytes(p, rows[j], k), w);
-        const __m256 scale = _mm256_broadcast_ss(p.scale + rows[j] * groups + g);
+        unpack_run_avx2<kBits>(bytes[j] + (kBits == 8 ? k : k / 2), w);
+        const __m256 scale = _mm256_broadcast_ss(scales[j] + g);
 #pragma GCC unroll 2
         for (int m = 0; m < kRows; ++m) {
           const float* xr = x + (m0 + m) * k_dim + k;
@@ -213,12 +244,75 @@ void tile_product_avx2(const Packed& p, const float* x, const float* xsum, int64
   }
 }
 
-// tile_product_avx2 over all m_rows rows of x, two at a time.
+// Weight rows rows[0..3] dequantized whole into block [4][K] (q * scale + min, the values
+// dequantize_into writes).
+void dequantize_block_avx2(const Packed& p, const int64_t rows[kBlock], float* block) {
+  for (int64_t j = 0; j < kBlock; ++j) {
+    for (int64_t k = 0; k < p.k_dim; k += kRun) {
+      const int64_t g = group_index(p, rows[j], k);
+      __m256 w[4];
+      unpack_run_avx2(p, row_bytes(p, rows[j], k), w);
+      const __m256 scale = _mm256_set1_ps(p.scale[g]), min = _mm256_set1_ps(p.min != nullptr ? p.min[g] : 0.f);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(block + j * p.k_dim + k + 8 * i, _mm256_fmadd_ps(w[i], scale, min));
+    }
+  }
+}
+
+// y[m, n0 + j] for kRows (<= 2) rows of x from m0 and the 4 dequantized weight rows of `block`: an
+// fp32 product, kRows x 4 accumulators.
+template <int kRows>
+void block_tile_avx2(const float* block, int64_t k_dim, const float* x, int64_t m0, int64_t n0, int64_t valid,
+                     int64_t n_out, float* y) {
+  __m256 acc[kRows][kBlock];
+  for (int m = 0; m < kRows; ++m) {
+    for (int64_t j = 0; j < kBlock; ++j) acc[m][j] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < k_dim; k += 8) {
+    __m256 w[kBlock];
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < kBlock; ++j) w[j] = _mm256_loadu_ps(block + j * k_dim + k);
+#pragma GCC unroll 2
+    for (int m = 0; m < kRows; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + (m0 + m) * k_dim + k);
+#pragma GCC unroll 4
+      for (int64_t j = 0; j < kBlock; ++j) acc[m][j] = _mm256_fmadd_ps(w[j], xv, acc[m][j]);
+    }
+  }
+  for (int m = 0; m < kRows; ++m) {
+    const __m256 both = _mm256_hadd_ps(_mm256_hadd_ps(acc[m][0], acc[m][1]), _mm256_hadd_ps(acc[m][2], acc[m][3]));
+    alignas(16) float s[4];
+    _mm_store_ps(s, _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1)));
+    for (int64_t j = 0; j < valid; ++j) y[(m0 + m) * n_out + n0 + j] = s[j];
+  }
+}
+
+constexpr int64_t kStreamRowsAvx2 = 2;  // measured: from 3 rows on, the buffered product is faster
+
+// One block of 4 weight rows against all m_rows rows of x: up to kStreamRowsAvx2 rows, each run
+// unpacked into registers (tile_product_avx2); more, the block dequantized once into a buffer the
+// thread keeps (in L1) and multiplied in fp32 against every row, two at a time.
 void block_product(const Packed& p, const float* x, const float* xsum, int64_t m_rows, int64_t n0, float* y) {
   const int64_t valid = std::min(kBlock, p.n_out - n0);
   int64_t m0 = 0;
-  for (; m0 + 2 <= m_rows; m0 += 2) tile_product_avx2<2>(p, x, xsum, m0, n0, valid, y);
-  if (m0 < m_rows) tile_product_avx2<1>(p, x, xsum, m0, n0, valid, y);
+  if (m_rows <= kStreamRowsAvx2) {
+    const auto tile = [&](auto rows_of_x, int64_t m) {
+      if (p.bits == 8) {
+        tile_product_avx2<decltype(rows_of_x)::value, 8>(p, x, xsum, m, n0, valid, y);
+      } else {
+        tile_product_avx2<decltype(rows_of_x)::value, 4>(p, x, xsum, m, n0, valid, y);
+      }
+    };
+    for (; m0 + 2 <= m_rows; m0 += 2) tile(std::integral_constant<int, 2>(), m0);
+    if (m0 < m_rows) tile(std::integral_constant<int, 1>(), m0);
+    return;
+  }
+  thread_local std::vector<float> block;
+  if (static_cast<int64_t>(block.size()) < kBlock * p.k_dim) block.resize(kBlock * p.k_dim);
+  int64_t rows[kBlock];
+  for (int64_t j = 0; j < kBlock; ++j) rows[j] = n0 + std::min(j, valid - 1);
+  dequantize_block_avx2(p, rows, block.data());
+  for (; m0 + 2 <= m_rows; m0 += 2) block_tile_avx2<2>(block.data(), p.k_dim, x, m0, n0, valid, p.n_out, y);
+  if (m0 < m_rows) block_tile_avx2<1>(block.data(), p.k_dim, x, m0, n0, valid, p.n_out, y);
 }
 #else
 // tile_product over all m_rows rows of x, four at a time.
@@ -236,17 +330,18 @@ void block_product(const Packed& p, const float* x, const float* xsum, int64_t m
 #endif
 
 
+// Weight rows [row_begin, row_end) of a rows-layout weight into `out` (row-major, from row_begin's).
 template <typename T>
-void dequantize_into(const Packed& p, T* out) {
-  at::parallel_for(0, p.n_out, 16, [&](int64_t begin, int64_t end) {
+void dequantize_into(const Packed& p, int64_t row_begin, int64_t row_end, T* out) {
+  at::parallel_for(row_begin, row_end, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t k = 0; k < p.k_dim; k += kRun) {
         const int64_t g = group_index(p, n, k);
         vec16 lo, hi;
         scaled_run(p, n, k, p.scale[g], lo, hi);
         const float min = p.min != nullptr ? p.min[g] : 0.f;
-        store16(out + n * p.k_dim + k, lo + min);
-        store16(out + n * p.k_dim + k + 16, hi + min);
+        store16(out + (n - row_begin) * p.k_dim + k, lo + min);
+        store16(out + (n - row_begin) * p.k_dim + k + 16, hi + min);
       }
     }
   });
@@ -297,9 +392,45 @@ void fp32_product(const Packed& p, const float* xp, int64_t m_rows, float* y) {
       }
     }
   }
+  // rows of x a thread takes through its blocks at a time: ~128 KiB of x, kept in L2 while its weight
+  // rows stream past
+  const int64_t chunk_rows = std::max<int64_t>(8, (int64_t{32} << 10) / p.k_dim);
   at::parallel_for(0, (p.n_out + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) block_product(p, xp, xsum.data(), m_rows, block * kBlock, y);
+    for (int64_t m0 = 0; m0 < m_rows; m0 += chunk_rows) {
+      const int64_t count = std::min(chunk_rows, m_rows - m0);
+      const float* chunk_xsum = p.min != nullptr ? xsum.data() + m0 * p.groups_per_row : nullptr;
+      for (int64_t block = begin; block < end; ++block) {
+        block_product(p, xp + m0 * p.k_dim, chunk_xsum, count, block * kBlock, y + m0 * p.n_out);
+      }
+    }
   });
+}
+
+constexpr int64_t kChunkValues = int64_t{1} << 20;  // weight values dequantized at a time (4 MB in fp32)
+
+// y [M, N] = x [M, K] @ w^T for a rows-layout weight and many rows of x (fp32 or bf16): the weight
+// is dequantized to x's dtype a chunk of rows at a time into a buffer the calling thread keeps (no
+// weight-sized temporary, with its page faults, per call; the chunk still in cache for its product),
+// each chunk multiplied into its columns of y by at::mm_out (oneDNN).
+at::Tensor dequantized_product(const Packed& p, const at::Tensor& x) {
+  const int64_t chunk = std::min(p.n_out, std::max(kBlock, kChunkValues / p.k_dim / kBlock * kBlock));
+  thread_local at::Tensor buffer_f32, buffer_bf16;
+  at::Tensor& buffer = x.scalar_type() == at::kFloat ? buffer_f32 : buffer_bf16;
+  if (!buffer.defined() || buffer.numel() < chunk * p.k_dim) buffer = at::empty({chunk * p.k_dim}, x.options());
+  const at::Tensor rows = x.contiguous();
+  at::Tensor out = at::empty({x.size(0), p.n_out}, x.options());
+  for (int64_t n0 = 0; n0 < p.n_out; n0 += chunk) {
+    const int64_t count = std::min(chunk, p.n_out - n0);
+    const at::Tensor w = buffer.narrow(0, 0, count * p.k_dim).view({count, p.k_dim});
+    if (x.scalar_type() == at::kFloat) {
+      dequantize_into(p, n0, n0 + count, w.data_ptr<float>());
+    } else {
+      dequantize_into(p, n0, n0 + count, reinterpret_cast<bf16_t*>(w.data_ptr()));
+    }
+    at::Tensor columns = out.narrow(1, n0, count);
+    at::mm_out(columns, rows, w.t());
+  }
+  return out;
 }
 
 }  // namespace
@@ -349,12 +480,13 @@ at::Tensor dequantize_weight(const at::Tensor& qweight, const at::Tensor& scale,
   } else if (p.panels) {
     dequantize_panels_into(p, reinterpret_cast<bf16_t*>(out.data_ptr()));
   } else if (dtype == at::kFloat) {
-    dequantize_into(p, out.data_ptr<float>());
+    dequantize_into(p, 0, p.n_out, out.data_ptr<float>());
   } else {
-    dequantize_into(p, reinterpret_cast<bf16_t*>(out.data_ptr()));
+    dequantize_into(p, 0, p.n_out, reinterpret_cast<bf16_t*>(out.data_ptr()));
   }
   return out;
 }
+
 
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& min, int64_t bits, int64_t group,
@@ -363,12 +495,13 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
   TORCH_CHECK(x.dim() == 2 && x.size(1) == p.k_dim, "x must be [M, ", p.k_dim, "]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x fp32 or bf16");
   const int64_t m_rows = x.size(0);
-  if (!p.panels && m_rows > stream_max_rows) {
-    const at::Tensor w = dequantize_weight(qweight, scale, min, bits, group, x.scalar_type());
-    return at::linear(x, w, bias.has_value() && bias->defined() ? *bias : at::Tensor());
-  }
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) TORCH_CHECK(bias->numel() == p.n_out, "bias must have ", p.n_out, " values");
+  if (!p.panels && m_rows > stream_max_rows) {
+    at::Tensor out = dequantized_product(p, x);
+    if (has_bias) out.add_(*bias);
+    return out;
+  }
   if (p.panels) {
     TORCH_CHECK(tokenmill_quant::int8_dot_available(), "the panels layout needs AVX512-VNNI; this CPU has none");
     const at::Tensor rows = x.contiguous(), bias_f = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
