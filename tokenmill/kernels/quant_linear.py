@@ -1,10 +1,11 @@
 """Products with a weight kept quantized (:mod:`tokenmill.kernels.quant_format`).
 
 On CPU with the C++ kernels built (fp32 or bf16 input), ``quantized_linear`` of ``quant_linear.cpp``:
-- rows layout: up to ``STREAM_MAX_ROWS`` rows it streams the packed weight once in fp32 (never
+- rows layout: up to ``STREAM_MAX_ROWS`` rows it streams the packed weight in fp32 (never
   dequantized whole), beyond it dequantizes the weight in the input's dtype a chunk of rows at a
-  time into a buffer the thread keeps, for oneDNN; either way the result is ``x @ dequantize(weight).T + bias``, the contract of ``F.linear``
-  on the dequantized weight (to fp32 rounding: the kernel sums in its own order);
+  time into a buffer the thread keeps, for oneDNN; either way the result is
+  ``x @ dequantize(weight).T + bias``, the contract of ``F.linear`` on the dequantized weight (to
+  fp32 rounding: the kernel sums in its own order);
 - panels layout (made only where :func:`int8_dot_products`), up to ``PANELS_MAX_ROWS`` rows: each
   row of x is first quantized per block of :func:`activation_block` values to two int8 passes, the
   value and its rounding residual (``quant_format.fake_quantize_activations``: to 1/508 of the
