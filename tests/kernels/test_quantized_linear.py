@@ -88,6 +88,32 @@ def test_kernel_equals_linear_on_the_dequantized_weight(scheme: QuantScheme, row
 
 
 @needs_kernels
+@pytest.mark.parametrize("scheme", [QuantScheme(8, 32), QuantScheme(4, 32, symmetric=False)], ids=lambda s: s.name)
+def test_many_rows_cross_the_chunks_the_weight_is_dequantized_in(scheme: QuantScheme) -> None:
+    # beyond STREAM_MAX_ROWS the weight is dequantized 2**20 values at a time: 4,096 rows of K=256,
+    # so N=4,100 ends in a chunk of 4 rows
+    torch.manual_seed(7)
+    w, bias = torch.randn(4100, 256), torch.randn(4100)
+    tensors = quantize(w, scheme)
+    x = torch.randn(STREAM_MAX_ROWS + 1, 256)
+    expected = F.linear(x, dequantize(tensors), bias)
+    torch.testing.assert_close(quantized_linear(x, tensors, bias), expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", [QuantScheme(8, 32), QuantScheme(4, 32, symmetric=False)], ids=lambda s: s.name)
+def test_streamed_rows_cross_the_chunks_of_x_a_thread_takes(scheme: QuantScheme) -> None:
+    # a thread takes ~128 KiB of x at a time, 32 rows of K=1024: 40 rows (AVX2 alone streams them)
+    # end in a chunk of 8
+    torch.manual_seed(8)
+    w, bias = torch.randn(70, 1024), torch.randn(70)
+    tensors = quantize(w, scheme)
+    x = torch.randn(min(40, STREAM_MAX_ROWS), 1024)
+    expected = F.linear(x, dequantize(tensors), bias)
+    torch.testing.assert_close(quantized_linear(x, tensors, bias), expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
 def test_kernel_refuses_inconsistent_operands() -> None:
     tensors = quantize(torch.randn(8, 64), QuantScheme(4, 32, symmetric=False))
     kernels = load_cpu_kernels()
