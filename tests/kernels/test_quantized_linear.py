@@ -89,26 +89,18 @@ def test_kernel_equals_linear_on_the_dequantized_weight(scheme: QuantScheme, row
 
 @needs_kernels
 @pytest.mark.parametrize("scheme", [QuantScheme(8, 32), QuantScheme(4, 32, symmetric=False)], ids=lambda s: s.name)
-def test_many_rows_cross_the_chunks_the_weight_is_dequantized_in(scheme: QuantScheme) -> None:
-    # beyond STREAM_MAX_ROWS the weight is dequantized 2**20 values at a time: 4,096 rows of K=256,
-    # so N=4,100 ends in a chunk of 4 rows
-    torch.manual_seed(7)
-    w, bias = torch.randn(4100, 256), torch.randn(4100)
+@pytest.mark.parametrize(
+    "n, k, rows",
+    [(4100, 256, STREAM_MAX_ROWS + 1), (70, 1024, min(40, STREAM_MAX_ROWS))],
+    ids=["weight-chunks", "x-chunks"],
+)
+def test_products_cross_the_chunks_of_weight_and_of_x(scheme: QuantScheme, n: int, k: int, rows: int) -> None:
+    """Beyond STREAM_MAX_ROWS the weight is dequantized 2**20 values at a time (4,096 rows of K=256:
+    N=4,100 ends in a chunk of 4 rows); a streaming thread takes ~128 KiB of x at a time (32 rows of
+    K=1024: 40 rows, which AVX2 alone streams, end in a chunk of 8)."""
+    torch.manual_seed(n + rows)
+    w, bias, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
     tensors = quantize(w, scheme)
-    x = torch.randn(STREAM_MAX_ROWS + 1, 256)
-    expected = F.linear(x, dequantize(tensors), bias)
-    torch.testing.assert_close(quantized_linear(x, tensors, bias), expected, rtol=1e-5, atol=1e-4)
-
-
-@needs_kernels
-@pytest.mark.parametrize("scheme", [QuantScheme(8, 32), QuantScheme(4, 32, symmetric=False)], ids=lambda s: s.name)
-def test_streamed_rows_cross_the_chunks_of_x_a_thread_takes(scheme: QuantScheme) -> None:
-    # a thread takes ~128 KiB of x at a time, 32 rows of K=1024: 40 rows (AVX2 alone streams them)
-    # end in a chunk of 8
-    torch.manual_seed(8)
-    w, bias = torch.randn(70, 1024), torch.randn(70)
-    tensors = quantize(w, scheme)
-    x = torch.randn(min(40, STREAM_MAX_ROWS), 1024)
     expected = F.linear(x, dequantize(tensors), bias)
     torch.testing.assert_close(quantized_linear(x, tensors, bias), expected, rtol=1e-5, atol=1e-4)
 

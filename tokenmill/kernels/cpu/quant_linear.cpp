@@ -180,6 +180,20 @@ void tile_product(const Packed& p, const float* x, const float* xsum, int64_t m0
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
+// The sums of the 8 lanes of acc[0..3], in order: lanes 0-3 of `both` sum their low halves pairwise,
+// lanes 4-7 their high ones.
+inline __m128 horizontal_sums_avx2(const __m256 acc[kBlock]) {
+  const __m256 both = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
+}
+
+// The first `valid` of the 4 sums to y (the block's last rows past the weight's end are dropped).
+inline void store_valid(__m128 sums, int64_t valid, float* y) {
+  alignas(16) float s[kBlock];
+  _mm_store_ps(s, sums);
+  for (int64_t j = 0; j < valid; ++j) y[j] = s[j];
+}
+
 // tile_product for AVX2's 16 registers: the same sums, ordered to fit kRows (<= 2) x 4 8-wide
 // accumulators: each run of each of the 4 weight rows is unpacked once and dotted with every row of x
 // unscaled, the run's sum then added times its group's scale; an int4 weight's min terms (min times
@@ -236,11 +250,8 @@ void tile_product_avx2(const Packed& p, const float* x, const float* xsum, int64
     }
   }
   for (int m = 0; m < kRows; ++m) {
-    // lanes 0-3 of `both`: the sums of acc[m][0..3] over their low halves, lanes 4-7 over the high
-    const __m256 both = _mm256_hadd_ps(_mm256_hadd_ps(acc[m][0], acc[m][1]), _mm256_hadd_ps(acc[m][2], acc[m][3]));
-    alignas(16) float s[4];
-    _mm_store_ps(s, _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1)));
-    for (int64_t j = 0; j < valid; ++j) y[(m0 + m) * p.n_out + n0 + j] = s[j] + min_terms[m][j];
+    const __m128 s = _mm_add_ps(horizontal_sums_avx2(acc[m]), _mm_loadu_ps(min_terms[m]));
+    store_valid(s, valid, y + (m0 + m) * p.n_out + n0);
   }
 }
 
@@ -278,12 +289,7 @@ void block_tile_avx2(const float* block, int64_t k_dim, const float* x, int64_t 
       for (int64_t j = 0; j < kBlock; ++j) acc[m][j] = _mm256_fmadd_ps(w[j], xv, acc[m][j]);
     }
   }
-  for (int m = 0; m < kRows; ++m) {
-    const __m256 both = _mm256_hadd_ps(_mm256_hadd_ps(acc[m][0], acc[m][1]), _mm256_hadd_ps(acc[m][2], acc[m][3]));
-    alignas(16) float s[4];
-    _mm_store_ps(s, _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1)));
-    for (int64_t j = 0; j < valid; ++j) y[(m0 + m) * n_out + n0 + j] = s[j];
-  }
+  for (int m = 0; m < kRows; ++m) store_valid(horizontal_sums_avx2(acc[m]), valid, y + (m0 + m) * n_out + n0);
 }
 
 constexpr int64_t kStreamRowsAvx2 = 2;  // measured: from 3 rows on, the buffered product is faster
