@@ -3,7 +3,7 @@
 On CPU with the C++ kernels built (fp32 or bf16 input), ``quantized_linear`` of ``quant_linear.cpp``:
 - rows layout: up to ``STREAM_MAX_ROWS`` rows it streams the packed weight in fp32 (never
   dequantized whole), beyond it dequantizes the weight in the input's dtype a chunk of rows at a
-  time into a buffer the thread keeps, for oneDNN; either way the result is
+  time into a buffer the thread keeps, for torch's BLAS; either way the result is
   ``x @ dequantize(weight).T + bias``, the contract of ``F.linear`` on the dequantized weight (to
   fp32 rounding: the kernel sums in its own order);
 - panels layout (made only where :func:`int8_dot_products`), up to ``PANELS_MAX_ROWS`` rows: each
@@ -27,9 +27,9 @@ from tokenmill.kernels.quant_format import GROUP_SIZES, QuantizedTensors, dequan
 
 STREAM_MAX_ROWS = 128 if "avx2" in cpu_flags() and not avx512() else 6
 """Most rows of x for which the rows layout's fp32 kernel streams the packed weight (more:
-dequantize, then oneDNN); where the two cross over in the README's measurements: with AVX-512 the
+dequantize, then torch's BLAS); where the two cross over in the README's measurements: with AVX-512 the
 kernel dequantizes each run into registers for each few rows, with AVX2 alone it dequantizes a
-block of weight rows once into L1 for every row of x, and oneDNN's fp32 products are slower there."""
+block of weight rows once into L1 for every row of x, and the BLAS's fp32 products are slower there."""
 
 
 PANELS_MAX_ROWS = 512

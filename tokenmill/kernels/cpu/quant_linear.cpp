@@ -7,10 +7,10 @@
 //   Rows layout, few rows (M <= stream_max_rows), in fp32: threads split the output columns in
 //   blocks of 4 weight rows, each 32-value run dequantized (times its scale) into registers and
 //   multiplied against up to 4 rows of x at a time; an int4 group's min is added once per group as
-//   min * sum(x over the group). With AVX2 alone (16 registers): so for up to 2 rows, 2 at a time;
-//   for more, each block of 4 weight rows is dequantized once into L1 and multiplied against every
-//   row of x, taken ~128 KiB of x at a time. More rows than stream_max_rows: the weight is
-//   dequantized to x's dtype a chunk of rows at a time and multiplied by oneDNN.
+//   min * sum(x over the group). With AVX2 alone (16 registers) the same for up to 2 rows, 2 at a
+//   time; for more, each block of 4 weight rows is dequantized once into L1 and multiplied against
+//   every row of x, taken ~128 KiB of x at a time. More rows than stream_max_rows: the weight is
+//   dequantized to x's dtype a chunk of rows at a time and multiplied by torch's CPU BLAS.
 // dequantize_weight: a weight (either layout) whole in `dtype` (fp32 or bf16), for the panels layout's
 // many rows (kernels/quant_linear.py) and tests.
 // int8_dot_products: whether this build has the panels layout's int8 path.
@@ -417,7 +417,7 @@ constexpr int64_t kChunkValues = int64_t{1} << 20;  // weight values dequantized
 // y [M, N] = x [M, K] @ w^T for a rows-layout weight and many rows of x (fp32 or bf16): the weight
 // is dequantized to x's dtype a chunk of rows at a time into a buffer the calling thread keeps (no
 // weight-sized temporary, with its page faults, per call; the chunk still in cache for its product),
-// each chunk multiplied into its columns of y by at::mm_out (oneDNN).
+// each chunk multiplied into its columns of y by at::mm_out (torch's CPU BLAS).
 at::Tensor dequantized_product(const Packed& p, const at::Tensor& x) {
   const int64_t chunk = std::min(p.n_out, std::max(kBlock, kChunkValues / p.k_dim / kBlock * kBlock));
   thread_local at::Tensor buffer_f32, buffer_bf16;
@@ -492,7 +492,6 @@ at::Tensor dequantize_weight(const at::Tensor& qweight, const at::Tensor& scale,
   }
   return out;
 }
-
 
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& min, int64_t bits, int64_t group,
