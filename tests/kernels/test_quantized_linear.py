@@ -24,6 +24,7 @@ from tokenmill.kernels.quant_linear import (
     STREAM_MAX_ROWS,
     activation_block,
     int8_dot_products,
+    int8_dot_tiles,
     quantized_linear,
 )
 
@@ -194,12 +195,13 @@ needs_int8_dots = pytest.mark.skipif(
 
 @needs_int8_dots
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
-@pytest.mark.parametrize("rows", [1, 5, 6, 13])
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 17])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_panels_kernel_equals_linear_on_the_dequantized_activations_and_weight(
     scheme: QuantScheme, rows: int, dtype: torch.dtype
 ) -> None:
-    """N = 80: two pairs of panels and one single; rows: whole tiles of 6 and remainders."""
+    """N = 80: two pairs of panels and one single; rows: whole register tiles of 4 (and AMX tiles of
+    8) and remainders."""
     torch.manual_seed(rows)
     w, x, bias = torch.randn(80, 256), torch.randn(rows, 256).to(dtype), torch.randn(80)
     x[0, :32] = 0.0  # an all-zero block
@@ -209,6 +211,35 @@ def test_panels_kernel_equals_linear_on_the_dequantized_activations_and_weight(
     assert got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance * 4)
+
+
+@needs_int8_dots
+@pytest.mark.parametrize("scheme", [*SCHEMES, QuantScheme(8, 16)], ids=lambda s: s.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panels_rows_in_a_batch_are_the_bits_of_each_row_alone(scheme: QuantScheme, dtype: torch.dtype) -> None:
+    """A row's result does not depend on the rows beside it (speculative verification and batched
+    greedy decoding rely on it): with AMX (int8_dot_tiles) batches of a few rows on run in tiles of
+    8 rows, one row alone runs the vector path; both join the same exact integer sums the same way.
+    N = 48: a pair of panels and a single; 19 rows: two whole tiles and a part; K = 384: blocks of
+    16 ... 128 and per-channel int8's 128."""
+    torch.manual_seed(len(scheme.name))
+    w, x, bias = torch.randn(48, 384), torch.randn(19, 384).to(dtype), torch.randn(48)
+    x[3, 64:192] = 0.0  # all-zero blocks
+    x[7] *= 1e3  # a row of another scale beside the others
+    tensors = to_panels(quantize(w, scheme))
+    batch = quantized_linear(x, tensors, bias.to(dtype))
+    for rows in (range(19), range(2, 11)):  # every row against the batch; a batch of 9 from row 2
+        alone = torch.cat([quantized_linear(x[i : i + 1], tensors, bias.to(dtype)) for i in rows])
+        part = quantized_linear(x[rows.start : rows.stop], tensors, bias.to(dtype))
+        assert torch.equal(batch[rows.start : rows.stop], alone) and torch.equal(part, alone)
+
+
+def test_int8_tiles_are_used_where_the_cpu_has_them() -> None:
+    """The AMX path is on wherever the CPU lists AMX-INT8 (Linux grants tiles on request)."""
+    from tokenmill.hardware import cpu_flags
+
+    has_amx = "amx_int8" in cpu_flags() and load_cpu_kernels() is not None and int8_dot_products()
+    assert int8_dot_tiles() == has_amx
 
 
 @needs_int8_dots

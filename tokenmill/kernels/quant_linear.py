@@ -9,7 +9,9 @@ On CPU with the C++ kernels built (fp32 or bf16 input), ``quantized_linear`` of 
 - panels layout (made only where :func:`int8_dot_products`), up to ``PANELS_MAX_ROWS`` rows: each
   row of x is first quantized per block of :func:`activation_block` values to two int8 passes, the
   value and its rounding residual (``quant_format.fake_quantize_activations``: to 1/508 of the
-  block's int8 step), and multiplied in integers, streaming the packed weight: the result is
+  block's int8 step), and multiplied in integers (AVX512-VNNI, or AMX-INT8 tiles from a few rows on
+  where :func:`int8_dot_tiles`: each row's result the same bits either way), streaming the packed
+  weight: the result is
   ``F.linear`` of those dequantized activations on the dequantized weight (to fp32 rounding); more
   rows: the weight is dequantized into a temporary in the input's dtype for oneDNN, as above.
 Elsewhere (GPU, other dtypes, no compiler) the weight is dequantized in torch for each call (and
@@ -32,10 +34,17 @@ kernel dequantizes each run into registers for each few rows, with AVX2 alone it
 block of weight rows once into L1 for every row of x, and the BLAS's fp32 products are slower there."""
 
 
-PANELS_MAX_ROWS = 512
+PANELS_MAX_ROWS = 192 if "amx_int8" in cpu_flags() else 512
 """Most rows of x for which a panels-layout weight runs the int8 kernel (two activation passes: its
 integer work doubles, and with many rows that work is the cost); more rows dequantize the weight to
-x's dtype for oneDNN, which is faster beyond about this many rows (README's measurements)."""
+x's dtype for oneDNN, which is faster beyond about this many rows (README's measurements): with AMX
+(int8 tiles for the kernel, bf16 tiles for oneDNN) from ~200 rows on, with AVX-512 alone from ~512."""
+
+
+def int8_dot_tiles() -> bool:
+    """Whether the panels layout's int8 path multiplies with AMX-INT8 tiles from a few rows on."""
+    kernels = load_cpu_kernels()
+    return kernels is not None and bool(kernels.int8_dot_tiles())
 
 
 def int8_dot_products() -> bool:

@@ -16,6 +16,12 @@
 //   threads take pairs of panels (32 output columns), running the chunk's rows 4 at a time (the
 //   tile: 4 x 2 x 2 int32 and 4 x 2 fp32 accumulators in registers) against the pair's packed
 //   bytes, read from memory once per chunk and from cache for the further row tiles.
+//   With AMX-INT8 (and the kernel's permission to use tiles), from kTileMinRows rows on: the same
+//   integer sums by tile dot products. x's two passes are stored row by row interleaved (row m's
+//   hi, then its lo), so one A tile holds up to 8 rows' hi and lo as 16 tile rows; a panel's quads
+//   of one block are its B tile as stored (int8, signed x signed) or unpacked to bytes once per work
+//   item (int4, signed x unsigned); each block's int32 sums go through memory to the same fp32
+//   epilogue in the same order, so every row's result is bit-equal to the vector path's.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -24,6 +30,11 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define TOKENMILL_INT8_DOT 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define TOKENMILL_INT8_TILES 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 #include "quant_packed.h"
@@ -49,13 +60,15 @@ constexpr int64_t kChunkRows = 192;  // rows of x per pass over the weight
 
 constexpr float kResidualSteps = 254.f;  // lo's unit: a 254th of hi's step
 
-// x quantized per block: hi and lo int8 [M, K]; per block its scale, the sums of hi's and lo's
-// bytes, and the dequantized block's sum.
+// x quantized per block: int8 passes [M, 2, K] (row m's hi, then its lo); per block its scale, the
+// sums of hi's and lo's bytes, and the dequantized block's sum.
 struct QuantizedRows {
-  std::vector<int8_t> hi, lo;
+  std::vector<int8_t> passes;
   std::vector<float> scale, x_sum;
   std::vector<int32_t> hi_sum, lo_sum;
-  int64_t block, blocks_per_row;
+  int64_t block, blocks_per_row, k_dim;
+  const int8_t* hi(int64_t row) const { return passes.data() + 2 * row * k_dim; }
+  const int8_t* lo(int64_t row) const { return passes.data() + (2 * row + 1) * k_dim; }
 };
 
 template <typename In>
@@ -63,8 +76,8 @@ QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t 
   QuantizedRows a;
   a.block = block;
   a.blocks_per_row = k_dim / block;
-  a.hi.resize(m_rows * k_dim);
-  a.lo.resize(m_rows * k_dim);
+  a.k_dim = k_dim;
+  a.passes.resize(2 * m_rows * k_dim);
   a.scale.resize(m_rows * a.blocks_per_row);
   a.x_sum.resize(a.scale.size());
   a.hi_sum.resize(a.scale.size());
@@ -72,6 +85,9 @@ QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t 
   at::parallel_for(0, m_rows * a.blocks_per_row, 256, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const In* xb = x + b * block;  // rows are contiguous: block b of the whole [M, K]
+      const int64_t row = b / a.blocks_per_row, at = (b % a.blocks_per_row) * block;
+      int8_t* hi_out = a.passes.data() + 2 * row * k_dim + at;
+      int8_t* lo_out = hi_out + k_dim;
       __m512 absmax = _mm512_setzero_ps();
       for (int64_t k = 0; k < block; k += 16) absmax = _mm512_max_ps(absmax, _mm512_abs_ps(tokenmill_simd::load16(xb + k)));
       const float scale = _mm512_reduce_max_ps(absmax) / 127.f;
@@ -88,8 +104,8 @@ QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t 
         const __m512i lo = _mm512_cvtps_epi32(_mm512_div_ps(residual, lo_divisor));
         hi_total = _mm512_add_epi32(hi_total, hi);
         lo_total = _mm512_add_epi32(lo_total, lo);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(a.hi.data() + b * block + k), _mm512_cvtepi32_epi8(hi));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(a.lo.data() + b * block + k), _mm512_cvtepi32_epi8(lo));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(hi_out + k), _mm512_cvtepi32_epi8(hi));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(lo_out + k), _mm512_cvtepi32_epi8(lo));
       }
       a.scale[b] = scale;
       a.hi_sum[b] = _mm512_reduce_add_epi32(hi_total);
@@ -109,6 +125,31 @@ __attribute__((always_inline)) inline __m512i panel_quad(const Packed& p, int64_
   return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
+// acc plus one block's product for one row of x and one panel, from its exact int32 sums of the hi
+// and lo passes (the weight's own values): (254 hi + lo) (x scale / 254) (weight scale), then, for
+// int4 (has_min), the weight's min times the block's dequantized x sum. Both paths run this, so a
+// row's result does not depend on which did.
+__attribute__((always_inline)) inline __m512 add_block(__m512 acc, __m512i hi, __m512i lo, __m512 w_scale, __m512 w_min,
+                                                       bool has_min, const QuantizedRows& a, int64_t ab) {
+  const __m512 scale = _mm512_mul_ps(w_scale, _mm512_set1_ps(a.scale[ab] / kResidualSteps));
+  const __m512i residual_steps = _mm512_set1_epi32(static_cast<int32_t>(kResidualSteps));
+  const __m512i joined = _mm512_add_epi32(_mm512_mullo_epi32(hi, residual_steps), lo);  // exact: < 2^30
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(joined), scale, acc);
+  if (has_min) acc = _mm512_fmadd_ps(w_min, _mm512_set1_ps(a.x_sum[ab]), acc);
+  return acc;
+}
+
+// y[row, 16 panel0 ...) = acc (one vector per panel) + bias (if not null), rounded to y's dtype.
+template <typename Out>
+inline void store_row(const Packed& p, const __m512* acc, int panels, const float* bias, int64_t row, int64_t panel0,
+                      Out* y) {
+  for (int j = 0; j < panels; ++j) {
+    const int64_t n0 = (panel0 + j) * kPanel;
+    const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    tokenmill_simd::store16(y + row * p.n_out + n0, _mm512_add_ps(acc[j], b));
+  }
+}
+
 // y[m0 + m, 16 panel0 ...) (+ bias, if not null) for kRows rows of x and kPanels panels.
 template <int kRows, int kPanels, typename Out>
 void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m0, int64_t panel0, Out* y) {
@@ -116,9 +157,13 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
   for (int m = 0; m < kRows; ++m) {
     for (int j = 0; j < kPanels; ++j) acc[m][j] = _mm512_setzero_ps();
   }
-  const int64_t quads_per_row = p.k_dim / 4, quads_per_block = a.block / 4, blocks_per_group = p.group / a.block;
-  const int32_t* hi_quads = reinterpret_cast<const int32_t*>(a.hi.data());  // a row's 4 bytes of one quad
-  const int32_t* lo_quads = reinterpret_cast<const int32_t*>(a.lo.data());
+  const int64_t quads_per_block = a.block / 4, blocks_per_group = p.group / a.block;
+  const int32_t* hi_quads[kRows];  // each row's 4 bytes of one quad
+  const int32_t* lo_quads[kRows];
+  for (int m = 0; m < kRows; ++m) {
+    hi_quads[m] = reinterpret_cast<const int32_t*>(a.hi(m0 + m));
+    lo_quads[m] = reinterpret_cast<const int32_t*>(a.lo(m0 + m));
+  }
   for (int64_t b = 0; b < a.blocks_per_row; ++b) {
     __m512i hi_dots[kRows][kPanels], lo_dots[kRows][kPanels];
     for (int m = 0; m < kRows; ++m) {
@@ -129,8 +174,8 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
       for (int j = 0; j < kPanels; ++j) w[j] = panel_quad(p, panel0 + j, t);
 #pragma GCC unroll 4
       for (int m = 0; m < kRows; ++m) {
-        const __m512i hi = _mm512_set1_epi32(hi_quads[(m0 + m) * quads_per_row + t]);
-        const __m512i lo = _mm512_set1_epi32(lo_quads[(m0 + m) * quads_per_row + t]);
+        const __m512i hi = _mm512_set1_epi32(hi_quads[m][t]);
+        const __m512i lo = _mm512_set1_epi32(lo_quads[m][t]);
         for (int j = 0; j < kPanels; ++j) {
           hi_dots[m][j] = _mm512_dpbusd_epi32(hi_dots[m][j], w[j], hi);
           lo_dots[m][j] = _mm512_dpbusd_epi32(lo_dots[m][j], w[j], lo);
@@ -142,31 +187,22 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
     for (int j = 0; j < kPanels; ++j) {
       const int64_t at = ((panel0 + j) * p.groups_per_row + g) * kPanel;
       w_scale[j] = _mm512_loadu_ps(p.scale + at);
-      if (p.min != nullptr) w_min[j] = _mm512_loadu_ps(p.min + at);
+      w_min[j] = p.min != nullptr ? _mm512_loadu_ps(p.min + at) : _mm512_setzero_ps();
     }
-    const __m512i residual_steps = _mm512_set1_epi32(static_cast<int32_t>(kResidualSteps));
 #pragma GCC unroll 4
     for (int m = 0; m < kRows; ++m) {
       const int64_t ab = (m0 + m) * a.blocks_per_row + b;
-      const __m512 x_scale = _mm512_set1_ps(a.scale[ab] / kResidualSteps);
       for (int j = 0; j < kPanels; ++j) {
-        const __m512 scale = _mm512_mul_ps(w_scale[j], x_scale);
         __m512i hi = hi_dots[m][j], lo = lo_dots[m][j];
         if (p.min == nullptr) {  // int8: the bytes were v + 128
           hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(128 * a.hi_sum[ab]));
           lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(128 * a.lo_sum[ab]));
         }
-        const __m512i joined = _mm512_add_epi32(_mm512_mullo_epi32(hi, residual_steps), lo);  // exact: < 2^30
-        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(joined), scale, acc[m][j]);
-        if (p.min != nullptr) acc[m][j] = _mm512_fmadd_ps(w_min[j], _mm512_set1_ps(a.x_sum[ab]), acc[m][j]);
+        acc[m][j] = add_block(acc[m][j], hi, lo, w_scale[j], w_min[j], p.min != nullptr, a, ab);
       }
     }
   }
-  for (int j = 0; j < kPanels; ++j) {
-    const int64_t n0 = (panel0 + j) * kPanel;
-    const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
-    for (int m = 0; m < kRows; ++m) tokenmill_simd::store16(y + (m0 + m) * p.n_out + n0, _mm512_add_ps(acc[m][j], b));
-  }
+  for (int m = 0; m < kRows; ++m) store_row(p, acc[m], kPanels, bias, m0 + m, panel0, y);
 }
 
 // Rows [m_begin, m_end) of x against kPanels panels from panel0, kTileRows rows at a time.
@@ -183,9 +219,163 @@ void panel_rows(const Packed& p, const QuantizedRows& a, const float* bias, int6
   }
 }
 
+#if defined(TOKENMILL_INT8_TILES)
+
+constexpr int64_t kTileMinRows = 6;  // fewer rows: the vector path, as fast or faster (README's measurements)
+constexpr int kTileXRows = 8;  // rows of x per A tile (their hi and lo: 16 tile rows)
+constexpr int kTileBytes = 64;  // bytes of a tile row (the most values along K of one dot product)
+constexpr int64_t kPrefetchQuads = 64;  // int4: how far ahead of the unpacking its weight bytes are fetched
+
+// Tile registers (GCC's tile intrinsics take literal numbers): 0 holds A (x's passes), 1 and 2 the
+// B tiles of a pair's two panels, 3 and 4 their C tiles (int32 sums).
+constexpr int kTileA = 0, kTileB0 = 1, kTileB1 = 2, kTileC0 = 3, kTileC1 = 4;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether this process may use AMX tiles (Linux grants them on request, once per process).
+bool tiles_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+// Blocks whose dot products fit whole tile rows: 16 or 32 values, or a multiple of 64.
+bool tiles_fit(int64_t block) { return block == 16 || block == 32 || block % kTileBytes == 0; }
+
+// This thread's tile shapes for `x_rows` rows of x per A tile and dot products over `k_step` values.
+void configure_tiles(int x_rows, int k_step) {
+  TileConfig config;
+  config.rows[kTileA] = static_cast<uint8_t>(2 * x_rows);
+  config.colsb[kTileA] = static_cast<uint16_t>(k_step);
+  for (int t : {kTileB0, kTileB1}) {
+    config.rows[t] = static_cast<uint8_t>(k_step / 4);
+    config.colsb[t] = kTileBytes;
+  }
+  for (int t : {kTileC0, kTileC1}) {
+    config.rows[t] = static_cast<uint8_t>(2 * x_rows);
+    config.colsb[t] = kTileBytes;
+  }
+  _tile_loadconfig(&config);
+}
+
+// C tile `c_tile` += A times the B tile loaded into `b_tile` from `quads` (k_step / 4 quads of 64
+// bytes): signed x signed bytes for int8 weights, signed x unsigned for int4.
+#define TOKENMILL_TILE_DOT(b_tile, c_tile, quads, int8) \
+  do {                                                  \
+    _tile_loadd(b_tile, quads, kTileBytes);             \
+    if (int8) {                                         \
+      _tile_dpbssd(c_tile, 0, b_tile);                  \
+    } else {                                            \
+      _tile_dpbsud(c_tile, 0, b_tile);                  \
+    }                                                   \
+  } while (0)
+
+// Rows [m0, m0 + x_rows) of x against kPanels panels from panel0, their quads at quads[j] (panel
+// j's quad t at quads[j] + 64 t), tiles configured for x_rows.
+// With `unpack` (int4, the first rows against this pair), each block's quads are first unpacked to
+// bytes at quads[j] (a block at a time, so the weight's loads overlap the tile work).
+template <int kPanels, typename Out>
+void tile_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m0, int x_rows, int64_t panel0,
+               const uint8_t* const* quads, bool unpack, Out* y) {
+  const int k_step = static_cast<int>(std::min<int64_t>(a.block, kTileBytes));
+  const int64_t blocks_per_group = p.group / a.block, pass_stride = a.k_dim;
+  alignas(64) int32_t sums[kPanels][2 * kTileXRows][kPanel];
+  __m512 acc[kTileXRows][kPanels];
+  for (int m = 0; m < x_rows; ++m) {
+    for (int j = 0; j < kPanels; ++j) acc[m][j] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < a.blocks_per_row; ++b) {
+    if (unpack) {
+      for (int j = 0; j < kPanels; ++j) {
+        uint8_t* bytes = const_cast<uint8_t*>(quads[j]);
+        const int64_t t0 = b * a.block / 4, t1 = t0 + a.block / 4;
+        for (int64_t t = t0; t < t1; t += 2) _mm_prefetch(quad_bytes(p, panel0 + j, t + kPrefetchQuads), _MM_HINT_T0);
+        for (int64_t t = t0; t < t1; ++t) _mm512_storeu_si512(bytes + t * 64, panel_quad(p, panel0 + j, t));
+      }
+    }
+    _tile_zero(3);
+    if (kPanels > 1) _tile_zero(4);
+    for (int64_t k = b * a.block; k < (b + 1) * a.block; k += k_step) {
+      _tile_loadd(0, a.hi(m0) + k, pass_stride);  // tile row 2 m: row m0 + m's hi, 2 m + 1: its lo
+      TOKENMILL_TILE_DOT(1, 3, quads[0] + k * 16, p.bits == 8);  // quad t = k / 4 at 64 t bytes
+      if (kPanels > 1) TOKENMILL_TILE_DOT(2, 4, quads[1] + k * 16, p.bits == 8);
+    }
+    _tile_stored(3, sums[0], kTileBytes);
+    if (kPanels > 1) _tile_stored(4, sums[kPanels - 1], kTileBytes);
+    const int64_t g = p.groups_per_row == 1 ? 0 : b / blocks_per_group;
+    __m512 w_scale[kPanels], w_min[kPanels];
+    for (int j = 0; j < kPanels; ++j) {
+      const int64_t at = ((panel0 + j) * p.groups_per_row + g) * kPanel;
+      w_scale[j] = _mm512_loadu_ps(p.scale + at);
+      w_min[j] = p.min != nullptr ? _mm512_loadu_ps(p.min + at) : _mm512_setzero_ps();
+    }
+    for (int m = 0; m < x_rows; ++m) {
+      const int64_t ab = (m0 + m) * a.blocks_per_row + b;
+      for (int j = 0; j < kPanels; ++j) {
+        const __m512i hi = _mm512_load_si512(sums[j][2 * m]), lo = _mm512_load_si512(sums[j][2 * m + 1]);
+        acc[m][j] = add_block(acc[m][j], hi, lo, w_scale[j], w_min[j], p.min != nullptr, a, ab);
+      }
+    }
+  }
+  for (int m = 0; m < x_rows; ++m) store_row(p, acc[m], kPanels, bias, m0 + m, panel0, y);
+}
+
+// The tile path of product: threads take pairs of panels; an int4 pair's quads are unpacked to
+// bytes once into the thread's buffer, then every row of x runs against them, kTileXRows at a time.
+template <typename T>
+void tile_product(const Packed& p, const QuantizedRows& a, int64_t m_rows, const float* bias, T* y) {
+  const int64_t n_panels = p.n_out / kPanel, quads_per_panel = p.k_dim / 4;
+  const int k_step = static_cast<int>(std::min<int64_t>(a.block, kTileBytes));
+  at::parallel_for(0, (n_panels + kTilePanels - 1) / kTilePanels, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> unpacked;
+    int configured_rows = 0;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t panel0 = item * kTilePanels;
+      const int panels = static_cast<int>(std::min<int64_t>(kTilePanels, n_panels - panel0));
+      const uint8_t* quads[kTilePanels];
+      if (p.bits == 8) {
+        for (int j = 0; j < panels; ++j) quads[j] = quad_bytes(p, panel0 + j, 0);
+      } else {
+        unpacked.resize(static_cast<size_t>(kTilePanels * quads_per_panel * 64));
+        for (int j = 0; j < panels; ++j) quads[j] = unpacked.data() + j * quads_per_panel * 64;
+      }
+      for (int64_t m0 = 0; m0 < m_rows; m0 += kTileXRows) {
+        const int x_rows = static_cast<int>(std::min<int64_t>(kTileXRows, m_rows - m0));
+        if (x_rows != configured_rows) {
+          configure_tiles(x_rows, k_step);
+          configured_rows = x_rows;
+        }
+        const bool unpack = p.bits == 4 && m0 == 0;
+        if (panels == kTilePanels) {
+          tile_rows<kTilePanels>(p, a, bias, m0, x_rows, panel0, quads, unpack, y);
+        } else {
+          tile_rows<1>(p, a, bias, m0, x_rows, panel0, quads, unpack, y);
+        }
+      }
+    }
+    if (configured_rows != 0) _tile_release();
+  });
+}
+
+#endif
+
 template <typename T>
 void product(const Packed& p, const T* x, int64_t m_rows, const float* bias, T* y) {
   const QuantizedRows a = quantize_rows(x, m_rows, p.k_dim, activation_block(p.group, p.k_dim));
+#if defined(TOKENMILL_INT8_TILES)
+  if (m_rows >= kTileMinRows && tiles_fit(a.block) && tiles_permitted()) {
+    tile_product(p, a, m_rows, bias, y);
+    return;
+  }
+#endif
   const int64_t n_panels = p.n_out / kPanel;
   for (int64_t m_begin = 0; m_begin < m_rows; m_begin += kChunkRows) {
     const int64_t m_end = std::min(m_rows, m_begin + kChunkRows);
@@ -206,6 +396,12 @@ void product(const Packed& p, const T* x, int64_t m_rows, const float* bias, T* 
 
 bool int8_dot_available() { return true; }
 
+#if defined(TOKENMILL_INT8_TILES)
+bool int8_dot_tiles() { return tiles_permitted(); }
+#else
+bool int8_dot_tiles() { return false; }
+#endif
+
 void int8_dot_product(const Packed& p, const float* x, int64_t m_rows, const float* bias, float* y) {
   product(p, x, m_rows, bias, y);
 }
@@ -218,6 +414,8 @@ void int8_dot_product(const Packed& p, const tokenmill_simd::bf16_t* x, int64_t 
 #else
 
 bool int8_dot_available() { return false; }
+
+bool int8_dot_tiles() { return false; }
 
 void int8_dot_product(const Packed&, const float*, int64_t, const float*, float*) {
   TORCH_CHECK(false, "int8 dot products need AVX512-VNNI (with AVX512-VL/BW)");

@@ -13,7 +13,8 @@
 //   dequantized to x's dtype a chunk of rows at a time and multiplied by torch's CPU BLAS.
 // dequantize_weight: a weight (either layout) whole in `dtype` (fp32 or bf16), for the panels layout's
 // many rows (kernels/quant_linear.py) and tests.
-// int8_dot_products: whether this build has the panels layout's int8 path.
+// int8_dot_products: whether this build has the panels layout's int8 path; int8_dot_tiles: whether
+// that path uses AMX-INT8 tiles.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -534,4 +535,5 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.impl("quantized_linear", c10::DispatchKey::CPU, &quantized_linear);
   m.impl("dequantize_weight", c10::DispatchKey::CPU, &dequantize_weight);
   m.def("int8_dot_products() -> bool", &tokenmill_quant::int8_dot_available);
+  m.def("int8_dot_tiles() -> bool", &tokenmill_quant::int8_dot_tiles);
 }

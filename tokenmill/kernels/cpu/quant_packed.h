@@ -54,6 +54,10 @@ inline const uint8_t* quad_bytes(const Packed& p, int64_t panel, int64_t t) {
 // True where quant_int8_dot.cpp is compiled in (the CPU has AVX512-VNNI with AVX512-VL/BW).
 bool int8_dot_available();
 
+// True where int8_dot_product multiplies with AMX-INT8 tiles from a few rows on (the CPU has them
+// and the kernel lets this process use them).
+bool int8_dot_tiles();
+
 // The activation block of int8_dot_product for a weight of K values in groups of `group`: the
 // group when it is at most 128 (16 included), else the largest of 128, 64, 32 dividing K.
 int64_t activation_block(int64_t group, int64_t k_dim);
