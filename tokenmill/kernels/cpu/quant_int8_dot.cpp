@@ -139,6 +139,18 @@ __attribute__((always_inline)) inline __m512 add_block(__m512 acc, __m512i hi, _
   return acc;
 }
 
+// The scales (and int4 mins; else zeros) of group g of kPanels panels from panel0.
+template <int kPanels>
+__attribute__((always_inline)) inline void load_group(const Packed& p, int64_t panel0, int64_t g, __m512* w_scale,
+                                                      __m512* w_min) {
+  if (p.groups_per_row == 1) g = 0;
+  for (int j = 0; j < kPanels; ++j) {
+    const int64_t at = ((panel0 + j) * p.groups_per_row + g) * kPanel;
+    w_scale[j] = _mm512_loadu_ps(p.scale + at);
+    w_min[j] = p.min != nullptr ? _mm512_loadu_ps(p.min + at) : _mm512_setzero_ps();
+  }
+}
+
 // y[row, 16 panel0 ...) = acc (one vector per panel) + bias (if not null), rounded to y's dtype.
 template <typename Out>
 inline void store_row(const Packed& p, const __m512* acc, int panels, const float* bias, int64_t row, int64_t panel0,
@@ -182,13 +194,8 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
         }
       }
     }
-    const int64_t g = p.groups_per_row == 1 ? 0 : b / blocks_per_group;
     __m512 w_scale[kPanels], w_min[kPanels];
-    for (int j = 0; j < kPanels; ++j) {
-      const int64_t at = ((panel0 + j) * p.groups_per_row + g) * kPanel;
-      w_scale[j] = _mm512_loadu_ps(p.scale + at);
-      w_min[j] = p.min != nullptr ? _mm512_loadu_ps(p.min + at) : _mm512_setzero_ps();
-    }
+    load_group<kPanels>(p, panel0, b / blocks_per_group, w_scale, w_min);
 #pragma GCC unroll 4
     for (int m = 0; m < kRows; ++m) {
       const int64_t ab = (m0 + m) * a.blocks_per_row + b;
@@ -310,13 +317,8 @@ void tile_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64
     }
     _tile_stored(3, sums[0], kTileBytes);
     if (kPanels > 1) _tile_stored(4, sums[kPanels - 1], kTileBytes);
-    const int64_t g = p.groups_per_row == 1 ? 0 : b / blocks_per_group;
     __m512 w_scale[kPanels], w_min[kPanels];
-    for (int j = 0; j < kPanels; ++j) {
-      const int64_t at = ((panel0 + j) * p.groups_per_row + g) * kPanel;
-      w_scale[j] = _mm512_loadu_ps(p.scale + at);
-      w_min[j] = p.min != nullptr ? _mm512_loadu_ps(p.min + at) : _mm512_setzero_ps();
-    }
+    load_group<kPanels>(p, panel0, b / blocks_per_group, w_scale, w_min);
     for (int m = 0; m < x_rows; ++m) {
       const int64_t ab = (m0 + m) * a.blocks_per_row + b;
       for (int j = 0; j < kPanels; ++j) {
