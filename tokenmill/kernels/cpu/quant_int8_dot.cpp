@@ -19,9 +19,10 @@
 //   With AMX-INT8 (and the kernel's permission to use tiles), from kTileMinRows rows on: the same
 //   integer sums by tile dot products. x's two passes are stored row by row interleaved (row m's
 //   hi, then its lo), so one A tile holds up to 8 rows' hi and lo as 16 tile rows; a panel's quads
-//   of one block are its B tile as stored (int8, signed x signed) or unpacked to bytes once per work
-//   item (int4, signed x unsigned); each block's int32 sums go through memory to the same fp32
-//   epilogue in the same order, so every row's result is bit-equal to the vector path's.
+//   of one block are its B tile as stored (int8, signed x signed) or unpacked to bytes into the
+//   thread's buffer, a block at a time as the first rows run (int4, signed x unsigned); each block's
+//   int32 sums go through memory to the same fp32 epilogue in the same order, so every row's result
+//   is bit-equal to the vector path's.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -304,7 +305,9 @@ void tile_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64
       for (int j = 0; j < kPanels; ++j) {
         uint8_t* bytes = const_cast<uint8_t*>(quads[j]);
         const int64_t t0 = b * a.block / 4, t1 = t0 + a.block / 4;
-        for (int64_t t = t0; t < t1; t += 2) _mm_prefetch(quad_bytes(p, panel0 + j, t + kPrefetchQuads), _MM_HINT_T0);
+        for (int64_t t = t0; t < t1; t += 2) {  // a prefetch past the weight's end is harmless
+          _mm_prefetch(reinterpret_cast<const char*>(quad_bytes(p, panel0 + j, t + kPrefetchQuads)), _MM_HINT_T0);
+        }
         for (int64_t t = t0; t < t1; ++t) _mm512_storeu_si512(bytes + t * 64, panel_quad(p, panel0 + j, t));
       }
     }
@@ -330,8 +333,9 @@ void tile_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64
   for (int m = 0; m < x_rows; ++m) store_row(p, acc[m], kPanels, bias, m0 + m, panel0, y);
 }
 
-// The tile path of product: threads take pairs of panels; an int4 pair's quads are unpacked to
-// bytes once into the thread's buffer, then every row of x runs against them, kTileXRows at a time.
+// The tile path of product: threads take pairs of panels and run every row of x against a pair,
+// kTileXRows at a time (an int4 pair's quads unpacked into the thread's buffer by the first rows,
+// read from it by the others).
 template <typename T>
 void tile_product(const Packed& p, const QuantizedRows& a, int64_t m_rows, const float* bias, T* y) {
   const int64_t n_panels = p.n_out / kPanel, quads_per_panel = p.k_dim / 4;

@@ -142,8 +142,10 @@ def check_unicode(value: Any, param: str) -> None:
             stack.extend(item)
 
 
-def get_state(request: Request) -> ServerState:
-    """FastAPI dependency: the ServerState of the app serving ``request``."""
+async def get_state(request: Request) -> ServerState:
+    """FastAPI dependency: the ServerState of the app serving ``request`` (a coroutine, so FastAPI
+    calls it on the event loop: a plain function would cost every request a hop through its thread
+    pool, which a burst of requests grows to 40 threads)."""
     return request.app.state.server
 
 
