@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.workload import copy_heavy_messages
 from tokenmill.config import EngineConfig
 from tokenmill.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_FILE, FETCH_COMMAND
 
@@ -83,6 +84,27 @@ def test_the_default_dtype_answers_like_transformers_too() -> None:
     finally:
         llm.shutdown()
     assert out.outputs[0].text.startswith("The capital of France is Paris")
+
+
+def test_prompt_lookup_in_the_default_dtype_gives_plain_decodings_tokens_and_logprobs() -> None:
+    """Every projection of this file is quantized (Q4_1, a Q8_0 head): in the default dtype on a
+    VNNI / AMX CPU a verification's 6 rows run the int8 kernels in tiles where a plain step's one
+    row runs the vector path, so equal tokens and logprobs need each row's product to be the same
+    bits whatever rows stand beside it (on other CPUs: fp32, the same contract)."""
+    messages = copy_heavy_messages()[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=48, logprobs=1)
+    runs, stats = [], None
+    for speculative in (None, {"method": "ngram", "num_speculative_tokens": 5, "disable_by_batch_size": 8}):
+        llm = LLM(model=str(DEFAULT_MODEL_DIR), num_kv_slots=4096, speculative_config=speculative)
+        try:
+            runs.append([o.outputs[0] for o in llm.chat(messages, params, use_tqdm=False)])
+            stats = llm.engine.stats()["speculative"]
+        finally:
+            llm.shutdown()
+    plain, speculated = runs
+    assert 0 < stats["accepted_tokens"] < stats["proposed_tokens"]
+    assert [o.token_ids for o in speculated] == [o.token_ids for o in plain]
+    assert [o.logprobs for o in speculated] == [o.logprobs for o in plain]
 
 
 def _template_ids(tokenizer: AutoTokenizer, messages: list[dict]) -> list[int]:
