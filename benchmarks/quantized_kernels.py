@@ -4,9 +4,10 @@ Thirty random weights of one shape (default SmolLM2-135M's MLP up projection, N=
 a run reads more than the caches hold), multiplied by x of each row count in ``--dtype`` (bf16 by
 default; float32 on CPUs without bf16 hardware): tokenmill's ``Linear`` in that dtype (oneDNN
 blocked / skinny), and int4 (default groups) and int8 (per channel) in each layout: panels (int8
-activations, ``quant_int8_dot.cpp``; needs AVX512-VNNI) and rows (fp32 streaming up to
-``STREAM_MAX_ROWS`` rows, 6 or with AVX2 alone 128; dequantized + torch's BLAS beyond). Median ms for
-all thirty of ``--repeats`` runs after a warm-up; nothing else should run on the machine meanwhile.
+activations, ``quant_int8_dot.cpp``; needs AVX512-VNNI; AMX-INT8 tiles from 6 rows where the CPU
+has them) and rows (fp32 streaming up to ``STREAM_MAX_ROWS`` rows, 6 or with AVX2 alone 128;
+dequantized + torch's BLAS beyond). Median ms for all thirty of ``--repeats`` runs after a warm-up;
+nothing else should run on the machine meanwhile.
 
     python benchmarks/quantized_kernels.py --json [--dtype float32]
 """
