@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tokenmill.hardware import cpu_flags
 from tokenmill.kernels.cpu import load_cpu_kernels
 from tokenmill.kernels.linear import Linear
 from tokenmill.kernels.quant_format import (
@@ -236,8 +237,6 @@ def test_panels_rows_in_a_batch_are_the_bits_of_each_row_alone(scheme: QuantSche
 
 def test_int8_tiles_are_used_where_the_cpu_has_them() -> None:
     """The AMX path is on wherever the CPU lists AMX-INT8 (Linux grants tiles on request)."""
-    from tokenmill.hardware import cpu_flags
-
     has_amx = "amx_int8" in cpu_flags() and load_cpu_kernels() is not None and int8_dot_products()
     assert int8_dot_tiles() == has_amx
 
