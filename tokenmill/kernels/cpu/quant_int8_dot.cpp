@@ -234,9 +234,13 @@ constexpr int kTileXRows = 8;  // rows of x per A tile (their hi and lo: 16 tile
 constexpr int kTileBytes = 64;  // bytes of a tile row (the most values along K of one dot product)
 constexpr int64_t kPrefetchQuads = 64;  // int4: how far ahead of the unpacking its weight bytes are fetched
 
-// Tile registers (GCC's tile intrinsics take literal numbers): 0 holds A (x's passes), 1 and 2 the
-// B tiles of a pair's two panels, 3 and 4 their C tiles (int32 sums).
-constexpr int kTileA = 0, kTileB0 = 1, kTileB1 = 2, kTileC0 = 3, kTileC1 = 4;
+// Tile registers (macros: GCC's tile intrinsics take the register's number as a literal): A holds
+// x's passes, B0 and B1 the B tiles of a pair's two panels, C0 and C1 their int32 sums.
+#define TOKENMILL_TILE_A 0
+#define TOKENMILL_TILE_B0 1
+#define TOKENMILL_TILE_B1 2
+#define TOKENMILL_TILE_C0 3
+#define TOKENMILL_TILE_C1 4
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -258,16 +262,19 @@ bool tiles_permitted() {
 // Blocks whose dot products fit whole tile rows: 16 or 32 values, or a multiple of 64.
 bool tiles_fit(int64_t block) { return block == 16 || block == 32 || block % kTileBytes == 0; }
 
+// Values along K of one tile dot product for activation blocks of `block` values.
+int tile_k_step(int64_t block) { return static_cast<int>(std::min<int64_t>(block, kTileBytes)); }
+
 // This thread's tile shapes for `x_rows` rows of x per A tile and dot products over `k_step` values.
 void configure_tiles(int x_rows, int k_step) {
   TileConfig config;
-  config.rows[kTileA] = static_cast<uint8_t>(2 * x_rows);
-  config.colsb[kTileA] = static_cast<uint16_t>(k_step);
-  for (int t : {kTileB0, kTileB1}) {
+  config.rows[TOKENMILL_TILE_A] = static_cast<uint8_t>(2 * x_rows);
+  config.colsb[TOKENMILL_TILE_A] = static_cast<uint16_t>(k_step);
+  for (int t : {TOKENMILL_TILE_B0, TOKENMILL_TILE_B1}) {
     config.rows[t] = static_cast<uint8_t>(k_step / 4);
     config.colsb[t] = kTileBytes;
   }
-  for (int t : {kTileC0, kTileC1}) {
+  for (int t : {TOKENMILL_TILE_C0, TOKENMILL_TILE_C1}) {
     config.rows[t] = static_cast<uint8_t>(2 * x_rows);
     config.colsb[t] = kTileBytes;
   }
@@ -280,9 +287,9 @@ void configure_tiles(int x_rows, int k_step) {
   do {                                                  \
     _tile_loadd(b_tile, quads, kTileBytes);             \
     if (int8) {                                         \
-      _tile_dpbssd(c_tile, 0, b_tile);                  \
+      _tile_dpbssd(c_tile, TOKENMILL_TILE_A, b_tile);   \
     } else {                                            \
-      _tile_dpbsud(c_tile, 0, b_tile);                  \
+      _tile_dpbsud(c_tile, TOKENMILL_TILE_A, b_tile);   \
     }                                                   \
   } while (0)
 
@@ -293,7 +300,7 @@ void configure_tiles(int x_rows, int k_step) {
 template <int kPanels, typename Out>
 void tile_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m0, int x_rows, int64_t panel0,
                const uint8_t* const* quads, bool unpack, Out* y) {
-  const int k_step = static_cast<int>(std::min<int64_t>(a.block, kTileBytes));
+  const int k_step = tile_k_step(a.block);
   const int64_t blocks_per_group = p.group / a.block, pass_stride = a.k_dim;
   alignas(64) int32_t sums[kPanels][2 * kTileXRows][kPanel];
   __m512 acc[kTileXRows][kPanels];
@@ -311,15 +318,16 @@ void tile_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64
         for (int64_t t = t0; t < t1; ++t) _mm512_storeu_si512(bytes + t * 64, panel_quad(p, panel0 + j, t));
       }
     }
-    _tile_zero(3);
-    if (kPanels > 1) _tile_zero(4);
+    _tile_zero(TOKENMILL_TILE_C0);
+    if (kPanels > 1) _tile_zero(TOKENMILL_TILE_C1);
     for (int64_t k = b * a.block; k < (b + 1) * a.block; k += k_step) {
-      _tile_loadd(0, a.hi(m0) + k, pass_stride);  // tile row 2 m: row m0 + m's hi, 2 m + 1: its lo
-      TOKENMILL_TILE_DOT(1, 3, quads[0] + k * 16, p.bits == 8);  // quad t = k / 4 at 64 t bytes
-      if (kPanels > 1) TOKENMILL_TILE_DOT(2, 4, quads[1] + k * 16, p.bits == 8);
+      // tile row 2 m: row m0 + m's hi, 2 m + 1: its lo; a panel's quad t = k / 4 at 64 t bytes
+      _tile_loadd(TOKENMILL_TILE_A, a.hi(m0) + k, pass_stride);
+      TOKENMILL_TILE_DOT(TOKENMILL_TILE_B0, TOKENMILL_TILE_C0, quads[0] + k * 16, p.bits == 8);
+      if (kPanels > 1) TOKENMILL_TILE_DOT(TOKENMILL_TILE_B1, TOKENMILL_TILE_C1, quads[1] + k * 16, p.bits == 8);
     }
-    _tile_stored(3, sums[0], kTileBytes);
-    if (kPanels > 1) _tile_stored(4, sums[kPanels - 1], kTileBytes);
+    _tile_stored(TOKENMILL_TILE_C0, sums[0], kTileBytes);
+    if (kPanels > 1) _tile_stored(TOKENMILL_TILE_C1, sums[kPanels - 1], kTileBytes);
     __m512 w_scale[kPanels], w_min[kPanels];
     load_group<kPanels>(p, panel0, b / blocks_per_group, w_scale, w_min);
     for (int m = 0; m < x_rows; ++m) {
@@ -339,7 +347,7 @@ void tile_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64
 template <typename T>
 void tile_product(const Packed& p, const QuantizedRows& a, int64_t m_rows, const float* bias, T* y) {
   const int64_t n_panels = p.n_out / kPanel, quads_per_panel = p.k_dim / 4;
-  const int k_step = static_cast<int>(std::min<int64_t>(a.block, kTileBytes));
+  const int k_step = tile_k_step(a.block);
   at::parallel_for(0, (n_panels + kTilePanels - 1) / kTilePanels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> unpacked;
     int configured_rows = 0;
