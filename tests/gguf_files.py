@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import transformers
 from gguf import (
     MODEL_ARCH_NAMES,
     GGMLQuantizationType,
+    GGUFReader,
     GGUFWriter,
     LlamaFileType,
     TokenType,
@@ -97,6 +99,36 @@ def _expert_stacks(name: str, data: np.ndarray) -> dict[str, np.ndarray]:
         return {name: data}
     gate, up = np.split(data, 2, axis=1)
     return {f"{experts}.gate_proj": gate, f"{experts}.up_proj": up}
+
+
+def on_file_weights(hf_model: transformers.PreTrainedModel, path: Path, arch: str) -> transformers.PreTrainedModel:
+    """``hf_model`` (changed in place, returned) with every weight the GGUF file ``path`` (written from
+    it by :func:`write_gguf`) holds, dequantized by ``gguf.quants``, what :func:`gguf_tensors` changed
+    undone: the oracle for files transformers cannot read whole (Mixtral's experts)."""
+    config = hf_model.config
+    table = get_tensor_name_map(next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch), config.num_hidden_layers)
+    stored = {
+        t.name: quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape.tolist())])
+        for t in GGUFReader(path).tensors
+    }
+    weights = {}
+    for name, tensor in hf_model.state_dict().items():
+        experts, _, leaf = name.rpartition(".")
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if experts.endswith(".experts") and leaf == "gate_up_proj":
+            data = np.concatenate([stored[table[f"{experts}.{p}"] + ".weight"] for p in ("gate_proj", "up_proj")], 1)
+        elif experts.endswith(".experts") and leaf == "down_proj":
+            data = stored[table[name] + ".weight"]
+        else:
+            data = stored[table.get_name(name, try_suffixes=(".weight", ".bias"))]
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            rows, k = data.shape
+            data = data.reshape(heads, rows // heads // 2, 2, k).swapaxes(1, 2).reshape(rows, k)
+        weights[name] = torch.from_numpy(data - np.float32(norm_offset(arch, name))).to(tensor.dtype)
+    hf_model.load_state_dict(weights, strict=not config.tie_word_embeddings)
+    return hf_model
 
 
 def permute_for_llama_cpp(weight: np.ndarray, heads: int) -> np.ndarray:

@@ -11,7 +11,10 @@ size, modification time and :data:`CONVERTER_VERSION`). The converted folder hol
   transformers (Qwen3's ``head_dim`` 128, Gemma's ``query_pre_attn_scalar`` 256), with
   ``architectures`` set and ``tie_word_embeddings`` false: a file without ``output.weight`` (tied
   embeddings) gets its LM head loaded from ``token_embd.weight``, so a quantized embedding table
-  stays a quantized LM head. One value transformers does not read is the file's: a Qwen3-MoE
+  stays a quantized LM head. A "llama" file with experts (how llama.cpp writes Mixtral) is run as
+  ``MixtralForCausalLM``: the Llama config transformers reads (without the experts) made a Mixtral
+  one with the file's expert counts and no window, as llama.cpp runs it (softmax routing over all
+  experts, the top ``expert_used_count`` renormalized). One value transformers does not read is the file's: a Qwen3-MoE
   file's expert width (``qwen3moe.expert_feed_forward_length``, where transformers keeps the
   class's 768 and then fails on the tensors of any other width), and its ``rope_freqs.weight`` tensor
   (llama.cpp's frequency divisors, how it stores Llama 3.1's RoPE scaling; transformers ignores it)
@@ -24,9 +27,9 @@ size, modification time and :data:`CONVERTER_VERSION`). The converted folder hol
 The folder is written beside its final name and renamed into place, so concurrent conversions and
 readers never see half a folder. Bad input is a :class:`GGUFError` naming the file and what is
 wrong (not a GGUF file, truncated, an unsupported architecture or tensor type), raised before any
-model or KV memory exists. Mixtures of experts load from "qwen3moe" files; a "llama" file with
-experts (llama.cpp's Mixtral) is refused: transformers, against which tokenmill's GGUF support is
-checked, reads it as a dense Llama without its experts.
+model or KV memory exists. Mixtures of experts load from "qwen3moe" files and from "llama" files with
+experts (Mixtral), whose stacked expert tensors (``ffn_gate_exps``...) transformers does not read:
+tests check those against transformers' Mixtral on the file's weights.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4
 """Bump when the converted folder's contents change: old conversions are then redone."""
 
 INDEX_FILE = "gguf_tensors.json"
@@ -57,8 +60,9 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
 """GGUF ``general.architecture`` -> the model class tokenmill runs it with."""
-MOE_ARCHITECTURES = ("qwen3moe",)
-"""The architectures of :data:`ARCHITECTURES` whose files may hold experts (``{arch}.expert_count``)."""
+MOE_ARCHITECTURES = {"qwen3moe": "Qwen3MoeForCausalLM", "llama": "MixtralForCausalLM"}
+"""The architectures whose files may hold experts (``{arch}.expert_count``) -> the model class a file
+with experts runs with."""
 
 
 class GGUFError(ValueError):
@@ -132,9 +136,8 @@ def convert(file: Path, folder: Path) -> None:
     experts = _field(reader, f"{arch}.expert_count")
     if experts and arch not in MOE_ARCHITECTURES:
         raise GGUFError(
-            f"{file}: architecture {arch!r} with {experts} experts (a mixture of experts such as Mixtral) is not "
-            f"supported: transformers reads such a file as a dense {ARCHITECTURES[arch]} without its experts, so "
-            "there is no reference to check tokenmill against; use the safetensors checkpoint"
+            f"{file}: architecture {arch!r} with {experts} experts is not supported; mixtures of experts are "
+            f"supported in files of architecture {' or '.join(map(repr, MOE_ARCHITECTURES))}"
         )
     tensors, freq_factors = [], None
     for tensor in reader.tensors:
@@ -159,7 +162,14 @@ def convert(file: Path, folder: Path) -> None:
     except Exception as exc:  # transformers' converter: KeyError, ValueError... on metadata it cannot map
         raise GGUFError(f"{file}: cannot convert its metadata: {exc!r}") from None
     tied = not any(t["name"] == "output.weight" for t in tensors)
-    config.update(architectures=[ARCHITECTURES[arch]], tie_word_embeddings=False)
+    if experts and config.get("model_type") == "llama":
+        used = int(_field(reader, f"{arch}.expert_used_count") or 0)
+        if not 0 < used <= experts:
+            raise GGUFError(f"{file}: {arch}.expert_used_count {used} is not between 1 and expert_count {experts}")
+        config = _mixtral_config(config, int(experts), used)
+    config.update(
+        architectures=[MOE_ARCHITECTURES[arch] if experts else ARCHITECTURES[arch]], tie_word_embeddings=False
+    )
     expert_width = _field(reader, f"{arch}.expert_feed_forward_length")
     if arch == "qwen3moe" and expert_width:
         config["moe_intermediate_size"] = int(expert_width)
@@ -171,6 +181,19 @@ def convert(file: Path, folder: Path) -> None:
     tokenizer.save_pretrained(str(folder))
     index = {"file": str(file.resolve()), "architecture": arch, "tied_output": tied, "tensors": tensors}
     (folder / INDEX_FILE).write_text(json.dumps(index))
+
+
+def _mixtral_config(llama: dict[str, Any], experts: int, used: int) -> dict[str, Any]:
+    """The Mixtral config of a "llama" file with ``experts`` experts, ``used`` of them per token, from
+    the Llama config transformers reads from it (its ``intermediate_size``, the file's
+    ``feed_forward_length``, is each expert's width, as llama.cpp's converter writes it); no window."""
+    from transformers import AutoConfig
+
+    dropped = ("model_type", "architectures", "transformers_version", "mlp_bias", "attention_bias", "pretraining_tp")
+    kept = {key: value for key, value in llama.items() if key not in dropped}
+    mixtral = AutoConfig.for_model("mixtral", **kept, num_local_experts=experts, num_experts_per_tok=used)
+    mixtral.sliding_window = None
+    return mixtral.to_dict()
 
 
 class _Truncated(Exception):

@@ -1,8 +1,9 @@
 """GGUF files end to end: tiny random models written as llama.cpp's converter writes them
 (``tests/gguf_files.py``) run in tokenmill as transformers runs them (its own GGUF loader, which
 dequantizes, is the oracle), Qwen3-MoE's stacked experts included, their tokenizer and chat template
-are transformers', and bad files (Mixtral's, which transformers reads without its experts, among
-them) are clear errors raised by ``LLM(model=...)``."""
+are transformers', Mixtral's "llama" files with experts run as transformers' Mixtral on the file's
+weights (transformers' GGUF loader reads them without their experts), and bad files are clear errors
+raised by ``LLM(model=...)``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tests.gguf_files import (
     gguf_architecture,
     gguf_tensors,
     norm_offset,
+    on_file_weights,
     save_gguf,
     tiny_gguf_model,
     write_gguf,
@@ -311,6 +313,44 @@ def test_q6_k_projections_stay_quantized_in_the_panels_layout(tmp_path: Path) ->
         assert 0 < their_error and our_error <= 2 * their_error + 1e-2, (our_error, their_error)
 
 
+MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2)
+MIXTRAL_CASES = {
+    "f32": (F32, F32),
+    "q8_0_experts": (Q.Q8_0, Q.Q8_0),
+    "q4_1_gate_up_q4_0_down": (Q.Q4_1, Q.Q4_0),
+    "q5_1_experts_dequantized": (Q.Q5_1, Q.Q5_1),
+}
+"""The type of the projections (attention and the experts' gate/up stacks), of the down stacks."""
+
+
+@pytest.mark.parametrize("case", sorted(MIXTRAL_CASES))
+def test_mixtral_file_runs_as_transformers_mixtral_on_its_weights(case: str, tmp_path: Path) -> None:
+    """A "llama" file with experts, as llama.cpp's converter writes Mixtral (Q and K rows permuted,
+    experts stacked), runs as ``MixtralForCausalLM``: experts in a lossless type stay quantized one by
+    one, others are dequantized, routers stay fp32; logits (to 1e-4) and greedy tokens equal
+    transformers' Mixtral the file was written from, on the file's weights (transformers' GGUF loader
+    would read the file as a dense Llama without its experts)."""
+    projection_type, down_type = MIXTRAL_CASES[case]
+    hf_model = tiny_gguf_model("mixtral", **MIXTRAL)
+    tensors = gguf_tensors(hf_model, "llama")
+    write_gguf(
+        tmp_path / NAME, hf_model.config, tensors, "llama", projection_type, kind_types={"ffn_down_exps": down_type}
+    )
+    reference = on_file_weights(hf_model, tmp_path / NAME, "llama").eval()
+    model = load_model(checkpoint_folder(tmp_path / NAME), torch.float32, "cpu")
+    assert model.config.architecture == "MixtralForCausalLM" and model.config.sliding_window is None
+    assert (model.config.moe.num_experts, model.config.moe.top_k, model.config.moe.renormalize) == (4, 2, True)
+    bits = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_1: 4}
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        assert layer.mlp.gate.quantization is None and (experts.layers is None) == (down_type not in bits)
+        for gate_up, down in experts.layers or []:
+            assert (gate_up.quantization.bits, down.quantization.bits) == (bits[projection_type], bits[down_type])
+    assert_counting_prompts_match(model, reference)
+    with running(tmp_path / NAME) as llm:
+        assert greedy(llm) == [hf_greedy(reference, p, ENGINE_TOKENS) for p in ENGINE_PROMPTS]
+
+
 def test_qwen3moe_expert_width_is_read_from_the_file(tmp_path: Path) -> None:
     """A Qwen3-MoE file's expert width (``expert_feed_forward_length``) is the model's, where
     transformers keeps its config class's 768 and then fails on the tensors: tokenmill runs the
@@ -424,11 +464,16 @@ BAD_FILES = {
     "truncated_in_metadata": (truncated(lambda size: 1000), GGUFError, "is truncated: it is 1000 bytes long"),
     "unknown_architecture_bloom": (architecture("bloom"), GGUFError, "architecture 'bloom' is not supported"),
     "made_up_architecture": (architecture("frobnicator"), GGUFError, "architecture 'frobnicator' is not supported"),
-    "mixtral_as_llama": (
-        lambda path: save_gguf(path, "mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "experts_in_a_qwen2_file": (
+        lambda path: save_gguf(path, "qwen2", num_local_experts=4, num_experts_per_tok=2),
         GGUFError,
-        "architecture 'llama' with 4 experts .* not supported: transformers reads such a file as a dense "
-        "LlamaForCausalLM without its experts",
+        "architecture 'qwen2' with 4 experts is not supported; mixtures of experts are supported in files of "
+        "architecture 'qwen3moe' or 'llama'",
+    ),
+    "mixtral_using_more_experts_than_it_has": (
+        lambda path: save_gguf(path, "mixtral", num_local_experts=4, num_experts_per_tok=5),
+        GGUFError,
+        "llama.expert_used_count 5 is not between 1 and expert_count 4",
     ),
     "expert_stack_of_3_not_expert_count": (
         edited(cut("blk.1.ffn_up_exps.weight", rows=3), kind="qwen3_moe", **MOE, moe_intermediate_size=32),
