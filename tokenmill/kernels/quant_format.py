@@ -17,8 +17,10 @@ repacked into this one at load. Quantizing here is round-to-nearest.
 That is the *rows* layout. The *panels* layout (:func:`to_panels`; needs N a multiple of 16) holds
 the same values for the int8-activation kernel: ``qweight`` 3-D ``[N / 16, K / 4, 64 | 32]``, per
 panel of 16 rows and quad of 4 values along K the 64 bytes of one 16-lane int32 vector (lane ``r``:
-row ``r``'s 4 values; int4 in 32 bytes, byte ``b``'s low nibble lane ``b // 4``, its high nibble
-lane ``8 + b // 4``), and ``scale``/``min`` ``[N / 16, K / group_size, 16]`` (a panel's scales, group
+row ``r``'s 4 values; int4 quads in pairs, 32 bytes a quad: the 64 bytes of quads ``2 j`` and
+``2 j + 1`` hold quad ``2 j``'s 64 values in their low nibbles and quad ``2 j + 1``'s in their high
+ones, so one 64-byte load and a mask or a shift give either as a vector),
+and ``scale``/``min`` ``[N / 16, K / group_size, 16]`` (a panel's scales, group
 after group, one stream beside its weights).
 """
 
@@ -175,7 +177,8 @@ def to_panels(tensors: QuantizedTensors) -> QuantizedTensors:
     values = tensors.qweight if tensors.bits == 8 else unpack_int4(tensors.qweight)
     quads = values.reshape(n // PANEL, PANEL, k // 4, 4).transpose(1, 2)  # [panel, quad, lane, 4]
     if tensors.bits == 4:
-        quads = quads[:, :, : PANEL // 2] | (quads[:, :, PANEL // 2 :] << 4)
+        pairs = quads.reshape(n // PANEL, k // 8, 2, 4 * PANEL)
+        quads = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
     return QuantizedTensors(
         quads.reshape(n // PANEL, k // 4, -1).contiguous(),
         _panel_major(tensors.scale),
@@ -188,10 +191,11 @@ def to_panels(tensors: QuantizedTensors) -> QuantizedTensors:
 def from_panels(tensors: QuantizedTensors) -> QuantizedTensors:
     """The inverse of :func:`to_panels`."""
     n, k = tensors.shape
-    quads = tensors.qweight.reshape(n // PANEL, k // 4, -1, 4)
+    quads = tensors.qweight
     if tensors.bits == 4:
-        quads = torch.cat([quads & 15, quads >> 4], dim=2)
-    values = quads.transpose(1, 2).reshape(n, k)
+        pairs = quads.reshape(n // PANEL, k // 8, 1, 4 * PANEL)
+        quads = torch.cat([pairs & 15, pairs >> 4], dim=2)
+    values = quads.reshape(n // PANEL, k // 4, PANEL, 4).transpose(1, 2).reshape(n, k)
     return QuantizedTensors(
         values.contiguous() if tensors.bits == 8 else pack_int4(values),
         _row_major(tensors.scale),

@@ -117,13 +117,19 @@ QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t 
   return a;
 }
 
-// Panel `panel`'s quad t as 64 unsigned bytes, lane r holding row r's 4 values (int4: 0..15; int8: v + 128).
-__attribute__((always_inline)) inline __m512i panel_quad(const Packed& p, int64_t panel, int64_t t) {
+// Panel `panel`'s quads t and t + 1 (t even) as 64 unsigned bytes each, lane r holding row r's 4
+// values (int4: 0..15, a pair's low and high nibbles; int8: v + 128).
+__attribute__((always_inline)) inline void panel_quads(const Packed& p, int64_t panel, int64_t t, __m512i* first,
+                                                       __m512i* second) {
   const uint8_t* q = quad_bytes(p, panel, t);
-  if (p.bits == 8) return _mm512_xor_si512(_mm512_loadu_si512(q), _mm512_set1_epi8(-128));
-  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), nibble = _mm256_set1_epi8(15);
-  const __m256i lo = _mm256_and_si256(bytes, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  if (p.bits == 8) {
+    *first = _mm512_xor_si512(_mm512_loadu_si512(q), _mm512_set1_epi8(-128));
+    *second = _mm512_xor_si512(_mm512_loadu_si512(q + 64), _mm512_set1_epi8(-128));
+    return;
+  }
+  const __m512i bytes = _mm512_loadu_si512(q), nibble = _mm512_set1_epi8(15);
+  *first = _mm512_and_si512(bytes, nibble);
+  *second = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
 }
 
 // acc plus one block's product for one row of x and one panel, from its exact int32 sums of the hi
@@ -182,16 +188,18 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
     for (int m = 0; m < kRows; ++m) {
       for (int j = 0; j < kPanels; ++j) hi_dots[m][j] = lo_dots[m][j] = _mm512_setzero_si512();
     }
-    for (int64_t t = b * quads_per_block; t < (b + 1) * quads_per_block; ++t) {
-      __m512i w[kPanels];
-      for (int j = 0; j < kPanels; ++j) w[j] = panel_quad(p, panel0 + j, t);
+    for (int64_t t = b * quads_per_block; t < (b + 1) * quads_per_block; t += 2) {  // a block's quads: even
+      __m512i w[2][kPanels];
+      for (int j = 0; j < kPanels; ++j) panel_quads(p, panel0 + j, t, &w[0][j], &w[1][j]);
+      for (int s = 0; s < 2; ++s) {
 #pragma GCC unroll 4
-      for (int m = 0; m < kRows; ++m) {
-        const __m512i hi = _mm512_set1_epi32(hi_quads[m][t]);
-        const __m512i lo = _mm512_set1_epi32(lo_quads[m][t]);
-        for (int j = 0; j < kPanels; ++j) {
-          hi_dots[m][j] = _mm512_dpbusd_epi32(hi_dots[m][j], w[j], hi);
-          lo_dots[m][j] = _mm512_dpbusd_epi32(lo_dots[m][j], w[j], lo);
+        for (int m = 0; m < kRows; ++m) {
+          const __m512i hi = _mm512_set1_epi32(hi_quads[m][t + s]);
+          const __m512i lo = _mm512_set1_epi32(lo_quads[m][t + s]);
+          for (int j = 0; j < kPanels; ++j) {
+            hi_dots[m][j] = _mm512_dpbusd_epi32(hi_dots[m][j], w[s][j], hi);
+            lo_dots[m][j] = _mm512_dpbusd_epi32(lo_dots[m][j], w[s][j], lo);
+          }
         }
       }
     }
@@ -315,7 +323,12 @@ void tile_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64
         for (int64_t t = t0; t < t1; t += 2) {  // a prefetch past the weight's end is harmless
           _mm_prefetch(reinterpret_cast<const char*>(quad_bytes(p, panel0 + j, t + kPrefetchQuads)), _MM_HINT_T0);
         }
-        for (int64_t t = t0; t < t1; ++t) _mm512_storeu_si512(bytes + t * 64, panel_quad(p, panel0 + j, t));
+        for (int64_t t = t0; t < t1; t += 2) {
+          __m512i first, second;
+          panel_quads(p, panel0 + j, t, &first, &second);
+          _mm512_storeu_si512(bytes + t * 64, first);
+          _mm512_storeu_si512(bytes + t * 64 + 64, second);
+        }
       }
     }
     _tile_zero(TOKENMILL_TILE_C0);

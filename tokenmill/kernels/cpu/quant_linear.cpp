@@ -367,11 +367,12 @@ void dequantize_panels_into(const Packed& p, T* out) {
         T* row = out + (panel * tokenmill_quant::kPanel + r) * p.k_dim;
         for (int64_t t0 = 0; t0 < quads; t0 += 4) {
           for (int64_t j = 0; j < 4; ++j) {
-            const uint8_t* q = tokenmill_quant::quad_bytes(p, panel, t0 + j);
+            const int64_t t = t0 + j;
+            const uint8_t* q = tokenmill_quant::quad_bytes(p, panel, p.bits == 8 ? t : t & ~int64_t{1});
             for (int64_t i = 0; i < 4; ++i) {
               values[4 * j + i] = p.bits == 8 ? static_cast<float>(static_cast<int8_t>(q[4 * r + i]))
-                                  : r < 8     ? static_cast<float>(q[4 * r + i] & 15)
-                                              : static_cast<float>(q[4 * (r - 8) + i] >> 4);
+                                  : t % 2 == 0 ? static_cast<float>(q[4 * r + i] & 15)
+                                               : static_cast<float>(q[4 * r + i] >> 4);
             }
           }
           const int64_t at = (panel * p.groups_per_row + 4 * t0 / p.group) * tokenmill_quant::kPanel + r;

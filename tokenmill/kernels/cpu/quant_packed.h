@@ -45,7 +45,8 @@ inline const uint8_t* row_bytes(const Packed& p, int64_t n, int64_t k) {
   return static_cast<const uint8_t*>(p.q) + (p.bits == 8 ? n * p.k_dim + k : n * (p.k_dim >> 1) + (k >> 1));
 }
 
-// Panels layout: the bytes of panel `panel`'s quad of values [4 t, 4 t + 4).
+// Panels layout: the bytes of panel `panel`'s quad of values [4 t, 4 t + 4): int8, its 64 bytes;
+// int4, t even: the 64 bytes of quads t (low nibbles) and t + 1 (high nibbles).
 inline const uint8_t* quad_bytes(const Packed& p, int64_t panel, int64_t t) {
   const int64_t quad = p.bits == 8 ? 64 : 32;
   return static_cast<const uint8_t*>(p.q) + (panel * (p.k_dim / 4) + t) * quad;
