@@ -124,8 +124,7 @@ def on_file_weights(hf_model: transformers.PreTrainedModel, path: Path, arch: st
             data = stored[table.get_name(name, try_suffixes=(".weight", ".bias"))]
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-            rows, k = data.shape
-            data = data.reshape(heads, rows // heads // 2, 2, k).swapaxes(1, 2).reshape(rows, k)
+            data = unpermute_from_llama_cpp(data, heads)
         weights[name] = torch.from_numpy(data - np.float32(norm_offset(arch, name))).to(tensor.dtype)
     hf_model.load_state_dict(weights, strict=not config.tie_word_embeddings)
     return hf_model
@@ -135,6 +134,12 @@ def permute_for_llama_cpp(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's ``LlamaModel.permute``: each head's rows from halves to interleaved pairs."""
     rows, k = weight.shape
     return weight.reshape(heads, 2, rows // heads // 2, k).swapaxes(1, 2).reshape(rows, k)
+
+
+def unpermute_from_llama_cpp(weight: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of :func:`permute_for_llama_cpp`."""
+    rows, k = weight.shape
+    return weight.reshape(heads, rows // heads // 2, 2, k).swapaxes(1, 2).reshape(rows, k)
 
 
 def write_gguf(

@@ -14,9 +14,10 @@ size, modification time and :data:`CONVERTER_VERSION`). The converted folder hol
   stays a quantized LM head. A "llama" file with experts (how llama.cpp writes Mixtral) is run as
   ``MixtralForCausalLM``: the Llama config transformers reads (without the experts) made a Mixtral
   one with the file's expert counts and no window, as llama.cpp runs it (softmax routing over all
-  experts, the top ``expert_used_count`` renormalized). One value transformers does not read is the file's: a Qwen3-MoE
-  file's expert width (``qwen3moe.expert_feed_forward_length``, where transformers keeps the
-  class's 768 and then fails on the tensors of any other width), and its ``rope_freqs.weight`` tensor
+  experts, the top ``expert_used_count`` renormalized). One value transformers does not read is the
+  file's: a Qwen3-MoE file's expert width (``qwen3moe.expert_feed_forward_length``, where
+  transformers keeps the class's 768 and then fails on the tensors of any other width), and its
+  ``rope_freqs.weight`` tensor
   (llama.cpp's frequency divisors, how it stores Llama 3.1's RoPE scaling; transformers ignores it)
   as ``rope_scaling["freq_factors"]``;
 - the tokenizer (``transformers``' GGUF converter: BPE or SentencePiece, special tokens, chat template);

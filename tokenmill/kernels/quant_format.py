@@ -19,9 +19,8 @@ the same values for the int8-activation kernel: ``qweight`` 3-D ``[N / 16, K / 4
 panel of 16 rows and quad of 4 values along K the 64 bytes of one 16-lane int32 vector (lane ``r``:
 row ``r``'s 4 values; int4 quads in pairs, 32 bytes a quad: the 64 bytes of quads ``2 j`` and
 ``2 j + 1`` hold quad ``2 j``'s 64 values in their low nibbles and quad ``2 j + 1``'s in their high
-ones, so one 64-byte load and a mask or a shift give either as a vector),
-and ``scale``/``min`` ``[N / 16, K / group_size, 16]`` (a panel's scales, group
-after group, one stream beside its weights).
+ones, so one 64-byte load and a mask or a shift give either as a vector), and ``scale``/``min``
+``[N / 16, K / group_size, 16]`` (a panel's scales, group after group, one stream beside its weights).
 """
 
 from __future__ import annotations
