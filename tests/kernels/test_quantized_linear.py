@@ -11,6 +11,7 @@ from tokenmill.hardware import cpu_flags
 from tokenmill.kernels.cpu import load_cpu_kernels
 from tokenmill.kernels.linear import Linear
 from tokenmill.kernels.quant_format import (
+    QuantizedTensors,
     QuantScheme,
     dequantize,
     fake_quantize_activations,
@@ -175,6 +176,29 @@ def test_panels_put_a_panels_quad_in_one_vector_and_round_trip(bits: int) -> Non
         to_panels(quantize(torch.randn(40, 128), QuantScheme(bits, 32, symmetric=bits == 8)))
 
 
+def _fp16_exact(tensors: QuantizedTensors) -> QuantizedTensors:
+    """The same weight with its scales (and mins) rounded to fp16 numbers, kept in fp32 (as a GGUF
+    Q4_1 / Q8_0 file's are)."""
+    low = None if tensors.min is None else tensors.min.half().float()
+    return QuantizedTensors(tensors.qweight, tensors.scale.half().float(), low, tensors.bits, tensors.group)
+
+
+@pytest.mark.parametrize("scheme", [*SCHEMES, QuantScheme(8, 16)], ids=lambda s: s.name)
+def test_panels_keep_scales_in_fp16_exactly_where_every_one_is_an_fp16_number(scheme: QuantScheme) -> None:
+    torch.manual_seed(3)
+    tensors = quantize(torch.randn(32, 128), scheme)
+    assert to_panels(tensors).scale.dtype == torch.float32  # absmax / 7 etc.: not fp16 numbers
+    exact = _fp16_exact(tensors)
+    panels = to_panels(exact)
+    assert panels.scale.dtype == torch.float16 and (panels.min is None or panels.min.dtype == torch.float16)
+    back = from_panels(panels)
+    assert back.scale.dtype == torch.float32 and torch.equal(back.scale, exact.scale)
+    assert torch.equal(dequantize(panels), dequantize(exact))
+    if exact.min is not None:  # one min beyond fp16's range keeps the weight's scales in fp32
+        exact.min[3, 0] = 1e5
+        assert to_panels(exact).scale.dtype == torch.float32 and to_panels(exact).min.dtype == torch.float32
+
+
 def test_activation_quantization_keeps_each_block_to_a_508th_of_its_step() -> None:
     """Two int8 passes: hi = round(x / s) with s = absmax / 127, then the residual in 254ths of s."""
     x = torch.tensor([[0.0, 0.3, -2.54, 0.5, 0.0, 0.0, 0.0, 0.0], [0.31, 1.0, -0.004, 0.2, 0, 0, 0, 0]])
@@ -234,6 +258,35 @@ def test_panels_rows_in_a_batch_are_the_bits_of_each_row_alone(scheme: QuantSche
         alone = torch.cat([quantized_linear(x[i : i + 1], tensors, bias.to(dtype)) for i in rows])
         part = quantized_linear(x[rows.start : rows.stop], tensors, bias.to(dtype))
         assert torch.equal(batch[rows.start : rows.stop], alone) and torch.equal(part, alone)
+
+
+@needs_int8_dots
+@pytest.mark.parametrize("scheme", [*SCHEMES, QuantScheme(8, 16)], ids=lambda s: s.name)
+@pytest.mark.parametrize("rows", [1, 6, 19, PANELS_MAX_ROWS + 1])
+def test_panels_with_fp16_scales_give_the_bits_of_the_same_scales_in_fp32(scheme: QuantScheme, rows: int) -> None:
+    """fp16 scales only shorten the stream: vector path, tiles and the dequantized path beyond
+    PANELS_MAX_ROWS give the same bits as with the same values in fp32."""
+    torch.manual_seed(rows)
+    w, x = torch.randn(48, 256), torch.randn(rows, 256).bfloat16()
+    half = to_panels(_fp16_exact(quantize(w, scheme)))
+    assert half.scale.dtype == torch.float16
+    low = None if half.min is None else half.min.float()
+    full = QuantizedTensors(half.qweight, half.scale.float(), low, half.bits, half.group)
+    assert torch.equal(quantized_linear(x, half), quantized_linear(x, full))
+
+
+@needs_int8_dots
+def test_fp16_scales_are_refused_outside_the_panels_layout_and_beside_fp32_mins() -> None:
+    kernels = load_cpu_kernels()
+    tensors = _fp16_exact(quantize(torch.randn(32, 64), QuantScheme(4, 32, symmetric=False)))
+    x = torch.randn(1, 64)
+    assert tensors.min is not None
+    with pytest.raises(RuntimeError, match="panels layout: fp32 or fp16"):
+        kernels.quantized_linear(x, tensors.qweight, tensors.scale.half(), tensors.min.half(), 4, 32, None, 6)
+    panels = to_panels(tensors)
+    assert panels.min is not None
+    with pytest.raises(RuntimeError, match="the dtype and size of scale"):
+        kernels.quantized_linear(x, panels.qweight, panels.scale, panels.min.float(), 4, 32, None, 6)
 
 
 def test_int8_tiles_are_used_where_the_cpu_has_them() -> None:

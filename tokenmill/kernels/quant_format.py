@@ -20,7 +20,9 @@ panel of 16 rows and quad of 4 values along K the 64 bytes of one 16-lane int32 
 row ``r``'s 4 values; int4 quads in pairs, 32 bytes a quad: the 64 bytes of quads ``2 j`` and
 ``2 j + 1`` hold quad ``2 j``'s 64 values in their low nibbles and quad ``2 j + 1``'s in their high
 ones, so one 64-byte load and a mask or a shift give either as a vector), and ``scale``/``min``
-``[N / 16, K / group_size, 16]`` (a panel's scales, group after group, one stream beside its weights).
+``[N / 16, K / group_size, 16]`` (a panel's scales, group after group, one stream beside its weights)
+in fp16 where every scale and min is exactly an fp16 number (a GGUF Q8_0/Q5_0/Q4_0/Q4_1 weight's,
+whose file stores them so), else in fp32: the same values either way, in fewer bytes to stream.
 """
 
 from __future__ import annotations
@@ -178,10 +180,13 @@ def to_panels(tensors: QuantizedTensors) -> QuantizedTensors:
     if tensors.bits == 4:
         pairs = quads.reshape(n // PANEL, k // 8, 2, 4 * PANEL)
         quads = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+    scale, low = tensors.scale, tensors.min
+    if _exact_in_fp16(scale) and (low is None or _exact_in_fp16(low)):
+        scale, low = scale.half(), None if low is None else low.half()
     return QuantizedTensors(
         quads.reshape(n // PANEL, k // 4, -1).contiguous(),
-        _panel_major(tensors.scale),
-        None if tensors.min is None else _panel_major(tensors.min),
+        _panel_major(scale),
+        None if low is None else _panel_major(low),
         tensors.bits,
         tensors.group,
     )
@@ -197,8 +202,8 @@ def from_panels(tensors: QuantizedTensors) -> QuantizedTensors:
     values = quads.reshape(n // PANEL, k // 4, PANEL, 4).transpose(1, 2).reshape(n, k)
     return QuantizedTensors(
         values.contiguous() if tensors.bits == 8 else pack_int4(values),
-        _row_major(tensors.scale),
-        None if tensors.min is None else _row_major(tensors.min),
+        _row_major(tensors.scale.float()),
+        None if tensors.min is None else _row_major(tensors.min.float()),
         tensors.bits,
         tensors.group,
     )
@@ -214,6 +219,11 @@ def _row_major(per_panel: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`_panel_major`."""
     panels, groups, _ = per_panel.shape
     return per_panel.transpose(1, 2).reshape(panels * PANEL, groups).contiguous()
+
+
+def _exact_in_fp16(values: torch.Tensor) -> bool:
+    """Whether every one of the fp32 ``values`` is an fp16 number (finite, no precision lost)."""
+    return bool(torch.equal(values.half().float(), values))
 
 
 def _nonzero(scale: torch.Tensor) -> torch.Tensor:

@@ -153,8 +153,14 @@ __attribute__((always_inline)) inline void load_group(const Packed& p, int64_t p
   if (p.groups_per_row == 1) g = 0;
   for (int j = 0; j < kPanels; ++j) {
     const int64_t at = ((panel0 + j) * p.groups_per_row + g) * kPanel;
-    w_scale[j] = _mm512_loadu_ps(p.scale + at);
-    w_min[j] = p.min != nullptr ? _mm512_loadu_ps(p.min + at) : _mm512_setzero_ps();
+    if (p.scale_fp16 != nullptr) {
+      w_scale[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scale_fp16 + at)));
+      w_min[j] = p.has_min ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.min_fp16 + at)))
+                           : _mm512_setzero_ps();
+    } else {
+      w_scale[j] = _mm512_loadu_ps(p.scale + at);
+      w_min[j] = p.has_min ? _mm512_loadu_ps(p.min + at) : _mm512_setzero_ps();
+    }
   }
 }
 
@@ -210,11 +216,11 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
       const int64_t ab = (m0 + m) * a.blocks_per_row + b;
       for (int j = 0; j < kPanels; ++j) {
         __m512i hi = hi_dots[m][j], lo = lo_dots[m][j];
-        if (p.min == nullptr) {  // int8: the bytes were v + 128
+        if (!p.has_min) {  // int8: the bytes were v + 128
           hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(128 * a.hi_sum[ab]));
           lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(128 * a.lo_sum[ab]));
         }
-        acc[m][j] = add_block(acc[m][j], hi, lo, w_scale[j], w_min[j], p.min != nullptr, a, ab);
+        acc[m][j] = add_block(acc[m][j], hi, lo, w_scale[j], w_min[j], p.has_min, a, ab);
       }
     }
   }
@@ -347,7 +353,7 @@ void tile_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64
       const int64_t ab = (m0 + m) * a.blocks_per_row + b;
       for (int j = 0; j < kPanels; ++j) {
         const __m512i hi = _mm512_load_si512(sums[j][2 * m]), lo = _mm512_load_si512(sums[j][2 * m + 1]);
-        acc[m][j] = add_block(acc[m][j], hi, lo, w_scale[j], w_min[j], p.min != nullptr, a, ab);
+        acc[m][j] = add_block(acc[m][j], hi, lo, w_scale[j], w_min[j], p.has_min, a, ab);
       }
     }
   }

@@ -151,7 +151,7 @@ void tile_product(const Packed& p, const float* x, const float* xsum, int64_t m0
     float scale[kBlock];
 #pragma GCC unroll 4
     for (int64_t j = 0; j < kBlock; ++j) scale[j] = p.scale[rows[j] * p.groups_per_row + g];
-    if (p.min != nullptr) {
+    if (p.has_min) {
 #pragma GCC unroll 4
       for (int64_t j = 0; j < kBlock; ++j) {
         const float min = p.min[rows[j] * p.groups_per_row + g];
@@ -239,7 +239,7 @@ void tile_product_avx2(const Packed& p, const float* x, const float* xsum, int64
     }
   }
   float min_terms[kRows][kBlock] = {};
-  if (p.min != nullptr) {
+  if (p.has_min) {
     for (int m = 0; m < kRows; ++m) {
       const float* xs = xsum + (m0 + m) * groups;
       for (int64_t j = 0; j < kBlock; ++j) {
@@ -264,7 +264,7 @@ void dequantize_block_avx2(const Packed& p, const int64_t rows[kBlock], float* b
       const int64_t g = group_index(p, rows[j], k);
       __m256 w[4];
       unpack_run_avx2(p, row_bytes(p, rows[j], k), w);
-      const __m256 scale = _mm256_set1_ps(p.scale[g]), min = _mm256_set1_ps(p.min != nullptr ? p.min[g] : 0.f);
+      const __m256 scale = _mm256_set1_ps(p.scale[g]), min = _mm256_set1_ps(p.has_min ? p.min[g] : 0.f);
       for (int i = 0; i < 4; ++i) _mm256_storeu_ps(block + j * p.k_dim + k + 8 * i, _mm256_fmadd_ps(w[i], scale, min));
     }
   }
@@ -346,7 +346,7 @@ void dequantize_into(const Packed& p, int64_t row_begin, int64_t row_end, T* out
         const int64_t g = group_index(p, n, k);
         vec16 lo, hi;
         scaled_run(p, n, k, p.scale[g], lo, hi);
-        const float min = p.min != nullptr ? p.min[g] : 0.f;
+        const float min = p.has_min ? p.min[g] : 0.f;
         store16(out + (n - row_begin) * p.k_dim + k, lo + min);
         store16(out + (n - row_begin) * p.k_dim + k + 16, hi + min);
       }
@@ -376,8 +376,8 @@ void dequantize_panels_into(const Packed& p, T* out) {
             }
           }
           const int64_t at = (panel * p.groups_per_row + 4 * t0 / p.group) * tokenmill_quant::kPanel + r;
-          vec16 v = load16(values) * p.scale[at];
-          if (p.min != nullptr) v += p.min[at];
+          vec16 v = load16(values) * tokenmill_quant::panel_scale(p, at);
+          if (p.has_min) v += tokenmill_quant::panel_scale(p, at, true);
           store16(row + 4 * t0, v);
         }
       }
@@ -389,7 +389,7 @@ void dequantize_panels_into(const Packed& p, T* out) {
 // y [M, N] = x [M, K] @ w^T in fp32, streaming the packed weight (the header's few-rows fp32 path).
 void fp32_product(const Packed& p, const float* xp, int64_t m_rows, float* y) {
   std::vector<float> xsum;  // int4: each row of x summed over each group (the min terms)
-  if (p.min != nullptr) {
+  if (p.has_min) {
     xsum.resize(m_rows * p.groups_per_row);
     for (int64_t m = 0; m < m_rows; ++m) {
       for (int64_t g = 0; g < p.groups_per_row; ++g) {
@@ -406,7 +406,7 @@ void fp32_product(const Packed& p, const float* xp, int64_t m_rows, float* y) {
   at::parallel_for(0, (p.n_out + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < m_rows; m0 += chunk_rows) {
       const int64_t count = std::min(chunk_rows, m_rows - m0);
-      const float* chunk_xsum = p.min != nullptr ? xsum.data() + m0 * p.groups_per_row : nullptr;
+      const float* chunk_xsum = p.has_min ? xsum.data() + m0 * p.groups_per_row : nullptr;
       for (int64_t block = begin; block < end; ++block) {
         block_product(p, xp + m0 * p.k_dim, chunk_xsum, count, block * kBlock, y + m0 * p.n_out);
       }
@@ -460,20 +460,36 @@ Packed packed_operands(const at::Tensor& qweight, const at::Tensor& scale, const
   const bool panel_int8_group = panels && bits == 8 && group == tokenmill_quant::kPanelInt8Group;
   TORCH_CHECK((group % kRun == 0 || panel_int8_group) && group > 0 && k_dim % group == 0, "group ", group,
               " must be a multiple of 32 (16: int8 in the panels layout) dividing K=", k_dim);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n_out * (k_dim / group), "scale: fp32, one per "
-              "group");
+  const bool fp16_scales = scale.scalar_type() == at::kHalf;
+  TORCH_CHECK((scale.scalar_type() == at::kFloat || (panels && fp16_scales)) && scale.numel() == n_out * (k_dim / group),
+              "scale: fp32 (the panels layout: fp32 or fp16), one per group");
   const bool has_min = min.has_value() && min->defined();
   TORCH_CHECK(has_min == (bits == 4), "int4 weights need mins, int8 weights have none");
   if (has_min) {
-    TORCH_CHECK(min->scalar_type() == at::kFloat && min->is_contiguous() && min->numel() == scale.numel(),
-                "min: fp32 like scale");
+    TORCH_CHECK(min->scalar_type() == scale.scalar_type() && min->is_contiguous() && min->numel() == scale.numel(),
+                "min: the dtype and size of scale");
   }
   int64_t shift = 0;
   while ((int64_t{1} << shift) < group) ++shift;
   if ((int64_t{1} << shift) != group) shift = -1;
   TORCH_CHECK(shift >= 0 || group == k_dim, "a group size that is not a power of two must be all of K");
-  return {qweight.data_ptr(), scale.data_ptr<float>(), has_min ? min->data_ptr<float>() : nullptr,
-          bits, group, n_out, k_dim, k_dim / group, shift, panels};
+  Packed p{qweight.data_ptr()};
+  if (fp16_scales) {
+    p.scale_fp16 = scale.data_ptr<at::Half>();
+    p.min_fp16 = has_min ? min->data_ptr<at::Half>() : nullptr;
+  } else {
+    p.scale = scale.data_ptr<float>();
+    p.min = has_min ? min->data_ptr<float>() : nullptr;
+  }
+  p.has_min = has_min;
+  p.bits = bits;
+  p.group = group;
+  p.n_out = n_out;
+  p.k_dim = k_dim;
+  p.groups_per_row = k_dim / group;
+  p.group_shift = shift;
+  p.panels = panels;
+  return p;
 }
 
 }  // namespace tokenmill_quant

@@ -1,5 +1,5 @@
-// A quantized weight as the CPU kernels read it (kernels/quant_format.py's layouts), fp32 scale
-// (and int4 min) per group of `group` values along K (a multiple of 32 that divides K; int8 in the
+// A quantized weight as the CPU kernels read it (kernels/quant_format.py's layouts), a scale (and
+// int4 min) per group of `group` values along K, fp32 (the panels layout: fp32 or fp16) (a multiple of 32 that divides K; int8 in the
 // panels layout may also have groups of kPanelInt8Group):
 //   rows layout, qweight 2-D: int8 [N, K] (w = q * scale) or uint8 [N, K / 2] (int4: w = q * scale
 //     + min, q in 0..15; the 16 bytes of each run of 32 values along K hold value j in byte j's low
@@ -28,8 +28,11 @@ constexpr int64_t kPanelInt8Group = 16;  // the group below kRun an int8 panels-
 
 struct Packed {
   const void* q;
-  const float* scale;
-  const float* min;  // nullptr for int8
+  const float* scale;  // fp32 scales, or nullptr where scale_fp16 holds them
+  const float* min;  // fp32 mins; nullptr for int8 or where min_fp16 holds them
+  const at::Half* scale_fp16;  // fp16 scales (panels layout only), or nullptr
+  const at::Half* min_fp16;  // fp16 mins (int4 with fp16 scales), or nullptr
+  bool has_min;  // int4: a min per group (in min or min_fp16)
   int64_t bits, group, n_out, k_dim;
   int64_t groups_per_row;  // k_dim / group
   int64_t group_shift;  // log2(group) when group is a power of two; else -1 (then group == k_dim)
@@ -47,6 +50,13 @@ inline const uint8_t* row_bytes(const Packed& p, int64_t n, int64_t k) {
 
 // Panels layout: the bytes of panel `panel`'s quad of values [4 t, 4 t + 4): int8, its 64 bytes;
 // int4, t even: the 64 bytes of quads t (low nibbles) and t + 1 (high nibbles).
+// Panels layout: scale (or min, if `mins`) number `at` of [N / 16, K / group, 16] in fp32, whichever
+// width the weight keeps.
+inline float panel_scale(const Packed& p, int64_t at, bool mins = false) {
+  if (mins) return p.min_fp16 != nullptr ? static_cast<float>(p.min_fp16[at]) : p.min[at];
+  return p.scale_fp16 != nullptr ? static_cast<float>(p.scale_fp16[at]) : p.scale[at];
+}
+
 inline const uint8_t* quad_bytes(const Packed& p, int64_t panel, int64_t t) {
   const int64_t quad = p.bits == 8 ? 64 : 32;
   return static_cast<const uint8_t*>(p.q) + (panel * (p.k_dim / 4) + t) * quad;
