@@ -1,7 +1,7 @@
 """CpuBackend (C++ decode kernel, fused-softmax prefill) against the torch-native backend, and
 through the engine.
 
-Ragged decode batches over scattered pages (page sizes 1 and 16), GQA groups 1-4, head_dim 64
+Ragged decode batches over scattered pages (page sizes 1 and 16), GQA groups 1-5 and 8, head_dim 64
 and 128 (compile-time paths) and 24/40 (run-time path), batches small enough to split work by
 KV head and large enough to split it by request; contexts split into several chunks, each
 request's output identical alone and in a batch; the one-token rows of a mixed prefill step;
@@ -35,6 +35,9 @@ CASES = [
     (4, 4, 64, 1, 1),
     (12, 4, 64, 16, 9),
     (8, 4, 128, 1, 3),
+    (12, 4, 128, 16, 3),  # groups of 3 at head_dim 128: the value pass's rows in a pass of 2 and 1
+    (20, 4, 64, 16, 4),  # groups of 5 at head_dim 64: a pass of 4 rows and 1
+    (16, 2, 64, 1, 3),  # groups of 8: two passes of 4
     (8, 2, 24, 16, 9),
     (4, 1, 40, 1, 5),
 ]

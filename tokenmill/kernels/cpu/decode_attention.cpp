@@ -68,8 +68,16 @@ inline void axpy(float alpha, const KV* x, float* y, int64_t n) {
 // In place: s[0:n] = exp(s - max(s)); returns the sum, and the maximum in max_score.
 inline float exp_shifted(float* s, int64_t n, float& max_score) {
   float max_s = s[0];
-#pragma omp simd reduction(max : max_s)
-  for (int64_t l = 0; l < n; ++l) max_s = std::max(max_s, s[l]);
+  int64_t l = 0;
+  if (n >= 16) {  // sixteen lanes of maxima, then across them (the compiler leaves the plain loop scalar)
+    vec16 lanes = load16(s);
+    for (l = 16; l + 16 <= n; l += 16) {
+      const vec16 next = load16(s + l);
+      lanes = lanes < next ? next : lanes;
+    }
+    for (int64_t i = 0; i < 16; ++i) max_s = std::max(max_s, lanes[i]);
+  }
+  for (; l < n; ++l) max_s = std::max(max_s, s[l]);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t l = 0; l < n; ++l) {
@@ -128,6 +136,34 @@ struct Partials {
   std::vector<float> out;  // [chunk][n_heads][head_dim]
   std::vector<float> max, sum;  // [chunk][n_heads]
 };
+
+// The value pass of query rows [r, r + kRows) of KV head kv_begin + h (item-relative head h): out row
+// r + i = sum over the chunk's keys l of s[(r + i) len + l] (times an int8 value's scale) times value
+// l, summed in key order in registers and stored once. With `prefetch`, the value rows of all the
+// item's heads are requested `ahead` slots in advance (later heads' passes find them in cache).
+template <int64_t kHeadDim, int64_t kRows, typename KV>
+inline void value_rows(const Problem<KV>& p, const int32_t* slots, int64_t len, const float* s, int64_t r, int64_t h,
+                       int64_t kv_begin, int64_t offset, bool prefetch, int64_t ahead, int64_t row_bytes, float* out) {
+  constexpr int64_t kVecs = kHeadDim / 16;
+  const int64_t slot_stride = p.n_kv_heads * kHeadDim;
+  vec16 acc[kRows][kVecs] = {};
+  for (int64_t l = 0; l < len; ++l) {
+    if (prefetch && l + ahead < len) {
+      prefetch_slot(p.v_cache, p.v_scale, p, slots[l + ahead], slot_stride, offset, row_bytes, kv_begin);
+    }
+    const KV* values = p.v_cache + slots[l] * slot_stride + offset + h * kHeadDim;
+    vec16 v[kVecs];
+    for (int64_t i = 0; i < kVecs; ++i) v[i] = load16(values + 16 * i);
+    const float v_scale = slot_scale<KV>(p, p.v_scale, slots[l], kv_begin + h);
+    for (int64_t j = 0; j < kRows; ++j) {
+      const float weight = s[(r + j) * len + l] * v_scale;
+      for (int64_t i = 0; i < kVecs; ++i) acc[j][i] += weight * v[i];
+    }
+  }
+  for (int64_t j = 0; j < kRows; ++j) {
+    for (int64_t i = 0; i < kVecs; ++i) store16(out + (r + j) * kHeadDim + 16 * i, acc[j][i]);
+  }
+}
 
 // Attention of one chunk's query heads of KV heads [kv_begin, kv_end). A request in one chunk
 // gets its normalized output; otherwise the chunk's unnormalized output, score maximum and exp sum
@@ -207,24 +243,28 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
       partials.sum[c * p.n_heads + first_head + r] = sum;
     }
   }
-  std::memset(out, 0, n_rows * dim * sizeof(float));
-  for (int64_t l = 0; l < len; ++l) {
-    if (l + ahead < len) {
-      prefetch_slot(p.v_cache, p.v_scale, p, slots[l + ahead], slot_stride, offset, row_bytes, kv_begin);
-    }
-    const KV* values = p.v_cache + slots[l] * slot_stride + offset;
-    if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {  // each value head widened once, for its whole group
-      for (int64_t h = 0, r = 0; h < kv_end - kv_begin; ++h) {
-        vec16 v[kHeadDim / 16];
-        for (int64_t i = 0; i < kHeadDim / 16; ++i) v[i] = load16(values + h * kHeadDim + 16 * i);
-        const float v_scale = slot_scale<KV>(p, p.v_scale, slots[l], kv_begin + h);
-        for (int64_t g = 0; g < p.group; ++g, ++r) {
-          const float weight = s[r * len + l] * v_scale;
-          float* o = out + r * kHeadDim;
-          for (int64_t i = 0; i < kHeadDim / 16; ++i) store16(o + 16 * i, load16(o + 16 * i) + weight * v[i]);
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+    // per KV head, its query rows a few at a time, their outputs kept in registers over all the keys
+    constexpr int64_t kRows = kHeadDim / 16 <= 4 ? 4 : 2;  // kRows x kHeadDim / 16 accumulators <= 16
+    for (int64_t h = 0; h < kv_end - kv_begin; ++h) {
+      for (int64_t g = 0; g < p.group; g += kRows) {
+        const int64_t r = h * p.group + g;
+        const bool prefetch = h == 0 && g == 0;  // the first pass brings the chunk's value rows in
+        switch (std::min(kRows, p.group - g)) {
+          case 1: value_rows<kHeadDim, 1>(p, slots, len, s, r, h, kv_begin, offset, prefetch, ahead, row_bytes, out); break;
+          case 2: value_rows<kHeadDim, 2>(p, slots, len, s, r, h, kv_begin, offset, prefetch, ahead, row_bytes, out); break;
+          case 3: value_rows<kHeadDim, 3>(p, slots, len, s, r, h, kv_begin, offset, prefetch, ahead, row_bytes, out); break;
+          default: value_rows<kHeadDim, kRows>(p, slots, len, s, r, h, kv_begin, offset, prefetch, ahead, row_bytes, out);
         }
       }
-    } else {
+    }
+  } else {
+    std::memset(out, 0, n_rows * dim * sizeof(float));
+    for (int64_t l = 0; l < len; ++l) {
+      if (l + ahead < len) {
+        prefetch_slot(p.v_cache, p.v_scale, p, slots[l + ahead], slot_stride, offset, row_bytes, kv_begin);
+      }
+      const KV* values = p.v_cache + slots[l] * slot_stride + offset;
       for (int64_t r = 0; r < n_rows; ++r) {
         const float weight = s[r * len + l] * slot_scale<KV>(p, p.v_scale, slots[l], kv_begin + r / p.group);
         axpy<kHeadDim>(weight, values + (r / p.group) * dim, out + r * dim, dim);
