@@ -217,8 +217,13 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
             }
           }
           const tokenmill_simd::vec4 sums = tokenmill_simd::horizontal_sum4(acc[0], acc[1], acc[2], acc[3]);
-          for (int64_t j = 0; j < 4; ++j) {
-            s[r * len + l + j] = sums[j] * p.scale * slot_scale<KV>(p, p.k_scale, slots[l + j], kv_begin + h);
+          if constexpr (std::is_same_v<KV, int8_t>) {
+            for (int64_t j = 0; j < 4; ++j) {
+              s[r * len + l + j] = sums[j] * p.scale * slot_scale<KV>(p, p.k_scale, slots[l + j], kv_begin + h);
+            }
+          } else {  // no per-slot scales: the four scores scaled and stored as one vector
+            const tokenmill_simd::vec4 scores = sums * p.scale;
+            std::memcpy(s + r * len + l, &scores, sizeof(scores));
           }
         }
       }
