@@ -114,6 +114,14 @@ class EngineConfig:
         section="model",
     )
 
+    cpu_keep_freed_memory: bool = option(
+        True,
+        "On CPU (Linux, glibc): keep the memory the process frees for reuse (malloc thresholds), so a "
+        "step's large temporaries come back without page faults; the resident size stays at its peak. "
+        "The setting is the whole process's.",
+        section="model",
+    )
+
     kv_cache_dtype: str = option(
         "auto",
         '"auto" (the model\'s dtype), "float32", "bfloat16", "float16" (CPU backends: fp32 or bf16), '

@@ -25,6 +25,7 @@ from typing import NoReturn
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.cpu_memory import keep_freed_memory
 from tokenmill.distributed import group, lora, messages, weights
 from tokenmill.model.parallel import TensorParallel
 from tokenmill.worker.model_worker import build_model_worker
@@ -78,6 +79,8 @@ def run(
     rank, serve steps until told to stop, leave. ``local_size``: the ranks sharing this machine's CPUs."""
     if device.type == "cpu":
         torch.set_num_threads(group.cpu_threads_per_rank(local_size))
+        if config.cpu_keep_freed_memory:
+            keep_freed_memory()
     timeout = config.distributed_timeout_s
     tp = group.join(rank, size, device, timeout, store)
     try:

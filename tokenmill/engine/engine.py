@@ -34,6 +34,7 @@ from tokenmill.cache.manager import CacheManager
 from tokenmill.cache.storage import ReqToTokenPool
 from tokenmill.cache.tier_chain import open_kv_tier
 from tokenmill.config import EngineConfig
+from tokenmill.cpu_memory import keep_freed_memory
 from tokenmill.distributed.worker_group import WorkerGroup, WorkerGroupError, start_worker_group
 from tokenmill.engine.commands import EngineDeadError
 from tokenmill.engine.executor import StepExecutor
@@ -113,6 +114,8 @@ class Engine(EngineLoop):
         team, such as the caller's after loading a model, would slow every step's many short
         parallel regions; see the README.)"""
         cfg, mc = self.config, self.model_config
+        if self.device.type == "cpu" and cfg.cpu_keep_freed_memory:
+            keep_freed_memory()
         self.threads = engine_thread_governor(cfg, self.device, threading.current_thread())
         self.workers = start_worker_group(cfg, self.device)  # None at tensor_parallel_size 1
         tp = self.workers.tp if self.workers else SINGLE
