@@ -7,7 +7,7 @@ another, never two at once; greedy decoding throughout.
 
 - ``batch1``: the copy-heavy chat workload (``bench/workload.py``: "rewrite this code with one
   change", answers up to 256 tokens), each request alone: output tokens/s plain and with
-  ``--speculative-config`` (default k=5, n-grams of 2-4), the ratio, the acceptance rate, and
+  ``--speculative-config`` (default k=5, n-grams of 3-5), the ratio, the acceptance rate, and
   whether the outputs are the same tokens;
 - ``sweep``: the same requests, ``--batch`` of them at a time (the workload repeated): the ratio
   per batch size, which is where speculation stops paying (the engine's ``disable_by_batch_size``
@@ -40,7 +40,7 @@ from typing import Any
 
 from fresh_process import answer, call
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 3, "prompt_lookup_max": 5}
 ORDINARY_QUESTIONS = (
     "What is the capital of France?",
     "Explain photosynthesis in two sentences.",

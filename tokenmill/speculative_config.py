@@ -1,7 +1,7 @@
 """SpeculativeConfig: how the engine guesses tokens ahead and verifies them (vLLM's names).
 
-``{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``:
-prompt lookup (no extra model). ``{"method": "draft_model", "model": PATH, "num_speculative_tokens":
+``{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5, "prompt_lookup_min": 3}``:
+prompt lookup (no extra model; the bounds' defaults are these). ``{"method": "draft_model", "model": PATH, "num_speculative_tokens":
 4}``: a smaller checkpoint with the target's vocabulary proposes its greedy continuation (checked
 against the target when the engine starts). ``disable_by_batch_size``: speculate only while at most this many
 sequences decode in a step (None: the engine's measured default). Every key is checked here, before
@@ -19,7 +19,7 @@ MAX_SPECULATIVE_TOKENS = 16
 """Most tokens proposed per sequence and step."""
 MAX_LOOKUP = 64
 """Longest n-gram ``prompt_lookup_max`` may name."""
-DEFAULT_LOOKUP_MIN, DEFAULT_LOOKUP_MAX = 2, 4
+DEFAULT_LOOKUP_MIN, DEFAULT_LOOKUP_MAX = 3, 5
 """The n-gram lengths tried when the setting names none (longest first)."""
 KEYS = (
     "method",
