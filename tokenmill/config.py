@@ -287,9 +287,10 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = option(
         None,
         'Speculative decoding, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 5, '
-        '"prompt_lookup_max": 5, "prompt_lookup_min": 3} (prompt lookup; those bounds are the defaults) or {"method": "draft_model", "model": '
-        'PATH, "num_speculative_tokens": 4} (a smaller model with the same vocabulary); "disable_by_batch_size": '
-        "speculate only up to this many decoding sequences (default: measured). None: off.",
+        '"prompt_lookup_max": 5, "prompt_lookup_min": 3} (prompt lookup; those bounds are the defaults) or '
+        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (a smaller model with the same '
+        'vocabulary); "disable_by_batch_size": speculate only up to this many decoding sequences (default: '
+        "measured). None: off.",
         section="Speculative decoding",
         metavar="JSON",
     )

@@ -1,11 +1,12 @@
 """SpeculativeConfig: how the engine guesses tokens ahead and verifies them (vLLM's names).
 
 ``{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5, "prompt_lookup_min": 3}``:
-prompt lookup (no extra model; the bounds' defaults are these). ``{"method": "draft_model", "model": PATH, "num_speculative_tokens":
-4}``: a smaller checkpoint with the target's vocabulary proposes its greedy continuation (checked
-against the target when the engine starts). ``disable_by_batch_size``: speculate only while at most this many
-sequences decode in a step (None: the engine's measured default). Every key is checked here, before
-anything is built: an unknown key, method or out-of-range value is a ValueError naming it.
+prompt lookup (no extra model; those n-gram bounds are the defaults). ``{"method": "draft_model",
+"model": PATH, "num_speculative_tokens": 4}``: a smaller checkpoint with the target's vocabulary
+proposes its greedy continuation (checked against the target when the engine starts).
+``disable_by_batch_size``: speculate only while at most this many sequences decode in a step (None:
+the engine's measured default). Every key is checked here, before anything is built: an unknown
+key, method or out-of-range value is a ValueError naming it.
 """
 
 from __future__ import annotations

@@ -255,11 +255,15 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
       for (int64_t g = 0; g < p.group; g += kRows) {
         const int64_t r = h * p.group + g;
         const bool prefetch = h == 0 && g == 0;  // the first pass brings the chunk's value rows in
+        const auto pass = [&](auto rows) {  // rows: the number of query rows, a compile-time constant
+          value_rows<kHeadDim, decltype(rows)::value>(p, slots, len, s, r, h, kv_begin, offset, prefetch, ahead,
+                                                      row_bytes, out);
+        };
         switch (std::min(kRows, p.group - g)) {
-          case 1: value_rows<kHeadDim, 1>(p, slots, len, s, r, h, kv_begin, offset, prefetch, ahead, row_bytes, out); break;
-          case 2: value_rows<kHeadDim, 2>(p, slots, len, s, r, h, kv_begin, offset, prefetch, ahead, row_bytes, out); break;
-          case 3: value_rows<kHeadDim, 3>(p, slots, len, s, r, h, kv_begin, offset, prefetch, ahead, row_bytes, out); break;
-          default: value_rows<kHeadDim, kRows>(p, slots, len, s, r, h, kv_begin, offset, prefetch, ahead, row_bytes, out);
+          case 1: pass(std::integral_constant<int64_t, 1>{}); break;
+          case 2: pass(std::integral_constant<int64_t, 2>{}); break;
+          case 3: pass(std::integral_constant<int64_t, 3>{}); break;
+          default: pass(std::integral_constant<int64_t, kRows>{});
         }
       }
     }

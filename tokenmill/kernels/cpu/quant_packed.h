@@ -1,6 +1,6 @@
 // A quantized weight as the CPU kernels read it (kernels/quant_format.py's layouts), a scale (and
-// int4 min) per group of `group` values along K, fp32 (the panels layout: fp32 or fp16) (a multiple of 32 that divides K; int8 in the
-// panels layout may also have groups of kPanelInt8Group):
+// int4 min) per group of `group` values along K (a multiple of 32 that divides K; int8 in the panels
+// layout may also have groups of kPanelInt8Group), fp32 (the panels layout: fp32 or fp16):
 //   rows layout, qweight 2-D: int8 [N, K] (w = q * scale) or uint8 [N, K / 2] (int4: w = q * scale
 //     + min, q in 0..15; the 16 bytes of each run of 32 values along K hold value j in byte j's low
 //     nibble and value 16 + j in its high one); scale/min [N, K / group].
@@ -50,16 +50,16 @@ inline const uint8_t* row_bytes(const Packed& p, int64_t n, int64_t k) {
 
 // Panels layout: the bytes of panel `panel`'s quad of values [4 t, 4 t + 4): int8, its 64 bytes;
 // int4, t even: the 64 bytes of quads t (low nibbles) and t + 1 (high nibbles).
+inline const uint8_t* quad_bytes(const Packed& p, int64_t panel, int64_t t) {
+  const int64_t quad = p.bits == 8 ? 64 : 32;
+  return static_cast<const uint8_t*>(p.q) + (panel * (p.k_dim / 4) + t) * quad;
+}
+
 // Panels layout: scale (or min, if `mins`) number `at` of [N / 16, K / group, 16] in fp32, whichever
 // width the weight keeps.
 inline float panel_scale(const Packed& p, int64_t at, bool mins = false) {
   if (mins) return p.min_fp16 != nullptr ? static_cast<float>(p.min_fp16[at]) : p.min[at];
   return p.scale_fp16 != nullptr ? static_cast<float>(p.scale_fp16[at]) : p.scale[at];
-}
-
-inline const uint8_t* quad_bytes(const Packed& p, int64_t panel, int64_t t) {
-  const int64_t quad = p.bits == 8 ? 64 : 32;
-  return static_cast<const uint8_t*>(p.q) + (panel * (p.k_dim / 4) + t) * quad;
 }
 
 // True where quant_int8_dot.cpp is compiled in (the CPU has AVX512-VNNI with AVX512-VL/BW).
