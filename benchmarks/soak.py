@@ -46,6 +46,7 @@ from typing import Any
 import httpx
 
 from tokenmill import Engine
+from tokenmill.cpu_memory import release_freed_memory
 from tokenmill.engine.request_state import RequestState
 from tokenmill.engine.sequence import Sequence
 from tokenmill.server.background import serve_in_background
@@ -433,7 +434,9 @@ def leaks(engine: Engine) -> dict[str, int]:
 
 
 def rss_mb() -> float:
-    """Resident set size of this process in MiB (Linux ``/proc/self/status``)."""
+    """Resident set size of this process in MiB (Linux ``/proc/self/status``), of live memory: the free
+    memory malloc keeps (``cpu_keep_freed_memory``) is returned first."""
+    release_freed_memory()
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024

@@ -27,16 +27,30 @@ TOP_PAD_BYTES = 64 << 20
 """Extra address space a heap grows by at a time (pages are only faulted in when used)."""
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """The C library where it is glibc (Linux); else None."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 @functools.cache
 def keep_freed_memory() -> bool:
     """Set glibc's malloc to keep freed memory for reuse (once per process); True where it did (Linux
     with glibc, every setting accepted)."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     settings = (
         (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
         (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
         (M_TOP_PAD, TOP_PAD_BYTES),
     )
     return all(libc.mallopt(param, value) == 1 for param, value in settings)
+
+
+def release_freed_memory() -> bool:
+    """Return the free memory malloc holds, in every arena, to the OS now (glibc's ``malloc_trim``), so
+    that the resident size counts live memory only (a leak check's reading); True where it did."""
+    libc = _glibc()
+    return libc is not None and libc.malloc_trim(0) in (0, 1)
