@@ -27,6 +27,7 @@ TOP_PAD_BYTES = 64 << 20
 """Extra address space a heap grows by at a time (pages are only faulted in when used)."""
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
     """The C library where it is glibc (Linux); else None."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":

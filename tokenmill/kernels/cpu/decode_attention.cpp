@@ -262,7 +262,9 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
         switch (std::min(kRows, p.group - g)) {
           case 1: pass(std::integral_constant<int64_t, 1>{}); break;
           case 2: pass(std::integral_constant<int64_t, 2>{}); break;
-          case 3: pass(std::integral_constant<int64_t, 3>{}); break;
+          case 3:
+            if constexpr (kRows > 3) pass(std::integral_constant<int64_t, 3>{});  // never at kRows 2
+            break;
           default: pass(std::integral_constant<int64_t, kRows>{});
         }
       }
