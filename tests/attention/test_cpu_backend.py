@@ -5,7 +5,7 @@ Ragged decode batches over scattered pages (page sizes 1 and 16), GQA groups 1-5
 and 128 (compile-time paths) and 24/40 (run-time path), batches small enough to split work by
 KV head and large enough to split it by request; contexts split into several chunks, each
 request's output identical alone and in a batch; the one-token rows of a mixed prefill step;
-prompt rows over cached prefixes in one or several query blocks.
+prompt rows over cached prefixes in one or several query blocks; the fused softmax on bf16 scores.
 The kernels build on first use; without a C++ compiler the tests are skipped (and only then).
 """
 
@@ -137,6 +137,19 @@ def test_prefill_matches_torch(monkeypatch: pytest.MonkeyPatch, block_floats: in
     cpu, ref = backends(6, 2, 64)
     assert all(e >= cpu_backend.MIN_KERNEL_QUERY_ROWS for e in extend)
     assert (cpu.forward(q, k, v, LAYER, view) - ref.forward(q, k, v, LAYER, view)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("first_pos, window", [(0, 0), (13, 0), (5, 7)])
+def test_bf16_causal_softmax_is_the_fp32_one_rounded_once(first_pos: int, window: int) -> None:
+    """bf16 scores in place: each probability is the fp32 kernel's on the same values, rounded to
+    bf16 once (rows of 1 to 70 visible keys: whole 16-wide vectors and tails)."""
+    torch.manual_seed(4)
+    kernels = load_cpu_kernels()
+    scores = (torch.randn(3, 57, first_pos + 57) * 4).bfloat16()
+    expected = scores.float()
+    kernels.causal_softmax_(expected, first_pos, 0.3, window)
+    kernels.causal_softmax_(scores, first_pos, 0.3, window)
+    assert torch.equal(scores, expected.bfloat16())
 
 
 def test_refuses_fp16() -> None:

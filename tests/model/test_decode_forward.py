@@ -23,7 +23,7 @@ from tokenmill.engine.executor import StepExecutor
 from tokenmill.hardware import native_bf16
 from tokenmill.kernels import linear as linear_module
 from tokenmill.kernels import quant_linear as quant_linear_module
-from tokenmill.kernels.linear import BLOCKED_MAX_ROWS, PANEL_MAX_ROWS, SKINNY_MAX_ROWS
+from tokenmill.kernels.linear import PANEL_MAX_ROWS, SKINNY_MAX_ROWS
 from tokenmill.kernels.quant_format import QuantScheme
 from tokenmill.kernels.quant_linear import STREAM_MAX_ROWS
 from tokenmill.model import decode_forward as decode_forward_module
@@ -216,13 +216,13 @@ def test_can_run(llama: Path) -> None:
     cfg = model.config
     backend = CpuBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     decode = CpuDecodeForward.build(model, backend, torch.float32)
-    max_rows = BLOCKED_MAX_ROWS if torch.float32 in linear_module.BLOCKED_MIN_ROWS else PANEL_MAX_ROWS
-    assert decode is not None and decode.can_run(1) and decode.can_run(max_rows)
-    assert not decode.can_run(0) and not decode.can_run(max_rows + 1)
+    blocked_fp32 = torch.float32 in linear_module.BLOCKED_MIN_ROWS  # no row limit: oneDNN takes any count
+    assert decode is not None and decode.can_run(1) and decode.can_run(PANEL_MAX_ROWS)
+    assert not decode.can_run(0) and decode.can_run(PANEL_MAX_ROWS + 1) == blocked_fp32
     bf16_cache = CpuDecodeForward.build(model, backend, torch.bfloat16)
     assert bf16_cache is not None and not bf16_cache.can_run(1)  # the cache must have the model's dtype
     model.to(torch.bfloat16)
-    assert bf16_cache.can_run(1) and bf16_cache.can_run(BLOCKED_MAX_ROWS) and not decode.can_run(1)
+    assert bf16_cache.can_run(1) and bf16_cache.can_run(4 * PANEL_MAX_ROWS) and not decode.can_run(1)
 
 
 @pytest.mark.parametrize(

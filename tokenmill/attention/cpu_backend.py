@@ -109,8 +109,8 @@ class CpuBackend(TorchNativeBackend):
         scale + causal (and sliding-window) mask + softmax, over query blocks small enough to bound
         the score buffer; a block reads the keys from the first one in its first row's window.
         Short query blocks keep the torch path, which needs fewer op calls. In bf16 the matmuls run
-        in bf16 (AMX where the CPU has it) and the softmax in fp32 on the bf16 scores, as
-        transformers' eager attention does."""
+        in bf16 (AMX where the CPU has it) and the softmax in fp32 on the bf16 scores, its
+        probabilities rounded to bf16 in place, as transformers' eager attention does."""
         n, group, dim = q.shape[0], self.n_heads // self.n_kv_heads, self.head_dim
         if n < MIN_KERNEL_QUERY_ROWS:
             return super()._attend_causal(q, keys, values, prefix, window)
@@ -123,15 +123,15 @@ class CpuBackend(TorchNativeBackend):
             rows, visible = stop - start, prefix + stop  # the block's last row sees keys before `visible`
             first = 0 if window is None else max(0, prefix + start - window + 1)  # its first row's first key
             block_queries = queries[:, :, start:stop].reshape(self.n_kv_heads, group * rows, dim)
-            scores = torch.matmul(block_queries, keys[:, first:visible].transpose(1, 2)).float()
+            scores = torch.matmul(block_queries, keys[:, first:visible].transpose(1, 2))
             scale = self.scale
             if self.softcap is not None:  # transformers' order: scale, / cap, tanh, * cap; then no scale
-                scores = torch.tanh(scores.mul_(scale).div_(self.softcap)).mul_(self.softcap)
+                scores = torch.tanh(scores.float().mul_(scale).div_(self.softcap)).mul_(self.softcap)
                 scale = 1.0
             self._causal_softmax(
                 scores.view(self.n_heads, rows, visible - first), prefix + start - first, scale, window or 0
             )
-            probs = scores.to(q.dtype)
+            probs = scores.to(q.dtype)  # bf16 scores hold bf16 probabilities already (the kernel rounds once)
             out[:, :, start:stop] = torch.matmul(probs, values[:, first:visible]).view(
                 self.n_kv_heads, group, rows, dim
             )

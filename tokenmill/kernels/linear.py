@@ -30,7 +30,6 @@ from tokenmill.kernels.quant_linear import quantized_linear
 
 SKINNY_MAX_ROWS = 8
 SKINNY_MAX_ROWS_BF16 = 1
-BLOCKED_MAX_ROWS = 1024
 BLOCKED_BATCH_HINT = 64  # oneDNN picks the blocking for this many rows; it serves every row count
 PANEL_MAX_ROWS = 128
 _ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -82,7 +81,7 @@ def _on_rows(x: torch.Tensor, out_features: int, product: Callable[[torch.Tensor
 
 class BlockedCopy:
     """A copy of a CPU weight in oneDNN's blocked layout, for the products where it is faster
-    (``BLOCKED_MIN_ROWS[dtype]`` to ``BLOCKED_MAX_ROWS`` rows), made on first use and remade
+    (``BLOCKED_MIN_ROWS[dtype]`` rows or more), made on first use and remade
     whenever the weight is not the one it was made from: another storage, dtype or shape
     (``Module.to``, ``weight.data = ...``) or an in-place change (its version counter moves:
     loading, weight updates). So the weight is not re-laid-out on every call; the copy doubles the
@@ -96,7 +95,7 @@ class BlockedCopy:
         :func:`linear` on the weight as stored is used instead, or for a weight without a version
         counter (created under ``torch.inference_mode``), whose changes could not be seen."""
         min_rows = BLOCKED_MIN_ROWS.get(dtype)
-        if min_rows is None or weight.dtype != dtype or not weight.is_cpu or not min_rows <= rows <= BLOCKED_MAX_ROWS:
+        if min_rows is None or weight.dtype != dtype or not weight.is_cpu or rows < min_rows:
             return None
         try:
             source = (weight.data_ptr(), weight.dtype, tuple(weight.shape), weight._version)

@@ -67,14 +67,14 @@ class CpuDecodeForward:
 
     def can_run(self, batch_size: int) -> bool:
         """Whether a decode step of ``batch_size`` requests fits the kernel: CPU weights in the cache's
-        dtype (or an int8 or fp8 cache), and at most ``BLOCKED_MAX_ROWS`` requests (``PANEL_MAX_ROWS``
-        for fp32 without blocked weights, beyond which the functional linear may need oneDNN)."""
+        dtype (or an int8 or fp8 cache), and at least one request (at most ``PANEL_MAX_ROWS`` for fp32
+        without blocked weights, beyond which the functional linear may need oneDNN)."""
         embed = self.weights.embed
         cache_fits = embed.dtype == self._kv_dtype or self._kv_dtype in QUANTIZED_KV_DTYPES
-        if not embed.is_cpu or not cache_fits:
+        if not embed.is_cpu or not cache_fits or batch_size < 1:
             return False
         plain_fp32 = embed.dtype == torch.float32 and torch.float32 not in linear_kernels.BLOCKED_MIN_ROWS
-        return 1 <= batch_size <= (linear_kernels.PANEL_MAX_ROWS if plain_fp32 else linear_kernels.BLOCKED_MAX_ROWS)
+        return batch_size <= linear_kernels.PANEL_MAX_ROWS or not plain_fp32
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, view: DecodeKVCache) -> torch.Tensor:

@@ -7,7 +7,7 @@
 //   rotary_split_qkv  fused qkv rows [T, (H + 2 Hkv) D] -> contiguous q, k (rotate_half RoPE) and v
 //   rotary_store_kv   the same, with k and v written to their KV-cache slots (decode_forward.cpp); an int8
 //                     cache's through kv_int8.cpp, an fp8 cache's through kv_fp8.cpp
-//   causal_softmax_   in place over fp32 attention scores: scale, causal (and sliding-window) mask, softmax
+//   causal_softmax_   in place over fp32 or bf16 attention scores: scale, causal (and sliding-window) mask, softmax
 // Rows are split over torch's intra-op threads. Loops are written for the compiler to vectorize
 // (exp is a polynomial, so silu vectorizes too).
 #include <ATen/ATen.h>
@@ -20,6 +20,8 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
+#include <vector>
 
 #include "kernels.h"
 #include "simd.h"
@@ -30,6 +32,8 @@ constexpr int64_t kRowGrain = 8;
 
 using tokenmill_simd::bf16_t;
 using tokenmill_simd::fast_exp;
+using tokenmill_simd::load16;
+using tokenmill_simd::store16;
 using tokenmill_simd::store_as;
 using tokenmill_simd::to_float;
 
@@ -262,36 +266,58 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
   });
 }
 
+// e[first .. last) = softmax(scale * e[first .. last)), in place.
+inline void softmax_row(float* e, int64_t first, int64_t last, float factor) {
+  float max_score = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : max_score)
+  for (int64_t j = first; j < last; ++j) max_score = std::max(max_score, e[j]);
+  const float shift = max_score * factor;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = first; j < last; ++j) {
+    e[j] = fast_exp(e[j] * factor - shift);
+    sum += e[j];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t j = first; j < last; ++j) e[j] *= inv;
+}
+
 // scores [B, n, S]: row r of a block is the query at position first_pos + r over keys 0 .. S - 1; it keeps
 // keys first_pos + r - window < k <= first_pos + r (every k <= first_pos + r when window <= 0), the rest
-// become exactly 0; the kept ones get softmax(scale * s).
+// become exactly 0; the kept ones get softmax(scale * s). bf16 scores are read as fp32 and the fp32
+// probabilities rounded to bf16 once: the same bits as converting to fp32, this kernel, and back.
 void causal_softmax_(at::Tensor scores, int64_t first_pos, double scale, int64_t window) {
-  TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.dim() == 3 && scores.is_contiguous(),
-              "scores must be a contiguous [B, n, S] fp32 tensor");
+  TORCH_CHECK((scores.scalar_type() == at::kFloat || scores.scalar_type() == at::kBFloat16) && scores.dim() == 3 &&
+                  scores.is_contiguous(), "scores must be a contiguous [B, n, S] fp32 or bf16 tensor");
   const int64_t n = scores.size(1), keys = scores.size(2);
   TORCH_CHECK(first_pos >= 0 && first_pos + n <= keys, "query positions must lie within the keys");
-  float* base = scores.data_ptr<float>();
   const float factor = static_cast<float>(scale);
-  at::parallel_for(0, scores.size(0) * n, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      float* s = base + row * keys;
-      const int64_t visible = first_pos + row % n + 1;
-      const int64_t first_key = window > 0 ? std::max<int64_t>(0, visible - window) : 0;
-      float max_score = -std::numeric_limits<float>::infinity();
-      for (int64_t j = first_key; j < visible; ++j) max_score = std::max(max_score, s[j]);
-      const float shift = max_score * factor;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = first_key; j < visible; ++j) {
-        s[j] = fast_exp(s[j] * factor - shift);
-        sum += s[j];
+  dispatch(scores, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr bool kFloat = std::is_same_v<T, float>;
+    T* base = ptr<T>(scores);
+    at::parallel_for(0, scores.size(0) * n, kRowGrain, [&](int64_t begin, int64_t end) {
+      std::vector<float> widened(kFloat ? 0 : keys);  // a bf16 row's values in fp32 until rounded once
+      for (int64_t row = begin; row < end; ++row) {
+        T* s = base + row * keys;
+        const int64_t visible = first_pos + row % n + 1;
+        const int64_t first_key = window > 0 ? std::max<int64_t>(0, visible - window) : 0;
+        if constexpr (kFloat) {
+          softmax_row(s, first_key, visible, factor);
+        } else {
+          float* e = widened.data();
+          int64_t j = first_key;
+          for (; j + 16 <= visible; j += 16) store16(e + j, load16(s + j));
+          for (; j < visible; ++j) e[j] = to_float(s[j]);
+          softmax_row(e, first_key, visible, factor);
+          for (j = first_key; j + 16 <= visible; j += 16) store16(s + j, load16(e + j));
+          for (; j < visible; ++j) store_as(s + j, e[j]);
+        }
+        std::memset(s, 0, first_key * sizeof(T));
+        std::memset(s + visible, 0, (keys - visible) * sizeof(T));
       }
-      const float inv = 1.f / sum;
-#pragma omp simd
-      for (int64_t j = first_key; j < visible; ++j) s[j] *= inv;
-      std::memset(s, 0, first_key * sizeof(float));
-      std::memset(s + visible, 0, (keys - visible) * sizeof(float));
-    }
+    });
   });
 }
 
