@@ -5,7 +5,9 @@ Ragged decode batches over scattered pages (page sizes 1 and 16), GQA groups 1-5
 and 128 (compile-time paths) and 24/40 (run-time path), batches small enough to split work by
 KV head and large enough to split it by request; contexts split into several chunks, each
 request's output identical alone and in a batch; the one-token rows of a mixed prefill step;
-prompt rows over cached prefixes in one or several query blocks; the fused softmax on bf16 scores.
+prompt rows over cached prefixes through the prefill kernel (fp32 against the torch backend, bf16
+against eager bf16 attention) and through the matmul path in one or several query blocks; the fused
+softmax on bf16 scores.
 The kernels build on first use; without a C++ compiler the tests are skipped (and only then).
 """
 
@@ -119,24 +121,89 @@ def test_mixed_step_single_rows_match_torch() -> None:
     assert (cpu.forward(q, k, v, LAYER, view) - ref.forward(q, k, v, LAYER, view)).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("block_floats", [cpu_backend.SCORE_BUFFER_FLOATS, 3 * 64 * 20])
-def test_prefill_matches_torch(monkeypatch: pytest.MonkeyPatch, block_floats: int) -> None:
-    """Prompt rows (long enough for the kernel path) over cached prefixes; a small score buffer
-    forces several query blocks per request."""
+@pytest.mark.parametrize("block_floats", [cpu_backend.SCORE_BUFFER_FLOATS, 3 * 24 * 20])
+def test_prefill_matmul_path_matches_torch(monkeypatch: pytest.MonkeyPatch, block_floats: int) -> None:
+    """head_dim 24 (not a multiple of 16) takes the matmuls around the fused softmax: prompt rows
+    (long enough for that path) over cached prefixes; a small score buffer forces several query
+    blocks per request."""
     monkeypatch.setattr(cpu_backend, "SCORE_BUFFER_FLOATS", block_floats)
     torch.manual_seed(2)
     layout = PagedLayout(1, n_pages=400, rows=3, context=160)
-    storage = make_storage(2, 400, 2, 64, torch.float32)
+    storage = make_storage(2, 400, 2, 24, torch.float32)
     rows = [layout.new_row() for _ in range(3)]
     prefix, extend = [0, 40, 3], [45, 33, 70]
     layout.extend_interleaved(rows, prefix)
     loc = torch.cat(layout.extend_interleaved(rows, extend))
     view = make_prefill_view(storage, layout.pool.table, rows, prefix, extend, loc)
     n = sum(extend)
-    q, k, v = torch.randn(n, 6, 64), torch.randn(n, 2, 64), torch.randn(n, 2, 64)
-    cpu, ref = backends(6, 2, 64)
+    q, k, v = torch.randn(n, 6, 24), torch.randn(n, 2, 24), torch.randn(n, 2, 24)
+    cpu, ref = backends(6, 2, 24)
     assert all(e >= cpu_backend.MIN_KERNEL_QUERY_ROWS for e in extend)
     assert (cpu.forward(q, k, v, LAYER, view) - ref.forward(q, k, v, LAYER, view)).abs().max().item() <= 1e-5
+
+
+# (n_heads, n_kv_heads, head_dim, sliding window)
+PREFILL_CASES = [(6, 2, 64, None), (12, 4, 64, 20), (8, 8, 128, None), (10, 2, 80, 50), (4, 1, 32, None)]
+
+
+def prefill_problem(dtype: torch.dtype, n_heads: int, n_kv: int, head_dim: int) -> tuple:
+    """A prefill view over scattered pages (page size 4): prompts with and without cached prefixes,
+    of 1 to 70 rows (tiles of 16 positions and partial ones; two one-row requests go to the decode
+    kernel, so the prefill kernel gets a subset of the requests), and q/k/v for its rows."""
+    layout = PagedLayout(4, n_pages=200, rows=5, context=200)
+    storage = make_storage(2, 800, n_kv, head_dim, dtype)
+    rows = [layout.new_row() for _ in range(5)]
+    prefix, extend = [0, 40, 3, 90, 0], [45, 1, 70, 1, 17]
+    layout.extend_interleaved(rows, prefix)  # the cached prefixes' keys and values: the storage's random ones
+    loc = torch.cat(layout.extend_interleaved(rows, extend))
+    view = make_prefill_view(storage, layout.pool.table, rows, prefix, extend, loc)
+    n = sum(extend)
+    q, k, v = (torch.randn(n, h, head_dim).to(dtype) for h in (n_heads, n_kv, n_kv))
+    return view, q, k, v
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: "h{}-kv{}-d{}-w{}".format(*c))
+def test_prefill_kernel_matches_torch(case: tuple) -> None:
+    n_heads, n_kv, head_dim, window = case
+    torch.manual_seed(5)
+    view, q, k, v = prefill_problem(torch.float32, n_heads, n_kv, head_dim)
+    cpu, ref = backends(n_heads, n_kv, head_dim)
+    expected = ref.forward(q, k, v, LAYER, view, window)
+    assert (cpu.forward(q, k, v, LAYER, view, window) - expected).abs().max().item() <= 1e-5
+
+
+def eager_bf16_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int, window: int | None):
+    """transformers' eager attention in bf16 for one request: bf16 scores, fp32 softmax of the
+    scaled scores, bf16 probabilities, bf16 output (fp32 sums)."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = (t.repeat_interleave(group, 1).transpose(0, 1).float() for t in (keys, values))
+    scores = (q.transpose(0, 1).float() @ keys.transpose(1, 2)).bfloat16().float()
+    position = torch.arange(prefix, prefix + q.shape[0])[:, None]
+    key = torch.arange(keys.shape[1])[None, :]
+    visible = (key <= position) & (key > position - window if window else True)
+    probs = (scores * q.shape[2] ** -0.5).masked_fill(~visible, float("-inf")).softmax(-1).bfloat16().float()
+    return (probs @ values).transpose(0, 1).bfloat16()
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: "h{}-kv{}-d{}-w{}".format(*c))
+def test_bf16_prefill_kernel_rounds_like_eager_attention(case: tuple) -> None:
+    """In bf16 the kernel's outputs are transformers' eager bf16 attention's on the same values, up to
+    the order of fp32 sums (a bf16 unit in the last place)."""
+    n_heads, n_kv, head_dim, window = case
+    torch.manual_seed(6)
+    view, q, k, v = prefill_problem(torch.bfloat16, n_heads, n_kv, head_dim)
+    out = backends(n_heads, n_kv, head_dim)[0].forward(q, k, v, LAYER, view, window)
+    assert out.dtype == torch.bfloat16
+    starts = view.qo_indptr.tolist()
+    requests = zip(view.req_pool_indices.tolist(), view.prefix_lens_cpu, view.extend_lens_cpu)
+    for i, (row, prefix, n) in enumerate(requests):
+        if n == 1:
+            continue  # a decode-like row: the decode kernel's (fp32) math, tested above
+        slots = view.req_to_token[row, : prefix + n].long()
+        keys, values = view.k_buffer[LAYER][slots], view.v_buffer[LAYER][slots]
+        expected = eager_bf16_attention(q[starts[i] : starts[i] + n], keys, values, prefix, window)
+        got = out[starts[i] : starts[i] + n].float()
+        assert torch.allclose(got, expected.float(), rtol=2**-7, atol=4e-3), f"request {i}"
 
 
 @pytest.mark.parametrize("first_pos, window", [(0, 0), (13, 0), (5, 7)])

@@ -3,10 +3,13 @@
 Decode rows (a decode step, or the one-token rows of a mixed step) are attended by
 ``paged_decode_attention``, which reads each request's keys and values in place through the
 request-to-token table, an int8 cache's with their scales, an fp8 one's widened as they are read (the
-torch path gathers them into padded batches for SDPA). Prefill rows
-of at least ``MIN_KERNEL_QUERY_ROWS`` are two matmuls around the fused ``causal_softmax_`` kernel.
-Both apply a layer's sliding window by reading only the keys inside it (decode: each request's last
-``sliding_window``; prefill: those of some query row of the block) and masking the rest.
+torch path gathers them into padded batches for SDPA). The other rows of a prefill step go to
+``paged_prefill_attention_``, every request in one call, reading keys and values in place too, when
+the cache has the queries' dtype and head_dim is a multiple of 16; otherwise (int8/fp8 or converted
+caches, soft-capping, other head sizes) each request's rows, from ``MIN_KERNEL_QUERY_ROWS`` on, are
+two matmuls around the fused ``causal_softmax_`` kernel.
+All apply a layer's sliding window by reading only the keys inside it (decode: each request's last
+``sliding_window``; prefill: those of some query row of the tile or block) and masking the rest.
 With attention soft-capping (``softcap``) decode rows take the torch path (the decode kernel has
 none) and prefill scores are capped in torch before the fused softmax (then scaled by 1).
 In fp32 outputs equal the torch backend's to fp32 rounding; in bf16 the kernels compute in fp32
@@ -22,7 +25,7 @@ from tokenmill.attention.capabilities import BackendCapabilities
 from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.cache.kv_fp8 import FP8_DTYPES
 from tokenmill.cache.kv_quant import LayerKV
-from tokenmill.cache.views import KVView
+from tokenmill.cache.views import KVView, PrefillKVCache
 from tokenmill.kernels.cpu import load_cpu_kernels
 
 SCORE_BUFFER_FLOATS = 4 * 1024 * 1024
@@ -64,6 +67,7 @@ class CpuBackend(TorchNativeBackend):
             )
         self._kernels = kernels
         self._decode_kernel = kernels.paged_decode_attention
+        self._prefill_kernel = kernels.paged_prefill_attention_
         self._causal_softmax = kernels.causal_softmax_
 
     def _layer_kv(self, view: KVView, layer: int) -> LayerKV:
@@ -100,6 +104,41 @@ class CpuBackend(TorchNativeBackend):
             window or 0,
             cache.k_scale,
             cache.v_scale,
+        )
+
+    def _prefill_requests(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKV,
+        view: PrefillKVCache,
+        window: int | None,
+        requests: list[int],
+        out: torch.Tensor,
+    ) -> None:
+        """Every request in one ``paged_prefill_attention_`` call, reading its keys and values in place
+        from a cache in the queries' dtype; the per-request matmul path otherwise (int8/fp8 or
+        converted caches, soft-capping, head_dim not a multiple of 16)."""
+        plain_cache = not cache.quantized and cache.k.dtype == q.dtype
+        if not requests or not plain_cache or self.softcap is not None or self.head_dim % 16:
+            return super()._prefill_requests(q, k, v, cache, view, window, requests, out)
+        rows, starts, prefix, extend = view.req_pool_indices, view.qo_indptr[:-1], view.prefix_lens, view.extend_lens
+        if len(requests) < len(view.extend_lens_cpu):
+            idx = torch.tensor(requests)
+            rows, starts, prefix, extend = rows[idx], starts[idx], prefix[idx], extend[idx]
+        self._prefill_kernel(
+            out,
+            q,
+            cache.k,
+            cache.v,
+            view.req_to_token,
+            rows.contiguous(),
+            starts.contiguous(),
+            prefix.contiguous(),
+            extend.contiguous(),
+            self.scale,
+            window or 0,
         )
 
     def _attend_causal(

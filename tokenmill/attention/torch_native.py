@@ -96,18 +96,32 @@ class TorchNativeBackend(AttentionBackend[KVView]):
             done = set(single)
         else:
             done = set()
-        rows = view.req_pool_indices.tolist()
-        start = 0
-        for i, (row, prefix, n) in enumerate(zip(rows, view.prefix_lens_cpu, extend)):
-            if i not in done:
-                first = 0 if window is None else max(0, prefix - window + 1)  # first key any row sees
-                if prefix == 0 and not cache.quantized:  # nothing cached: this step's k/v are the whole context
-                    keys, values = k[start : start + n], v[start : start + n]
-                else:  # (an int8 or fp8 cache's rows are read back: attention sees the values it stored)
-                    keys, values = cache.read(view.req_to_token[row, first : prefix + n].long(), q.dtype)
-                out[start : start + n] = self._attend_causal(q[start : start + n], keys, values, prefix - first, window)
-            start += n
+        self._prefill_requests(q, k, v, cache, view, window, [i for i in range(len(extend)) if i not in done], out)
         return out
+
+    def _prefill_requests(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKV,
+        view: PrefillKVCache,
+        window: int | None,
+        requests: list[int],
+        out: torch.Tensor,
+    ) -> None:
+        """Writes the outputs of the view's requests ``requests`` (by index) into their rows of ``out``,
+        one request at a time."""
+        starts = view.qo_indptr.tolist()
+        rows = view.req_pool_indices.tolist()
+        for i in requests:
+            start, prefix, n = starts[i], view.prefix_lens_cpu[i], view.extend_lens_cpu[i]
+            first = 0 if window is None else max(0, prefix - window + 1)  # first key any row sees
+            if prefix == 0 and not cache.quantized:  # nothing cached: this step's k/v are the whole context
+                keys, values = k[start : start + n], v[start : start + n]
+            else:  # (an int8 or fp8 cache's rows are read back: attention sees the values it stored)
+                keys, values = cache.read(view.req_to_token[rows[i], first : prefix + n].long(), q.dtype)
+            out[start : start + n] = self._attend_causal(q[start : start + n], keys, values, prefix - first, window)
 
     def _attend_causal(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int, window: int | None

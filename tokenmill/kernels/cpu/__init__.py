@@ -1,6 +1,7 @@
 """C++ kernels for CPU (fp32; bf16 where noted), built once per machine as ``torch.ops.tokenmill_cpu``.
 
 ``decode_attention.cpp``: paged decode attention over the token-slot KV storage (CpuBackend).
+``prefill_attention.cpp``: paged prefill attention over it, every prefill request in one call (CpuBackend).
 ``kv_int8.cpp``, ``kv_fp8.cpp``: the int8 and fp8 KV caches' store and read (``cache/kv_quant.py``).
 ``elementwise.cpp``: rms_norm, add_rms_norm, silu_and_mul, rotary_split_qkv (``kernels/fused.py``),
 causal_softmax_ (CpuBackend prefill).
@@ -51,6 +52,7 @@ SOURCES = [
         "kv_int8.cpp",
         "lora_add.cpp",
         "panel_linear.cpp",
+        "prefill_attention.cpp",
         "quant_int8_dot.cpp",
         "quant_linear.cpp",
         "skinny_linear.cpp",

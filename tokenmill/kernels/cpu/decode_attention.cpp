@@ -67,17 +67,7 @@ inline void axpy(float alpha, const KV* x, float* y, int64_t n) {
 
 // In place: s[0:n] = exp(s - max(s)); returns the sum, and the maximum in max_score.
 inline float exp_shifted(float* s, int64_t n, float& max_score) {
-  float max_s = s[0];
-  int64_t l = 0;
-  if (n >= 16) {  // sixteen lanes of maxima, then across them (the compiler leaves the plain loop scalar)
-    vec16 lanes = load16(s);
-    for (l = 16; l + 16 <= n; l += 16) {
-      const vec16 next = load16(s + l);
-      lanes = lanes < next ? next : lanes;
-    }
-    for (int64_t i = 0; i < 16; ++i) max_s = std::max(max_s, lanes[i]);
-  }
-  for (; l < n; ++l) max_s = std::max(max_s, s[l]);
+  const float max_s = tokenmill_simd::max_of(s, n);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t l = 0; l < n; ++l) {

@@ -33,6 +33,7 @@ constexpr int64_t kRowGrain = 8;
 using tokenmill_simd::bf16_t;
 using tokenmill_simd::fast_exp;
 using tokenmill_simd::load16;
+using tokenmill_simd::softmax_in_place;
 using tokenmill_simd::store16;
 using tokenmill_simd::store_as;
 using tokenmill_simd::to_float;
@@ -266,23 +267,6 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
   });
 }
 
-// e[first .. last) = softmax(scale * e[first .. last)), in place.
-inline void softmax_row(float* e, int64_t first, int64_t last, float factor) {
-  float max_score = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : max_score)
-  for (int64_t j = first; j < last; ++j) max_score = std::max(max_score, e[j]);
-  const float shift = max_score * factor;
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = first; j < last; ++j) {
-    e[j] = fast_exp(e[j] * factor - shift);
-    sum += e[j];
-  }
-  const float inv = 1.f / sum;
-#pragma omp simd
-  for (int64_t j = first; j < last; ++j) e[j] *= inv;
-}
-
 // scores [B, n, S]: row r of a block is the query at position first_pos + r over keys 0 .. S - 1; it keeps
 // keys first_pos + r - window < k <= first_pos + r (every k <= first_pos + r when window <= 0), the rest
 // become exactly 0; the kept ones get softmax(scale * s). bf16 scores are read as fp32 and the fp32
@@ -304,13 +288,13 @@ void causal_softmax_(at::Tensor scores, int64_t first_pos, double scale, int64_t
         const int64_t visible = first_pos + row % n + 1;
         const int64_t first_key = window > 0 ? std::max<int64_t>(0, visible - window) : 0;
         if constexpr (kFloat) {
-          softmax_row(s, first_key, visible, factor);
+          softmax_in_place(s, first_key, visible, factor);
         } else {
           float* e = widened.data();
           int64_t j = first_key;
           for (; j + 16 <= visible; j += 16) store16(e + j, load16(s + j));
           for (; j < visible; ++j) e[j] = to_float(s[j]);
-          softmax_row(e, first_key, visible, factor);
+          softmax_in_place(e, first_key, visible, factor);
           for (j = first_key; j + 16 <= visible; j += 16) store16(s + j, load16(e + j));
           for (; j < visible; ++j) store_as(s + j, e[j]);
         }

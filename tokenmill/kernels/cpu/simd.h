@@ -1,6 +1,6 @@
 // Helpers shared by the CPU kernels: 8- and 16-wide fp32 vectors (GCC/Clang vector extensions, so
 // any x86/ARM target compiles them), loads of bf16, int8 and fp8 into them, bf16 rounding,
-// horizontal sums, a vectorizable exp, and a software prefetch of a byte range.
+// horizontal sums, a vectorizable exp, an in-place softmax, and a software prefetch of a byte range.
 // torch's rebuild check hashes only the listed .cpp sources, so kernels/cpu/__init__.py adds this
 // header's content hash to the compile flags: an edit here rebuilds the extension too.
 #pragma once
@@ -275,6 +275,37 @@ inline float fast_exp(float x) {
   bits += static_cast<int32_t>(n) << 23;
   std::memcpy(&p, &bits, sizeof(bits));
   return p;
+}
+
+// max(s[0 .. n)), n >= 1: sixteen lanes of maxima, then across them (the compiler leaves a plain
+// max loop scalar).
+inline float max_of(const float* s, int64_t n) {
+  float max_s = s[0];
+  int64_t l = 0;
+  if (n >= 16) {
+    vec16 lanes = load16(s);
+    for (l = 16; l + 16 <= n; l += 16) {
+      const vec16 next = load16(s + l);
+      lanes = lanes < next ? next : lanes;
+    }
+    for (int64_t i = 0; i < 16; ++i) max_s = std::max(max_s, lanes[i]);
+  }
+  for (; l < n; ++l) max_s = std::max(max_s, s[l]);
+  return max_s;
+}
+
+// e[first .. last) = softmax(factor * e[first .. last)), in place (fp32; exp as fast_exp; first < last).
+inline void softmax_in_place(float* e, int64_t first, int64_t last, float factor) {
+  const float shift = max_of(e + first, last - first) * factor;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = first; j < last; ++j) {
+    e[j] = fast_exp(e[j] * factor - shift);
+    sum += e[j];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t j = first; j < last; ++j) e[j] *= inv;
 }
 
 // Ask the cache for [p, p + n_bytes) ahead of use (reads through an index table defeat the
