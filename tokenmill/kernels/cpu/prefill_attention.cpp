@@ -9,12 +9,15 @@
 // to the dtype. In fp32 nothing is rounded.
 //
 // A work item is one request's KV head and a tile of up to kTilePositions query positions, with every
-// query head of the KV head's group: the tile's rows share their keys. An item widens the keys its
-// last row sees (from its first row's first key) into fp32 blocks of 16 keys, transposed, and the
-// values into fp32 rows; then it computes the scores of kScoreRows rows x 16 keys in registers, the
-// exact softmax of each row (keys it must not see get probability 0), and the outputs kValueRows rows
-// x up to 64 dims at a time, over the keys those rows see. Items are handed out largest first from a
-// shared counter, so a thread that is descheduled holds up only the item it has.
+// query head of the KV head's group: the tile's rows share their keys. An item packs the keys its
+// last row sees (from its first row's first key) into blocks of 16 keys, transposed, and the values
+// into rows; then it computes the scores of kScoreRows rows x 16 keys in registers, the exact softmax
+// of each row (keys it must not see get probability 0), and the outputs kValueRows rows x up to 64
+// dims at a time, over the keys those rows see. bf16 built with AVX512-BF16 packs bf16 pairs (keys:
+// pairs of dims; values and probabilities: pairs of consecutive keys) for vdpbf16ps, 32 products an
+// instruction with exact products and fp32 sums; everything else packs fp32 for FMAs. Items are
+// handed out largest first from a shared counter, so a thread that is descheduled holds up only the
+// item it has.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
