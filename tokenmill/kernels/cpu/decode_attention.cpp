@@ -14,7 +14,9 @@
 // while reading whole slot rows. Slot rows are prefetched a few slots ahead: the
 // request-to-token indirection hides the access pattern from the hardware prefetchers, and
 // decode-time slots of concurrent requests interleave. Scores are exact (a score pass, then a
-// vectorized max/exp/sum per query row, then the value pass into the output rows).
+// vectorized max/exp/sum per query row, then the value pass into the output rows). bf16 queries
+// against a bf16 cache, built with AVX512-BF16, are scored by vdpbf16ps on the bf16 values as they
+// are (exact products, fp32 sums in another order than the widened path's).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,6 +26,10 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "simd.h"
 
@@ -39,6 +45,11 @@ using tokenmill_simd::vec8;
 
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the slot row in use to prefetch
 constexpr int64_t kChunkTokens = 128;  // keys per work item at most (see run)
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Scores = true;  // bf16 queries against a bf16 cache score by vdpbf16ps
+#else
+constexpr bool kBf16Scores = false;
+#endif
 
 // kHeadDim > 0 fixes head_dim at compile time (unrolled loops); 0 reads it at run time.
 template <int64_t kHeadDim, typename KV>
@@ -81,6 +92,7 @@ inline float exp_shifted(float* s, int64_t n, float& max_score) {
 template <typename KV>
 struct Problem {
   const float* q;  // [batch, n_heads, head_dim]
+  const tokenmill_simd::bf16_t* q_bf16;  // the same queries where they are bf16 and a bf16 score pass is built (else null)
   const KV* k_cache;  // [n_slots, n_kv_heads, head_dim]
   const KV* v_cache;
   const float* k_scale;  // [n_slots, n_kv_heads] for an int8 cache (else unused)
@@ -155,6 +167,32 @@ inline void value_rows(const Problem<KV>& p, const int32_t* slots, int64_t len, 
   }
 }
 
+#if defined(__AVX512BF16__)
+// The scores of query rows [r, r + group) (bf16 queries) against four bf16 keys of KV head h (in
+// key_rows), scaled, into s[row * len + l ..]: vdpbf16ps, 32 exact products an instruction summed
+// in fp32, then one reduction tree per four scores.
+template <int64_t kHeadDim>
+inline void score_four_bf16(const tokenmill_simd::bf16_t* const key_rows[4], const tokenmill_simd::bf16_t* queries,
+                            int64_t h, int64_t r, int64_t group, float scale, float* s, int64_t len, int64_t l) {
+  constexpr int64_t kSteps = kHeadDim / 32;
+  __m512bh k[4][kSteps];
+  for (int64_t j = 0; j < 4; ++j) {
+    for (int64_t i = 0; i < kSteps; ++i) k[j][i] = (__m512bh)_mm512_loadu_si512(key_rows[j] + h * kHeadDim + 32 * i);
+  }
+  for (int64_t g = 0; g < group; ++g, ++r) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t i = 0; i < kSteps; ++i) {
+      const __m512bh q = (__m512bh)_mm512_loadu_si512(queries + r * kHeadDim + 32 * i);
+      for (int64_t j = 0; j < 4; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], q, k[j][i]);
+    }
+    vec16 sums[4];
+    std::memcpy(sums, acc, sizeof(sums));
+    const tokenmill_simd::vec4 scores = tokenmill_simd::horizontal_sum4(sums[0], sums[1], sums[2], sums[3]) * scale;
+    std::memcpy(s + r * len + l, &scores, sizeof(scores));
+  }
+}
+#endif
+
 // Attention of one chunk's query heads of KV heads [kv_begin, kv_end). A request in one chunk
 // gets its normalized output; otherwise the chunk's unnormalized output, score maximum and exp sum
 // per query row go to `partials` (row c of them for chunk c) for merge_chunks.
@@ -183,6 +221,17 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
       }
       const KV* key_rows[4];
       for (int64_t j = 0; j < 4; ++j) key_rows[j] = p.k_cache + slots[l + j] * slot_stride + offset;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<KV, tokenmill_simd::bf16_t> && kHeadDim % 32 == 0) {
+        if (p.q_bf16 != nullptr) {
+          const tokenmill_simd::bf16_t* q_bf16 = p.q_bf16 + (b * p.n_heads + first_head) * dim;
+          for (int64_t h = 0; h < kv_end - kv_begin; ++h) {
+            score_four_bf16<kHeadDim>(key_rows, q_bf16, h, h * p.group, p.group, p.scale, s, len, l);
+          }
+          continue;
+        }
+      }
+#endif
       for (int64_t h = 0, r = 0; h < kv_end - kv_begin; ++h) {
         // bf16, int8 and fp8 keys of this head are widened once for the whole group where the four
         // fit in registers (head_dim 64); fp32 ones, and longer heads, are read directly
@@ -358,7 +407,8 @@ void run_for_head_dim(const Problem<KV>& p, int64_t batch) {
 template <typename KV>
 void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                double scale, int64_t window, const float* k_scale, const float* v_scale, at::Tensor& out) {
+                double scale, int64_t window, const float* k_scale, const float* v_scale, at::Tensor& out,
+                const tokenmill_simd::bf16_t* q_bf16 = nullptr) {
   const int64_t batch = q.size(0);
   Problem<KV> p{};
   p.n_heads = q.size(1);
@@ -368,6 +418,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   TORCH_CHECK(req_pool_indices.numel() == batch && seq_lens.numel() == batch, "one row and length per request");
   p.group = p.n_heads / p.n_kv_heads;
   p.q = q.data_ptr<float>();
+  p.q_bf16 = q_bf16;
   p.k_cache = static_cast<const KV*>(k_cache.data_ptr());
   p.v_cache = static_cast<const KV*>(v_cache.data_ptr());
   p.k_scale = k_scale;
@@ -424,8 +475,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
     attend_all<float>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, nullptr, nullptr,
                       out);
   } else if (kv_type == at::kBFloat16) {
+    // bf16 queries as they are for the bf16 score pass where it is built (exact products either way)
+    const at::Tensor q_bf16 = q_in.scalar_type() == at::kBFloat16 ? q_in.contiguous() : at::Tensor();
+    const auto* q_pairs = kBf16Scores && q_bf16.defined() ? static_cast<const tokenmill_simd::bf16_t*>(q_bf16.data_ptr())
+                                                          : nullptr;
     attend_all<tokenmill_simd::bf16_t>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window,
-                                       nullptr, nullptr, out);
+                                       nullptr, nullptr, out, q_pairs);
   } else if (kv_type == at::kFloat8_e4m3fn) {
     attend_all<tokenmill_simd::fp8_e4m3_t>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale,
                                            window, nullptr, nullptr, out);
