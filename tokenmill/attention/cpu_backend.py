@@ -5,9 +5,9 @@ Decode rows (a decode step, or the one-token rows of a mixed step) are attended 
 request-to-token table, an int8 cache's with their scales, an fp8 one's widened as they are read (the
 torch path gathers them into padded batches for SDPA). The other rows of a prefill step go to
 ``paged_prefill_attention_``, every request in one call, reading keys and values in place too, when
-the cache has the queries' dtype and head_dim is a multiple of 16; otherwise (int8/fp8 or converted
-caches, soft-capping, other head sizes) each request's rows, from ``MIN_KERNEL_QUERY_ROWS`` on, are
-two matmuls around the fused ``causal_softmax_`` kernel.
+the cache has the queries' dtype and head_dim is a multiple of 16 up to 256; otherwise (int8/fp8 or
+converted caches, soft-capping, other head sizes) each request's rows, from ``MIN_KERNEL_QUERY_ROWS``
+on, are two matmuls around the fused ``causal_softmax_`` kernel.
 All apply a layer's sliding window by reading only the keys inside it (decode: each request's last
 ``sliding_window``; prefill: those of some query row of the tile or block) and masking the rest.
 With attention soft-capping (``softcap``) decode rows take the torch path (the decode kernel has
@@ -35,6 +35,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 it reads them; its output is rounded back to the model's dtype)."""
 MIN_KERNEL_QUERY_ROWS = 32
 """Below this many query rows the torch path is faster (it needs fewer op calls)."""
+PREFILL_KERNEL_MAX_HEAD_DIM = 256
+"""The prefill kernel takes head_dim a multiple of 16 up to this (its per-key scratch row)."""
 KV_DTYPES = (*SUPPORTED_DTYPES, torch.int8, *FP8_DTYPES)
 """The KV cache dtypes its kernels read."""
 
@@ -119,9 +121,10 @@ class CpuBackend(TorchNativeBackend):
     ) -> None:
         """Every request in one ``paged_prefill_attention_`` call, reading its keys and values in place
         from a cache in the queries' dtype; the per-request matmul path otherwise (int8/fp8 or
-        converted caches, soft-capping, head_dim not a multiple of 16)."""
+        converted caches, soft-capping, head_dim not a multiple of 16 or above 256)."""
         plain_cache = not cache.quantized and cache.k.dtype == q.dtype
-        if not requests or not plain_cache or self.softcap is not None or self.head_dim % 16:
+        kernel_head = self.head_dim % 16 == 0 and self.head_dim <= PREFILL_KERNEL_MAX_HEAD_DIM
+        if not requests or not plain_cache or self.softcap is not None or not kernel_head:
             return super()._prefill_requests(q, k, v, cache, view, window, requests, out)
         rows, starts, prefix, extend = view.req_pool_indices, view.qo_indptr[:-1], view.prefix_lens, view.extend_lens
         if len(requests) < len(view.extend_lens_cpu):

@@ -246,6 +246,13 @@ inline void value_rows_bf16(const uint32_t* probs, int64_t prob_stride, const ui
 }
 #else
 constexpr bool kBf16Dot = false;
+// Declared only, for attend_tile's branches that need them, discarded where kBf16Dot is false.
+void pack_bf16(const Problem<bf16_t>& p, int64_t h, const Tile<bf16_t>& t, Scratch& s);
+void score_rows_bf16(const uint32_t* queries, const uint32_t* keys, float* scores, int64_t blocks, int64_t half,
+                     int64_t score_stride);
+template <int kVectors>
+void value_rows_bf16(const uint32_t* probs, int64_t prob_stride, const uint32_t* values, int64_t dim, int64_t d0,
+                     int64_t lo, int64_t hi, bf16_t* const* out_rows, int64_t valid);
 #endif
 
 template <typename T>
