@@ -11,7 +11,7 @@
 // batch). A work item is one chunk and a range of its KV heads (all of them when there are enough
 // chunks to keep every thread busy), so a key/value slot row is streamed once, front to back,
 // and serves every query head of its GQA group; one long request still spreads over the threads
-// while reading whole slot rows. Slot rows are prefetched a few slots ahead: the
+// while reading whole slot rows. Threads take items one at a time from a shared counter. Slot rows are prefetched a few slots ahead: the
 // request-to-token indirection hides the access pattern from the hardware prefetchers, and
 // decode-time slots of concurrent requests interleave. Scores are exact (a score pass, then a
 // vectorized max/exp/sum per query row, then the value pass into the output rows). bf16 queries
@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -376,9 +377,13 @@ void run(const Problem<KV>& p, int64_t batch) {
   }
   const int64_t heads_per_item = n_chunks >= 2 * at::get_num_threads() ? p.n_kv_heads : 1;
   const int64_t items_per_chunk = p.n_kv_heads / heads_per_item;
-  at::parallel_for(0, n_chunks * items_per_chunk, 1, [&](int64_t begin, int64_t end) {
+  // items are taken one at a time from a shared counter: the threads finish together however the
+  // chunks' lengths fall, and a descheduled thread holds up only the item it has
+  const int64_t n_items = n_chunks * items_per_chunk;
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;  // per-thread scratch
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = next_item++; item < n_items; item = next_item++) {
       const int64_t c = item / items_per_chunk, kv_begin = (item % items_per_chunk) * heads_per_item;
       const Chunk& chunk = chunks[c];
       const bool whole = first_chunk[chunk.request + 1] - first_chunk[chunk.request] == 1;
