@@ -11,12 +11,12 @@
 // batch). A work item is one chunk and a range of its KV heads (all of them when there are enough
 // chunks to keep every thread busy), so a key/value slot row is streamed once, front to back,
 // and serves every query head of its GQA group; one long request still spreads over the threads
-// while reading whole slot rows. Threads take items one at a time from a shared counter. Slot rows are prefetched a few slots ahead: the
-// request-to-token indirection hides the access pattern from the hardware prefetchers, and
-// decode-time slots of concurrent requests interleave. Scores are exact (a score pass, then a
-// vectorized max/exp/sum per query row, then the value pass into the output rows). bf16 queries
-// against a bf16 cache, built with AVX512-BF16, are scored by vdpbf16ps on the bf16 values as they
-// are (exact products, fp32 sums in another order than the widened path's).
+// while reading whole slot rows. Threads take items one at a time from a shared counter. Slot rows
+// are prefetched a few slots ahead: the request-to-token indirection hides the access pattern from
+// the hardware prefetchers, and decode-time slots of concurrent requests interleave. Scores are
+// exact (a score pass, then a vectorized max/exp/sum per query row, then the value pass into the
+// output rows). bf16 queries against a bf16 cache, built with AVX512-BF16, are scored by vdpbf16ps
+// on the bf16 values as they are (exact products, fp32 sums in another order than the widened path's).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -93,7 +93,7 @@ inline float exp_shifted(float* s, int64_t n, float& max_score) {
 template <typename KV>
 struct Problem {
   const float* q;  // [batch, n_heads, head_dim]
-  const tokenmill_simd::bf16_t* q_bf16;  // the same queries where they are bf16 and a bf16 score pass is built (else null)
+  const tokenmill_simd::bf16_t* q_bf16;  // the same queries where bf16 and the bf16 score pass is built, else null
   const KV* k_cache;  // [n_slots, n_kv_heads, head_dim]
   const KV* v_cache;
   const float* k_scale;  // [n_slots, n_kv_heads] for an int8 cache (else unused)
@@ -482,8 +482,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   } else if (kv_type == at::kBFloat16) {
     // bf16 queries as they are for the bf16 score pass where it is built (exact products either way)
     const at::Tensor q_bf16 = q_in.scalar_type() == at::kBFloat16 ? q_in.contiguous() : at::Tensor();
-    const auto* q_pairs = kBf16Scores && q_bf16.defined() ? static_cast<const tokenmill_simd::bf16_t*>(q_bf16.data_ptr())
-                                                          : nullptr;
+    const auto* q_pairs =
+        kBf16Scores && q_bf16.defined() ? static_cast<const tokenmill_simd::bf16_t*>(q_bf16.data_ptr()) : nullptr;
     attend_all<tokenmill_simd::bf16_t>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window,
                                        nullptr, nullptr, out, q_pairs);
   } else if (kv_type == at::kFloat8_e4m3fn) {

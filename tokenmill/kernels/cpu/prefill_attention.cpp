@@ -192,7 +192,8 @@ void pack_bf16(const Problem<bf16_t>& p, int64_t h, const Tile<bf16_t>& t, Scrat
   }
   for (int64_t jp = 0; jp < key_pairs; ++jp) {
     const bf16_t* even = p.v_cache + t.slots[2 * jp] * slot_stride + h * p.head_dim;
-    const bf16_t* odd = 2 * jp + 1 < t.n_keys ? p.v_cache + t.slots[2 * jp + 1] * slot_stride + h * p.head_dim : nullptr;
+    const bool has_odd = 2 * jp + 1 < t.n_keys;  // a last odd key pairs with zeros
+    const bf16_t* odd = has_odd ? p.v_cache + t.slots[2 * jp + 1] * slot_stride + h * p.head_dim : nullptr;
     uint32_t* pair = s.values2.data() + jp * p.head_dim;
     for (int64_t d = 0; d < p.head_dim; ++d) pair[d] = even[d] | (odd ? uint32_t{odd[d]} << 16 : 0u);
   }
