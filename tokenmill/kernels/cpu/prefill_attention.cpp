@@ -106,13 +106,15 @@ inline int64_t first_key(int64_t position, int64_t window) {
 
 // What one tile computes with: its keys (from k0 on, n_keys of them, padded to whole blocks), its
 // query rows (row r: position first_pos + r / group, query head h * group + r % group) padded to
-// whole score groups, and where each row's output goes.
+// whole score groups, where each row's output goes and which keys it sees. A thread keeps one and
+// refills it for every item it takes (no allocation per item once its vectors have grown).
 template <typename T>
 struct Tile {
   int64_t k0, n_keys, blocks, padded_keys, first_pos, rows, padded_rows;
   const int32_t* slots;           // the tile's keys' slots
   std::vector<const T*> queries;  // [rows]
   std::vector<T*> outs;           // [rows]
+  std::vector<int64_t> lo, hi;    // [padded rows]: row r's keys [lo, hi) from k0; padded rows none
 };
 
 // The fp32 path: keys widened and transposed into blocks of 16, values widened, queries widened.
@@ -257,11 +259,10 @@ void value_rows_bf16(const uint32_t* probs, int64_t prob_stride, const uint32_t*
 #endif
 
 template <typename T>
-void attend_tile(const Problem<T>& p, const Item& item, Scratch& s) {
+void attend_tile(const Problem<T>& p, const Item& item, Tile<T>& t, Scratch& s) {
   const int64_t b = item.request, h = item.kv_head, group = p.group, dim = p.head_dim;
   const int64_t tile_first = item.tile * kTilePositions;
   const int64_t positions = std::min(kTilePositions, p.extend[b] - tile_first);
-  Tile<T> t;
   t.first_pos = p.prefix[b] + tile_first;
   t.k0 = first_key(t.first_pos, p.window);
   t.n_keys = t.first_pos + positions - t.k0;
@@ -296,7 +297,10 @@ void attend_tile(const Problem<T>& p, const Item& item, Scratch& s) {
     }
   }
 
-  std::vector<int64_t> lo(t.padded_rows, 0), hi(t.padded_rows, 0);  // each row's keys [lo, hi); padded rows none
+  t.lo.assign(t.padded_rows, 0);
+  t.hi.assign(t.padded_rows, 0);
+  std::vector<int64_t>& lo = t.lo;
+  std::vector<int64_t>& hi = t.hi;
   for (int64_t r = 0; r < t.padded_rows; ++r) {
     float* e = s.scores.data() + r * t.padded_keys;
     if (r < t.rows) {
@@ -368,8 +372,9 @@ void run(const Problem<T>& p, int64_t batch) {
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   std::atomic<size_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Tile<T> tile;
     Scratch scratch;
-    for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1)) attend_tile(p, items[i], scratch);
+    for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1)) attend_tile(p, items[i], tile, scratch);
   });
 }
 
