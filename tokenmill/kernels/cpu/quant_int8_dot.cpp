@@ -175,9 +175,12 @@ inline void store_row(const Packed& p, const __m512* acc, int panels, const floa
   }
 }
 
-// y[m0 + m, 16 panel0 ...) (+ bias, if not null) for kRows rows of x and kPanels panels.
+// y[m0 + m, 16 panel0 ...) (+ bias, if not null) for kRows rows of x and kPanels panels. With
+// `prefetch_next`, the bytes of the next kPanels panels are fetched as these are read, at the same
+// offsets (a work item's panels are short streams, and the hardware's prefetchers stop at each page).
 template <int kRows, int kPanels, typename Out>
-void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m0, int64_t panel0, Out* y) {
+void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m0, int64_t panel0,
+                bool prefetch_next, Out* y) {
   __m512 acc[kRows][kPanels];
   for (int m = 0; m < kRows; ++m) {
     for (int j = 0; j < kPanels; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -197,6 +200,13 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
     for (int64_t t = b * quads_per_block; t < (b + 1) * quads_per_block; t += 2) {  // a block's quads: even
       __m512i w[2][kPanels];
       for (int j = 0; j < kPanels; ++j) panel_quads(p, panel0 + j, t, &w[0][j], &w[1][j]);
+      if (prefetch_next) {  // past the weight's end (the last item) is harmless
+        for (int j = 0; j < kPanels; ++j) {
+          const char* next = reinterpret_cast<const char*>(quad_bytes(p, panel0 + kPanels + j, t));
+          _mm_prefetch(next, _MM_HINT_T0);
+          if (p.bits == 8) _mm_prefetch(next + 64, _MM_HINT_T0);
+        }
+      }
       for (int s = 0; s < 2; ++s) {
 #pragma GCC unroll 4
         for (int m = 0; m < kRows; ++m) {
@@ -232,11 +242,14 @@ template <int kPanels, typename Out>
 void panel_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m_begin, int64_t m_end,
                 int64_t panel0, Out* y) {
   int64_t m0 = m_begin;
-  for (; m0 + kTileRows <= m_end; m0 += kTileRows) panel_tile<kTileRows, kPanels>(p, a, bias, m0, panel0, y);
+  for (; m0 + kTileRows <= m_end; m0 += kTileRows) {
+    panel_tile<kTileRows, kPanels>(p, a, bias, m0, panel0, m0 == m_begin, y);
+  }
+  const bool first = m0 == m_begin;
   switch (m_end - m0) {
-    case 3: panel_tile<3, kPanels>(p, a, bias, m0, panel0, y); break;
-    case 2: panel_tile<2, kPanels>(p, a, bias, m0, panel0, y); break;
-    case 1: panel_tile<1, kPanels>(p, a, bias, m0, panel0, y); break;
+    case 3: panel_tile<3, kPanels>(p, a, bias, m0, panel0, first, y); break;
+    case 2: panel_tile<2, kPanels>(p, a, bias, m0, panel0, first, y); break;
+    case 1: panel_tile<1, kPanels>(p, a, bias, m0, panel0, first, y); break;
     default: break;
   }
 }
