@@ -164,6 +164,15 @@ __attribute__((always_inline)) inline void load_group(const Packed& p, int64_t p
   }
 }
 
+// Fetches the scales (and int4 mins) of `panels` panels from panel0 (past the last panel: harmless).
+inline void prefetch_scales(const Packed& p, int64_t panel0, int64_t panels) {
+  const int64_t at = panel0 * p.groups_per_row * kPanel, values = panels * p.groups_per_row * kPanel;
+  const bool half = p.scale_fp16 != nullptr;
+  const int64_t bytes = values * (half ? 2 : 4);
+  tokenmill_simd::prefetch_range(half ? static_cast<const void*>(p.scale_fp16 + at) : p.scale + at, bytes);
+  if (p.has_min) tokenmill_simd::prefetch_range(half ? static_cast<const void*>(p.min_fp16 + at) : p.min + at, bytes);
+}
+
 // y[row, 16 panel0 ...) = acc (one vector per panel) + bias (if not null), rounded to y's dtype.
 template <typename Out>
 inline void store_row(const Packed& p, const __m512* acc, int panels, const float* bias, int64_t row, int64_t panel0,
@@ -176,8 +185,9 @@ inline void store_row(const Packed& p, const __m512* acc, int panels, const floa
 }
 
 // y[m0 + m, 16 panel0 ...) (+ bias, if not null) for kRows rows of x and kPanels panels. With
-// `prefetch_next`, the bytes of the next kPanels panels are fetched as these are read, at the same
-// offsets (a work item's panels are short streams, and the hardware's prefetchers stop at each page).
+// `prefetch_next`, the next kPanels panels' scales are fetched first and their bytes as these are
+// read, at the same offsets (a work item's panels are short streams, and the hardware's prefetchers
+// stop at each page).
 template <int kRows, int kPanels, typename Out>
 void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m0, int64_t panel0,
                 bool prefetch_next, Out* y) {
@@ -186,6 +196,7 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
     for (int j = 0; j < kPanels; ++j) acc[m][j] = _mm512_setzero_ps();
   }
   const int64_t quads_per_block = a.block / 4, blocks_per_group = p.group / a.block;
+  if (prefetch_next) prefetch_scales(p, panel0 + kPanels, kPanels);
   const int32_t* hi_quads[kRows];  // each row's 4 bytes of one quad
   const int32_t* lo_quads[kRows];
   for (int m = 0; m < kRows; ++m) {
