@@ -6,9 +6,10 @@ from the GGUF, in ``--work-dir``), which both engines load. Every run is a fresh
 another, never two at once; greedy decoding throughout.
 
 - ``batch1``: the copy-heavy chat workload (``bench/workload.py``: "rewrite this code with one
-  change", answers up to 256 tokens), each request alone: output tokens/s plain and with
-  ``--speculative-config`` (default k=5, n-grams of 3-5), the ratio, the acceptance rate, and
-  whether the outputs are the same tokens;
+  change", 8 snippets x 3 edits, answers up to 256 tokens), each request alone: output tokens/s
+  plain and with ``--speculative-config`` (default k=5, n-grams of 3-5), the ratio, the acceptance
+  rate, whether the outputs are the same tokens, and ``copied_share``: how much of the plain
+  answers repeats the prompt (:func:`copied_share`);
 - ``sweep``: the same requests, ``--batch`` of them at a time (the workload repeated): the ratio
   per batch size, which is where speculation stops paying (the engine's ``disable_by_batch_size``
   default);
@@ -121,7 +122,21 @@ def pair(
         "acceptance_rate": fast["acceptance_rate"],
         "propose_share": fast["propose_s"] / fast["elapsed_s"],
         "same_tokens": sum(a == b for a, b in zip(plain["token_ids"], fast["token_ids"])) / len(prompts),
+        "copied_share": copied_share(prompts, plain["token_ids"]),
     }
+
+
+def copied_share(prompts: list[list[int]], outputs: list[list[int]], n: int = 3) -> float:
+    """The share of output tokens that continue their ``n`` preceding tokens as somewhere in the
+    prompt (the tokens an exact lookup of ``n``-grams in the prompt alone could propose): how much
+    the answers actually repeat their prompts."""
+    copied = total = 0
+    for prompt, output in zip(prompts, outputs):
+        runs = {tuple(prompt[i : i + n + 1]) for i in range(len(prompt) - n)}
+        text = prompt + output
+        copied += sum(tuple(text[i - n : i + 1]) in runs for i in range(len(prompt), len(text)))
+        total += len(output)
+    return copied / total if total else 0.0
 
 
 def copy_heavy_prompts(model: str) -> list[list[int]]:

@@ -133,21 +133,83 @@ COPY_HEAVY_SNIPPETS = (
     merged.extend(right[j:])
     return merged
 """,
+    """def binary_search(items, target):
+    low, high = 0, len(items) - 1
+    while low <= high:
+        middle = (low + high) // 2
+        if items[middle] == target:
+            return middle
+        if items[middle] < target:
+            low = middle + 1
+        else:
+            high = middle - 1
+    return -1
+""",
+    """class Stack:
+    def __init__(self):
+        self.values = []
+
+    def push(self, value):
+        self.values.append(value)
+
+    def pop(self):
+        if not self.values:
+            raise IndexError("pop from an empty stack")
+        return self.values.pop()
+
+    def peek(self):
+        return self.values[-1]
+""",
+    """def word_counts(text):
+    counts = {}
+    for word in text.lower().split():
+        word = word.strip(".,!?")
+        if word:
+            counts[word] = counts.get(word, 0) + 1
+    return sorted(counts.items(), key=lambda item: item[1], reverse=True)
+""",
+    """def read_scores(path):
+    scores = []
+    with open(path) as handle:
+        for line in handle:
+            name, score = line.rstrip().split(",")
+            scores.append((name, int(score)))
+    return scores
+""",
 )
-COPY_HEAVY_CHANGES = (
-    "Add a docstring to the function.",
-    "Add type hints to every method.",
-    "Rename the variable config to settings.",
-    "Add a comment above the while loop.",
+
+COPY_HEAVY_CHANGES = (  # three one-change edits per snippet, in COPY_HEAVY_SNIPPETS' order
+    (
+        "Add a docstring to the function.",
+        "Rename the variable total to running_sum.",
+        "Add type hints to the function.",
+    ),
+    ("Add type hints to every method.", "Rename the method total to count_all.", "Add a docstring to the class."),
+    ("Rename the variable config to settings.", "Add type hints to the function.", "Add a docstring to the function."),
+    ("Add a comment above the while loop.", "Rename the variable merged to result.", "Add type hints to the function."),
+    (
+        "Rename the function binary_search to find_index.",
+        "Add type hints to the function.",
+        "Add a docstring to the function.",
+    ),
+    ("Add type hints to every method.", "Rename the list values to items.", "Add a docstring to the class."),
+    (
+        "Rename the variable counts to frequencies.",
+        "Add type hints to the function.",
+        "Add a docstring to the function.",
+    ),
+    ("Rename the variable handle to file.", "Add type hints to the function.", "Add a docstring to the function."),
 )
 
 
 def copy_heavy_messages() -> list[list[dict[str, str]]]:
-    """Chat requests whose answers repeat most of the prompt ("rewrite this code with one change"):
-    the case prompt lookup speeds up."""
+    """Chat requests whose answers are meant to repeat most of the prompt ("rewrite this code with one
+    change"): the case prompt lookup speeds up. The first edit of each snippet first, then the
+    second ones, then the third (so a prefix of the list covers different snippets)."""
     return [
-        [{"role": "user", "content": f"{change} Reply with the whole code only.\n\n```python\n{code}```"}]
-        for code, change in zip(COPY_HEAVY_SNIPPETS, COPY_HEAVY_CHANGES)
+        [{"role": "user", "content": f"{changes[round_]} Reply with the whole code only.\n\n```python\n{code}```"}]
+        for round_ in range(3)
+        for code, changes in zip(COPY_HEAVY_SNIPPETS, COPY_HEAVY_CHANGES)
     ]
 
 
