@@ -162,6 +162,24 @@ def test_unseeded_sampling_has_plain_decodings_distribution_and_a_wrong_rule_is_
     assert total_variation(wrong, reference) > 0.3, (wrong, reference)
 
 
+def test_prompt_lookup_by_default_speculates_while_at_most_two_sequences_decode() -> None:
+    """Without ``disable_by_batch_size``: two sequences decoding side by side verify proposals;
+    three that decode in step with each other from first token to last never do."""
+    setting = {key: value for key, value in NGRAM.items() if key != "disable_by_batch_size"}
+    llm = LLM(dtype="float32", num_kv_slots=2048, speculative_config=setting)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    looping = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [12, 13] * 6]
+    try:
+        verified = []
+        for prompts in (looping[:2], looping):
+            before = spec_stats(llm)["verify_steps"]
+            run(llm, prompts, params)
+            verified.append(spec_stats(llm)["verify_steps"] - before)
+    finally:
+        llm.shutdown()
+    assert verified[0] > 0 and verified[1] == 0
+
+
 def test_a_step_verifies_many_tokens_at_once(spec: LLM) -> None:
     """A copying prompt at batch 1: fewer steps than tokens."""
     prompt = list(range(30, 70)) * 2 + list(range(30, 34))

@@ -24,10 +24,10 @@ from tokenmill.tokenizer import Tokenizer
 
 MAX_BACKOFF_STEPS = 64
 """Most decode steps a sequence goes without proposals after proposals that were all rejected."""
-DEFAULT_DISABLE_BY_BATCH_SIZE = 1
-"""Most decoding sequences in a step for which the engine speculates when the setting names no
-``disable_by_batch_size``: the README's crossover measurement, where two sequences at a time
-already decode faster without it."""
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 2, "draft_model": 1}
+"""Most decoding sequences in a step for which the engine speculates, by method, when the setting
+names no ``disable_by_batch_size``: the README's crossover measurements (prompt lookup still pays
+with two sequences at a time and not with four; a draft model already loses with two)."""
 
 
 class Proposer(Protocol):
@@ -103,7 +103,10 @@ class Speculator:
         against it here)."""
         proposer: Proposer
         if config.model is not None:
-            rows = min(config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE, engine.max_running_requests)
+            rows = min(
+                config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE[config.method],
+                engine.max_running_requests,
+            )
             proposer = DraftModelProposer.build(
                 engine, config.model, rows, context_limit, kv_tokens, vocab_size, tokenizer, device
             )
@@ -113,7 +116,7 @@ class Speculator:
 
     @property
     def max_batch(self) -> int:
-        return self.config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+        return self.config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE[self.config.method]
 
     def proposals(self, decode: list[Sequence], budget: int) -> dict[int, list[int]]:
         """``id(seq) -> proposal`` for the decoding sequences that get one: none above
