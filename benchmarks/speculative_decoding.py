@@ -25,7 +25,7 @@ another, never two at once; greedy decoding throughout.
   (a quantized copy of the target, run in the target's dtype); the ratio, the acceptance rate and
   the time spent proposing.
 
-    python benchmarks/speculative_decoding.py --json [--parts batch1 sweep reference vllm draft] \\
+    python benchmarks/speculative_decoding.py --json [--parts batch1 sweep reference vllm draft] [--repeats 3] \\
         [--vllm-python /work/vllm-venv/bin/python]
 """
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -111,14 +112,22 @@ def pair(
     speculative: dict,
     dtype: str = "auto",
 ) -> dict:
-    """Plain, then with ``speculative``; tokens/s of each, their ratio, acceptance and output agreement."""
+    """Plain, then with ``speculative``, ``--repeats`` times alternating (each a fresh process: one
+    build's speed moves by ~15% between processes); the median tokens/s of each, the ratio of the
+    medians and each pair's ratio, acceptance and output agreement (of the last pair)."""
     spec = dict(model=model, prompts=prompts, batch=batch, max_tokens=max_tokens, ignore_eos=ignore_eos, dtype=dtype)
-    plain = call(__file__, sys.executable, "tokenmill", {**spec, "speculative": None})
-    fast = call(__file__, sys.executable, "tokenmill", {**spec, "speculative": speculative})
+    plains, fasts = [], []
+    for _ in range(ARGS.repeats):
+        plains.append(call(__file__, sys.executable, "tokenmill", {**spec, "speculative": None}))
+        fasts.append(call(__file__, sys.executable, "tokenmill", {**spec, "speculative": speculative}))
+    plain, fast = plains[-1], fasts[-1]
+    plain_tok_s = statistics.median(run["output_tok_s"] for run in plains)
+    fast_tok_s = statistics.median(run["output_tok_s"] for run in fasts)
     return {
-        "plain_tok_s": plain["output_tok_s"],
-        "speculative_tok_s": fast["output_tok_s"],
-        "ratio": fast["output_tok_s"] / plain["output_tok_s"],
+        "plain_tok_s": plain_tok_s,
+        "speculative_tok_s": fast_tok_s,
+        "ratio": fast_tok_s / plain_tok_s,
+        "pair_ratios": [f["output_tok_s"] / p["output_tok_s"] for p, f in zip(plains, fasts)],
         "acceptance_rate": fast["acceptance_rate"],
         "propose_share": fast["propose_s"] / fast["elapsed_s"],
         "same_tokens": sum(a == b for a, b in zip(plain["token_ids"], fast["token_ids"])) / len(prompts),
@@ -253,6 +262,7 @@ def parse_args() -> argparse.Namespace:
         default=["batch1", "sweep", "reference"],
     )
     parser.add_argument("--draft-layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1, help="plain/speculative pairs per measurement (medians)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--speculative-config", type=json.loads, default=dict(NGRAM, disable_by_batch_size=1000))
     parser.add_argument("--vllm-python", type=Path, default=None)
