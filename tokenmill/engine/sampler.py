@@ -195,15 +195,9 @@ class Sampler:
         banned = [_banned_ids(seq, eos_token_ids) for seq in seqs]
         penalized = [seq for seq in seqs if seq.params.uses_penalties]
         wants_logprobs = any(seq.params.logprobs is not None for seq in seqs)
-        if (
-            all(seq.params.is_greedy and not seq.params.logit_bias for seq in seqs)
-            and not penalized
-            and not any(banned)
-            and not wants_logprobs
-        ):
-            # max's indices: the first maximal entry, as argmax; in fp32, where CPU reductions are fastest
-            best = logits.float().max(dim=-1)
-            token_ids = best.indices.tolist()
+        if all(map(_plain_greedy, seqs)) and not any(banned):
+            best = logits.float().max(dim=-1)  # in fp32, where CPU reductions are fastest
+            token_ids = best.indices.tolist()  # max's indices: the first maximal entry, as argmax
             dead = best.values[grammar_rows] == float("-inf") if grammar_rows else None
             _mark_dead_ends(token_ids, grammar_rows, dead, [None] * len(seqs))
             return SampleResult(token_ids, [None] * len(seqs))
@@ -366,6 +360,25 @@ def _inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     cdf = probs.to(torch.float64).cumsum_(dim=-1)
     targets = (uniforms.to(cdf.device) * cdf[:, -1])[:, None]
     return torch.searchsorted(cdf, targets, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Greedy with no logit bias, penalties or logprobs (a grammar's mask may still apply)."""
+    params = seq.params
+    return params.is_greedy and not params.logit_bias and not params.uses_penalties and params.logprobs is None
+
+
+def takes_first_maxima(seqs: list[Sequence], eos_token_ids: set[int]) -> bool:
+    """Whether :meth:`Sampler.sample` picks each of ``seqs``' tokens as the first maximal entry of its
+    logits row as given (greedy; no logit bias, penalties, logprobs, grammar or banned tokens); it
+    stays so as the sequences grow (a ban only lifts once ``min_tokens`` are out)."""
+    return all(_plain_greedy(seq) and seq.grammar is None and not _banned_ids(seq, eos_token_ids) for seq in seqs)
+
+
+def first_maxima(logits: torch.Tensor) -> list[int]:
+    """Each row's index of its first maximal entry (what :meth:`Sampler.sample` picks for sequences
+    that :func:`takes_first_maxima`)."""
+    return logits.float().max(dim=-1).indices.tolist()
 
 
 def _banned_ids(seq: Sequence, eos_token_ids: set[int]) -> set[int]:

@@ -6,7 +6,9 @@ samples row ``j`` of every sequence still going, with the sampler's ordinary rul
 grammar masks, logprobs, seeds) and the sequence's state as the output stage left it after the
 previous rounds' tokens; the token is appended through the output stage (stop rules, deltas). A
 sequence goes on to round ``j + 1`` while its token equals proposal ``j``; the first token that
-differs (or the one after the last proposal) is its last this step. So every emitted token is one
+differs (or the one after the last proposal) is its last this step. (When every sequence is plain
+greedy, ``sampler.takes_first_maxima``, the rounds take the rows' first maxima from one pass over
+all of them: the tokens the sampler would pick.) So every emitted token is one
 the target model sampled from its own distribution given exactly the tokens before it: greedy
 output equals non-speculative greedy output, and sampling draws from the same distribution (a
 proposal is a single token, for which drawing from the target and accepting on equality is the
@@ -21,7 +23,7 @@ import torch
 
 from tokenmill.cache.manager import CacheManager
 from tokenmill.engine.output import OutputProcessor
-from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.sampler import Sampler, SampleResult, first_maxima, takes_first_maxima
 from tokenmill.engine.speculation import Speculator, Verification
 
 
@@ -53,12 +55,18 @@ def verify(
     stats.proposed_tokens += sum(map(len, proposals.values()))
     accepted_of = dict.fromkeys(proposals, 0)
     going = [v.seq for v in verifications]
+    # plain greedy sequences: every round's tokens are the rows' first maxima, taken in one pass
+    maxima = first_maxima(logits) if takes_first_maxima(going, eos_token_ids) else None
     for j in range(1 + max(map(len, proposals.values()))):
         going = [seq for seq in going if not seq.is_finished]
         if not going:
             break
-        index = torch.tensor([first_row[id(seq)] + j for seq in going], device=logits.device)
-        sampled, result, failures = sampler.sample_isolating_failures(logits[index], going, eos_token_ids)
+        if maxima is not None:
+            tokens = [maxima[first_row[id(seq)] + j] for seq in going]
+            sampled, result, failures = going, SampleResult(tokens, [None] * len(going)), []
+        else:
+            index = torch.tensor([first_row[id(seq)] + j for seq in going], device=logits.device)
+            sampled, result, failures = sampler.sample_isolating_failures(logits[index], going, eos_token_ids)
         for seq, exc in failures:
             output.fail([seq], f"internal error in sampling: {type(exc).__name__}: {exc}")
         going = []
