@@ -4,7 +4,6 @@ occurred before in its prompt or output (no model, no memory beyond the tokens).
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from tokenmill.engine.sequence import Sequence
 
@@ -20,12 +19,15 @@ class NgramProposer:
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """Up to ``k`` tokens guessed to follow ``seq``'s tokens (empty: no guess)."""
         tokens = np.asarray(seq.all_token_ids, dtype=np.int64)
+        # the earlier positions holding the last token (each with a token after it): where every
+        # occurrence of the last n tokens ends, for any n
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            # windows starting at 0 .. len - n - 1: every earlier occurrence with a token after it
-            windows = sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            fits = ends[ends >= n - 1]
+            windows = tokens[fits[:, None] - np.arange(n - 1, -1, -1)]  # the n tokens ending at each
+            hits = fits[(windows == tokens[-n:]).all(axis=1)]
             if hits.size:
-                start = int(hits[-1]) + n
+                start = int(hits[-1]) + 1
                 return tokens[start : start + k].tolist()
         return []
 
