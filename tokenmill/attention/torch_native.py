@@ -80,6 +80,7 @@ class TorchNativeBackend(AttentionBackend[KVView]):
         out = torch.empty_like(q)
         extend = view.extend_lens_cpu
         single = [i for i, n in enumerate(extend) if n == 1]
+        rest = range(len(extend))
         if len(single) > 1:  # decode-like rows of a mixed step: one batched call
             idx = torch.tensor(single, device=q.device)
             rows = view.qo_indptr[idx]
@@ -93,10 +94,8 @@ class TorchNativeBackend(AttentionBackend[KVView]):
                 view.req_to_token,
                 window,
             )
-            done = set(single)
-        else:
-            done = set()
-        self._prefill_requests(q, k, v, cache, view, window, [i for i in range(len(extend)) if i not in done], out)
+            rest = [i for i, n in enumerate(extend) if n != 1]
+        self._prefill_requests(q, k, v, cache, view, window, list(rest), out)
         return out
 
     def _prefill_requests(
