@@ -59,7 +59,7 @@ def tokenmill_task(spec: dict[str, Any]) -> dict[str, Any]:
     from tokenmill import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model=spec["model"], cpu_threads=spec["threads"])
+    llm = LLM(model=spec["model"], cpu_threads=spec["threads"], dtype=spec.get("dtype", "auto"))
     if spec["task"] == "load":
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
         return {"load_to_first_token_s": time.perf_counter() - start}
@@ -169,6 +169,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-python", default=LLAMA_PYTHON)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto", help="tokenmill's dtype (default: %(default)s, the CPU's fast one)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=64, help="throughput requests (default: %(default)s)")
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "tokenmill-bench-gguf"))
@@ -194,7 +195,7 @@ def main() -> None:
     base = {"threads": args.threads, "repeats": args.repeats, "requests": args.requests, "vocab": 49152}
     results: dict[str, Any] = {}
     for name, path in (("Q4_1 (default model)", default), ("Q4_K_M", q4km)) if "engines" in args.parts else ():
-        ours = call(sys.executable, "tokenmill", {**base, "model": str(path), "task": "bench"})
+        ours = call(sys.executable, "tokenmill", {**base, "model": str(path), "task": "bench", "dtype": args.dtype})
         theirs = call(args.llama_python, "llama", {**base, "model": str(path), "prompts": prompts, "outs": outs})
         results[name] = {
             "tokenmill": ours,

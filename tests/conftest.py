@@ -9,6 +9,8 @@ import torch
 
 from tests.ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401  (CI=true: see there)
 from tokenmill.default_model import TINY_MODEL_DIR
+from tokenmill.kernels.quant_linear import int8_dot_isa
+from tokenmill.model import quantization
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -20,3 +22,13 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def exact_fp32_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 models keep their quantized projections in the rows layout (fp32 activations, as the
+    transformers oracle on the dequantized weights has them) also where the int8 path is the AVX2
+    one, as on CPUs with AVX512-VNNI; bf16 models still take the panels layout. fp32 in the panels
+    layout has its own test against an oracle that quantizes the activations too
+    (tests/model/test_quantized_models.py)."""
+    monkeypatch.setattr(quantization, "panels_on_cpu", lambda dtype: dtype == torch.bfloat16 and bool(int8_dot_isa()))

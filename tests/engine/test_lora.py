@@ -285,6 +285,7 @@ def test_unloading_an_adapter_in_use_is_refused(three_adapters) -> None:
         llm.shutdown()
 
 
+@pytest.mark.usefixtures("exact_fp32_activations")
 def test_quantized_base_with_an_adapter_equals_peft_on_the_dequantized_weights(three_adapters) -> None:
     """The base quantized int8 at load, the adapter's matrices in full precision: the oracle is PEFT's
     unmerged model on the fake-quantized base (the delta is not quantized)."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tokenmill.kernels.cpu import CFLAGS, HEADERS, LDFLAGS, SOURCES, extension_name
+from tokenmill.kernels.cpu import HEADERS, LDFLAGS, SOURCES, compile_flags, extension_name
 
-FLAGS = CFLAGS + LDFLAGS
+FLAGS = compile_flags() + LDFLAGS
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
 
 

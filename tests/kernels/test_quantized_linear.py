@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +30,7 @@ from tokenmill.kernels.quant_linear import (
     PANELS_MAX_ROWS,
     STREAM_MAX_ROWS,
     activation_block,
+    int8_dot_isa,
     int8_dot_products,
     int8_dot_tiles,
     quantized_linear,
@@ -215,7 +221,7 @@ def test_activation_quantization_keeps_each_block_to_a_508th_of_its_step() -> No
 
 
 needs_int8_dots = pytest.mark.skipif(
-    load_cpu_kernels() is None or not int8_dot_products(), reason="needs AVX512-VNNI (the panels layout's kernel)"
+    not int8_dot_products(), reason="needs AVX2 or AVX512-VNNI (the panels layout's kernel)"
 )
 
 
@@ -287,6 +293,45 @@ def test_fp16_scales_are_refused_outside_the_panels_layout_and_beside_fp32_mins(
     assert panels.min is not None
     with pytest.raises(RuntimeError, match="the dtype and size of scale"):
         kernels.quantized_linear(x, panels.qweight, panels.scale, panels.min.float(), 4, 32, None, 6)
+
+
+PRODUCTS_OF_SAVED_OPERANDS = """
+import sys, torch
+from tokenmill.kernels.quant_linear import int8_dot_isa, quantized_linear
+cases = torch.load(sys.argv[1], weights_only=False)
+torch.save({"isa": int8_dot_isa(), "out": [quantized_linear(x, w, bias) for w, x, bias in cases]}, sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(
+    int8_dot_isa() != "avx512-vnni", reason="compares the AVX2 build with the AVX512-VNNI build this CPU makes"
+)
+def test_the_avx2_build_gives_the_bits_of_the_avx512_vnni_build(tmp_path: Path) -> None:
+    """The kernels built for AVX2 alone (``TOKENMILL_CPU_MARCH=x86-64-v3``: quant_int16_dot.cpp, in a
+    process of their own) multiply panels-layout weights with the same bits as this CPU's
+    AVX512-VNNI build (and AMX tiles, where it has them): int8 (per channel, groups of 32 and 16)
+    and int4 (both kinds, fp32 and fp16 scales), fp32 and bf16 rows, 1 to past a 192-row chunk."""
+    torch.manual_seed(11)
+    weights = [
+        to_panels(quantize(torch.randn(48, 512), scheme))
+        for scheme in (QuantScheme(8), QuantScheme(8, 32), QuantScheme(8, 16), *SCHEMES[2:])
+    ]
+    weights.append(to_panels(_fp16_exact(quantize(torch.randn(32, 512), QuantScheme(4, 32, symmetric=False)))))
+    cases = []
+    for w in weights:
+        for rows in (1, 2, 3, 7, 200):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(rows, 512).to(dtype) * 4
+                x[0, :64] = 0.0  # all-zero blocks
+                cases.append((w, x, torch.randn(w.shape[0]).to(dtype)))
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {**os.environ, "TOKENMILL_CPU_MARCH": "x86-64-v3"}
+    command = [sys.executable, "-c", PRODUCTS_OF_SAVED_OPERANDS, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")]
+    subprocess.run(command, env=env, check=True, timeout=900)
+    theirs = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert theirs["isa"] == "avx2"
+    for (w, x, bias), out in zip(cases, theirs["out"], strict=True):
+        assert torch.equal(quantized_linear(x, w, bias), out), (w.bits, w.group, x.shape, x.dtype)
 
 
 def test_int8_tiles_are_used_where_the_cpu_has_them() -> None:

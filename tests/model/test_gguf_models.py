@@ -193,6 +193,7 @@ QUANTIZED_CASES = {
 """Projection type, embedding (and untied head) type, tied embeddings."""
 
 
+@pytest.mark.usefixtures("exact_fp32_activations")
 @pytest.mark.parametrize("case", sorted(QUANTIZED_CASES))
 def test_quantized_file_matches_transformers_on_its_dequantized_weights(case: str, tmp_path: Path) -> None:
     """A Llama with quantized projections: Q8_0/Q5_0/Q4_0/Q4_1 ones (and a Q8_0/Q4_1 LM head, tied or
@@ -231,6 +232,7 @@ def q6_k_file(path: Path) -> transformers.PreTrainedModel:
     return transformers_model(path)
 
 
+@pytest.mark.usefixtures("exact_fp32_activations")
 def test_q6_k_projections_are_dequantized_where_the_panels_layout_is_not_kept(tmp_path: Path) -> None:
     """In fp32 (no panels layout) a projection with a Q6_K tensor is dequantized (its groups of 16
     need the panels layout), the Q8_0 ones stay int8; logits (to 1e-4) and greedy tokens are
@@ -254,6 +256,7 @@ MOE_QUANTIZED_CASES = {
 """The type of the projections (attention and the experts' gate/up stacks), of the down stacks."""
 
 
+@pytest.mark.usefixtures("exact_fp32_activations")
 @pytest.mark.parametrize("case", sorted(MOE_QUANTIZED_CASES))
 def test_quantized_moe_file_matches_transformers_on_its_dequantized_weights(case: str, tmp_path: Path) -> None:
     """A Qwen3-MoE with quantized experts: each expert's gate/up and down projection stored in a
@@ -281,7 +284,7 @@ def test_quantized_moe_file_matches_transformers_on_its_dequantized_weights(case
         assert greedy(llm) == [hf_greedy(reference, p, ENGINE_TOKENS) for p in ENGINE_PROMPTS]
 
 
-@pytest.mark.skipif(not int8_dot_products(), reason="needs AVX512-VNNI (the panels layout's int8 kernel)")
+@pytest.mark.skipif(not int8_dot_products(), reason="needs AVX2 or AVX512-VNNI (the panels layout's int8 kernel)")
 def test_q6_k_projections_stay_quantized_in_the_panels_layout(tmp_path: Path) -> None:
     """A bf16 model on a VNNI CPU keeps Q6_K projections as int8 groups of 16 in the panels layout
     (``qkv_proj`` joins Q8_0 q/k, groups of 32, with a Q6_K v at 16): the oracle is transformers in

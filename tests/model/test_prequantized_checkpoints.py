@@ -173,6 +173,7 @@ def quantize_checkpoint(
     return modules
 
 
+@pytest.mark.usefixtures("exact_fp32_activations")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_prequantized_checkpoint_matches_transformers_on_its_dequantized_weights(case: str, tmp_path: Path) -> None:
     quantizer, config = CASES[case]
@@ -185,7 +186,8 @@ def test_prequantized_checkpoint_matches_transformers_on_its_dequantized_weights
     assert_counting_prompts_match(model, hf_model)
 
 
-@pytest.mark.skipif(not int8_dot_products(), reason="needs AVX512-VNNI (the panels layout's int8 kernel)")
+@pytest.mark.usefixtures("exact_fp32_activations")
+@pytest.mark.skipif(not int8_dot_products(), reason="needs AVX2 or AVX512-VNNI (the panels layout's int8 kernel)")
 def test_bf16_prequantized_checkpoint_takes_the_panels_layout(tmp_path: Path) -> None:
     """In bf16 on a VNNI CPU a checkpoint's projections are repacked to the panels layout (int8
     activations), as quantizing at load does: the logits stay within bf16-and-int8-activation

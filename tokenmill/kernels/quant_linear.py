@@ -10,7 +10,8 @@ On CPU with the C++ kernels built (fp32 or bf16 input), ``quantized_linear`` of 
   row of x is first quantized per block of :func:`activation_block` values to two int8 passes, the
   value and its rounding residual (``quant_format.fake_quantize_activations``: to 1/508 of the
   block's int8 step), and multiplied in integers (AVX512-VNNI, or AMX-INT8 tiles from a few rows on
-  where :func:`int8_dot_tiles`: each row's result the same bits either way), streaming the packed
+  where :func:`int8_dot_tiles`; on CPUs with AVX2 alone the two passes joined in int16: each row's
+  result the same bits on any of them), streaming the packed
   weight: the result is
   ``F.linear`` of those dequantized activations on the dequantized weight (to fp32 rounding); more
   rows: the weight is dequantized into a temporary in the input's dtype for oneDNN, as above.
@@ -47,10 +48,17 @@ def int8_dot_tiles() -> bool:
     return kernels is not None and bool(kernels.int8_dot_tiles())
 
 
-def int8_dot_products() -> bool:
-    """Whether the C++ kernels have the panels layout's int8 path on this CPU (AVX512-VNNI)."""
+def int8_dot_isa() -> str:
+    """Which panels-layout int8 path the C++ kernels have: "avx512-vnni" (``quant_int8_dot.cpp``),
+    "avx2" (``quant_int16_dot.cpp``, CPUs with AVX2 but not AVX512-VNNI: the same results, bit for
+    bit), or "" (none, or no kernels)."""
     kernels = load_cpu_kernels()
-    return kernels is not None and bool(kernels.int8_dot_products())
+    return "" if kernels is None else str(kernels.int8_dot_isa())
+
+
+def int8_dot_products() -> bool:
+    """Whether the C++ kernels have the panels layout's int8 path on this CPU (AVX512-VNNI or AVX2)."""
+    return bool(int8_dot_isa())
 
 
 def activation_block(group: int, in_features: int) -> int:

@@ -28,7 +28,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.linear import Linear
 from tokenmill.kernels.quant_format import PANEL, QuantScheme, dequantize, fake_quantize_activations, quantize
-from tokenmill.kernels.quant_linear import STREAM_MAX_ROWS, activation_block, int8_dot_products
+from tokenmill.kernels.quant_linear import STREAM_MAX_ROWS, activation_block, int8_dot_isa
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.huge_pages import move_to_huge_pages
 from tokenmill.model.moe import Experts
@@ -99,13 +99,23 @@ def _quantizable_head(head: LinearT | None) -> LinearT | None:
     return head
 
 
+def panels_on_cpu(dtype: torch.dtype) -> bool:
+    """Whether a CPU model in ``dtype`` keeps its quantized projections (those whose output width
+    is a multiple of 16) in the panels layout, so that their inputs are quantized to two int8
+    passes: where the C++ kernels have the int8 path, a bf16 model, or an fp32 one where that path
+    is the AVX2 one (there the rows layout's fp32 products cost twice as much: README; with
+    AVX512-VNNI, fp32 keeps the rows layout's exact fp32 activations)."""
+    isa = int8_dot_isa()
+    return bool(isa) and (dtype == torch.bfloat16 or (dtype == torch.float32 and isa == "avx2"))
+
+
 def keeps_panels(model: CausalLM, module: Linear, device: torch.device | None = None) -> bool:
     """Whether ``module`` of ``model`` (in its dtype, on ``device``: by default its parameters')
-    is kept in the panels layout: a bf16 model on a CPU with the int8 kernel, an output width that
-    is a multiple of 16."""
+    is kept in the panels layout: on CPU where :func:`panels_on_cpu` says so for the model's dtype,
+    an output width that is a multiple of 16."""
     parameter = next(model.parameters())
-    on_cpu_in_bf16 = (device or parameter.device).type == "cpu" and parameter.dtype == torch.bfloat16
-    return on_cpu_in_bf16 and module.out_features % PANEL == 0 and int8_dot_products()
+    on_cpu = (device or parameter.device).type == "cpu"
+    return on_cpu and module.out_features % PANEL == 0 and panels_on_cpu(parameter.dtype)
 
 
 def kernels_per_shape(modules: list[Linear]) -> str:
@@ -124,7 +134,8 @@ def kernels_per_shape(modules: list[Linear]) -> str:
 def _kernel_description(panels: bool) -> str:
     """How a quantized projection's products run."""
     if panels:
-        return "panels layout: int8 activations x packed weight, any rows (AVX512-VNNI, quant_int8_dot.cpp)"
+        path = "AVX512-VNNI, quant_int8_dot.cpp" if int8_dot_isa() == "avx512-vnni" else "AVX2, quant_int16_dot.cpp"
+        return f"panels layout: int8 activations x packed weight, any rows ({path})"
     return f"rows layout: fp32 streaming (quant_linear.cpp) up to {STREAM_MAX_ROWS} rows, dequantized + oneDNN beyond"
 
 
@@ -137,9 +148,10 @@ def fake_quantize_model(model: torch.nn.Module, scheme: QuantScheme, int8_activa
     ``[E, N, K]``, two per expert in the count). Rows quantize independently, so separate q/k/v
     (gate/up) weights give what tokenmill's packed ones give (for measuring the quantization error,
     e.g. perplexity, with any framework).
-    With ``int8_activations`` each of them also quantizes its input as the panels layout's kernel
-    does (a forward pre-hook: ``fake_quantize_activations`` per ``activation_block``); a model with
-    stacked experts then raises ValueError (their products are internal to the module)."""
+    With ``int8_activations`` each of them whose output width the panels layout takes (a multiple
+    of 16) also quantizes its input as that layout's kernel does (a forward pre-hook:
+    ``fake_quantize_activations`` per ``activation_block``); a model with stacked experts then raises
+    ValueError (their products are internal to the module)."""
     targets = [(module, scheme) for module in _fitting_projections(model.model.layers, scheme, torch.nn.Linear)]
     head = model.get_output_embeddings()
     if head is not None and head.weight is not model.get_input_embeddings().weight:
@@ -157,7 +169,7 @@ def fake_quantize_model(model: torch.nn.Module, scheme: QuantScheme, int8_activa
     for module, module_scheme in targets:
         with torch.no_grad():
             module.weight.copy_(dequantize(quantize(module.weight, module_scheme)))
-        if int8_activations:
+        if int8_activations and module.out_features % PANEL == 0:
             block = activation_block(module_scheme.group_for(module.in_features), module.in_features)
             module.register_forward_pre_hook(
                 lambda _, args, block=block: (fake_quantize_activations(args[0], block).to(args[0].dtype),)

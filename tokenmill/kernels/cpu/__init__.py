@@ -8,14 +8,17 @@ causal_softmax_ (CpuBackend prefill).
 ``skinny_linear.cpp``: ``x @ W^T`` for few rows of x (``kernels/linear.py``, decode batches).
 ``panel_linear.cpp``: ``x @ W^T`` for decode-batch-sized x (``kernels/linear.py``).
 ``quant_linear.cpp``: products with int8/int4 weights kept quantized (``kernels/quant_linear.py``);
-``quant_int8_dot.cpp``: its int8-activation path (AVX512-VNNI); ``quant_packed.h``: their weight view.
+``quant_int8_dot.cpp``: its int8-activation path (AVX512-VNNI), ``quant_int16_dot.cpp`` the same path on
+CPUs with AVX2 alone; ``quant_packed.h``: their weight view.
 ``lora_add.cpp``: a step's LoRA deltas of one projection, every adapter at once (``kernels/lora.py``).
 ``decode_forward.cpp``: the whole forward of a decode step in one call (``model/decode_forward.py``).
 ``simd.h``: the vector helpers they share; ``kernels.h``: the kernels' C++ entry points;
 ``linear_io.h``: the linear kernels' checks and bias.
 
 The sources are compiled by ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja)
-for the host CPU (``-march=native``) with OpenMP, so ``at::parallel_for`` uses torch's threads.
+for the host CPU (``-march=native``; ``TOKENMILL_CPU_MARCH`` names another target, e.g. ``x86-64-v3``
+for a build every AVX2 machine can run, or to test the AVX2 paths on a newer CPU) with OpenMP, so
+``at::parallel_for`` uses torch's threads.
 torch caches the build under ``TORCH_EXTENSIONS_DIR`` (``~/.cache/torch_extensions``) in a folder
 named by :func:`extension_name`, a hash of everything the build depends on (the sources' and headers'
 content, the flags, torch's version, the CPU's feature set) and of nothing else (not their path):
@@ -53,14 +56,20 @@ SOURCES = [
         "lora_add.cpp",
         "panel_linear.cpp",
         "prefill_attention.cpp",
+        "quant_int16_dot.cpp",
         "quant_int8_dot.cpp",
         "quant_linear.cpp",
         "skinny_linear.cpp",
     )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "linear_io.h", "quant_packed.h", "simd.h")]
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]
+
+
+def compile_flags() -> list[str]:
+    """The compiler's flags: for the host CPU, or the target ``TOKENMILL_CPU_MARCH`` names."""
+    march = os.environ.get("TOKENMILL_CPU_MARCH", "native")
+    return ["-O3", f"-march={march}", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
 
 def extension_name(files: list[Path], flags: list[str], cpu_flags: frozenset[str]) -> str:
@@ -121,7 +130,8 @@ def _load() -> Any | None:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        name = extension_name(SOURCES + HEADERS, CFLAGS + LDFLAGS, cpu_flags())
+        cflags = compile_flags()
+        name = extension_name(SOURCES + HEADERS, cflags + LDFLAGS, cpu_flags())
         built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
         building = (built.parent / "lock").exists()  # torch's lock: another process is writing the build
         if built.exists() and not building and _load_built(built):
@@ -134,7 +144,7 @@ def _load() -> Any | None:
         load(
             name=name,
             sources=[str(p) for p in SOURCES],
-            extra_cflags=CFLAGS,
+            extra_cflags=cflags,
             extra_ldflags=LDFLAGS,
             is_python_module=False,  # the library registers its ops with torch (TORCH_LIBRARY)
         )

@@ -28,8 +28,10 @@
 #include <algorithm>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-#define TOKENMILL_INT8_DOT 1
+#include "quant_packed.h"
+#include "simd.h"
+
+#if defined(TOKENMILL_INT8_DOT_VNNI)
 #include <immintrin.h>
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define TOKENMILL_INT8_TILES 1
@@ -37,9 +39,6 @@
 #include <unistd.h>
 #endif
 #endif
-
-#include "quant_packed.h"
-#include "simd.h"
 
 namespace tokenmill_quant {
 
@@ -51,15 +50,13 @@ int64_t activation_block(int64_t group, int64_t k_dim) {
   return k_dim;
 }
 
-#if defined(TOKENMILL_INT8_DOT)
+#if defined(TOKENMILL_INT8_DOT_VNNI)
 
 namespace {
 
 constexpr int kTileRows = 4;  // rows of x per tile
 constexpr int kTilePanels = 2;  // panels per tile (and per work item)
 constexpr int64_t kChunkRows = 192;  // rows of x per pass over the weight
-
-constexpr float kResidualSteps = 254.f;  // lo's unit: a 254th of hi's step
 
 // x quantized per block: int8 passes [M, 2, K] (row m's hi, then its lo); per block its scale, the
 // sums of hi's and lo's bytes, and the dequantized block's sum.
@@ -111,7 +108,7 @@ QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t 
       a.scale[b] = scale;
       a.hi_sum[b] = _mm512_reduce_add_epi32(hi_total);
       a.lo_sum[b] = _mm512_reduce_add_epi32(lo_total);
-      a.x_sum[b] = scale * static_cast<float>(a.hi_sum[b]) + scale / kResidualSteps * static_cast<float>(a.lo_sum[b]);
+      a.x_sum[b] = dequantized_block_sum(scale, a.hi_sum[b], a.lo_sum[b]);
     }
   });
   return a;
@@ -162,15 +159,6 @@ __attribute__((always_inline)) inline void load_group(const Packed& p, int64_t p
       w_min[j] = p.has_min ? _mm512_loadu_ps(p.min + at) : _mm512_setzero_ps();
     }
   }
-}
-
-// Fetches the scales (and int4 mins) of `panels` panels from panel0 (past the last panel: harmless).
-inline void prefetch_scales(const Packed& p, int64_t panel0, int64_t panels) {
-  const int64_t at = panel0 * p.groups_per_row * kPanel, values = panels * p.groups_per_row * kPanel;
-  const bool half = p.scale_fp16 != nullptr;
-  const int64_t bytes = values * (half ? 2 : 4);
-  tokenmill_simd::prefetch_range(half ? static_cast<const void*>(p.scale_fp16 + at) : p.scale + at, bytes);
-  if (p.has_min) tokenmill_simd::prefetch_range(half ? static_cast<const void*>(p.min_fp16 + at) : p.min + at, bytes);
 }
 
 // y[row, 16 panel0 ...) = acc (one vector per panel) + bias (if not null), rounded to y's dtype.
@@ -451,7 +439,7 @@ void product(const Packed& p, const T* x, int64_t m_rows, const float* bias, T* 
 
 }  // namespace
 
-bool int8_dot_available() { return true; }
+std::string int8_dot_isa() { return "avx512-vnni"; }
 
 #if defined(TOKENMILL_INT8_TILES)
 bool int8_dot_tiles() { return tiles_permitted(); }
@@ -470,18 +458,21 @@ void int8_dot_product(const Packed& p, const tokenmill_simd::bf16_t* x, int64_t 
 
 #else
 
-bool int8_dot_available() { return false; }
-
 bool int8_dot_tiles() { return false; }
 
+#if !defined(TOKENMILL_INT8_DOT_AVX2)
+
+std::string int8_dot_isa() { return ""; }
+
 void int8_dot_product(const Packed&, const float*, int64_t, const float*, float*) {
-  TORCH_CHECK(false, "int8 dot products need AVX512-VNNI (with AVX512-VL/BW)");
+  TORCH_CHECK(false, "int8 dot products need AVX2 (with FMA and F16C) or AVX512-VNNI");
 }
 
 void int8_dot_product(const Packed&, const tokenmill_simd::bf16_t*, int64_t, const float*, tokenmill_simd::bf16_t*) {
-  TORCH_CHECK(false, "int8 dot products need AVX512-VNNI (with AVX512-VL/BW)");
+  TORCH_CHECK(false, "int8 dot products need AVX2 (with FMA and F16C) or AVX512-VNNI");
 }
 
+#endif
 #endif
 
 }  // namespace tokenmill_quant

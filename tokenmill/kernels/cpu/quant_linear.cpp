@@ -3,7 +3,7 @@
 // quantized_linear: y [M, N] = x [M, K] @ w^T (+ bias), x and y fp32 or bf16; the packed weight is
 // never dequantized whole.
 //   Panels layout, any rows: x is quantized per block to two int8 passes (value and residual) and
-//   multiplied in integers (quant_int8_dot.cpp).
+//   multiplied in integers (quant_int8_dot.cpp; quant_int16_dot.cpp on AVX2 without AVX512-VNNI).
 //   Rows layout, few rows (M <= stream_max_rows), in fp32: threads split the output columns in
 //   blocks of 4 weight rows, each 32-value run dequantized (times its scale) into registers and
 //   multiplied against up to 4 rows of x at a time; an int4 group's min is added once per group as
@@ -13,8 +13,8 @@
 //   dequantized to x's dtype a chunk of rows at a time and multiplied by torch's CPU BLAS.
 // dequantize_weight: a weight (either layout) whole in `dtype` (fp32 or bf16), for the panels layout's
 // many rows (kernels/quant_linear.py) and tests.
-// int8_dot_products: whether this build has the panels layout's int8 path; int8_dot_tiles: whether
-// that path uses AMX-INT8 tiles.
+// int8_dot_isa: which panels-layout path this build has ("avx512-vnni", "avx2" or ""); int8_dot_tiles:
+// whether that path uses AMX-INT8 tiles.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -526,7 +526,8 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
     return out;
   }
   if (p.panels) {
-    TORCH_CHECK(tokenmill_quant::int8_dot_available(), "the panels layout needs AVX512-VNNI; this CPU has none");
+    TORCH_CHECK(!tokenmill_quant::int8_dot_isa().empty(),
+                "the panels layout needs AVX2 (with FMA and F16C) or AVX512-VNNI; this build has neither");
     const at::Tensor rows = x.contiguous(), bias_f = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
     const float* b = has_bias ? bias_f.data_ptr<float>() : nullptr;
     at::Tensor out = at::empty({m_rows, p.n_out}, x.options());
@@ -551,6 +552,6 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("dequantize_weight(Tensor qweight, Tensor scale, Tensor? min, int bits, int group, ScalarType dtype) -> Tensor");
   m.impl("quantized_linear", c10::DispatchKey::CPU, &quantized_linear);
   m.impl("dequantize_weight", c10::DispatchKey::CPU, &dequantize_weight);
-  m.def("int8_dot_products() -> bool", &tokenmill_quant::int8_dot_available);
+  m.def("int8_dot_isa() -> str", &tokenmill_quant::int8_dot_isa);
   m.def("int8_dot_tiles() -> bool", &tokenmill_quant::int8_dot_tiles);
 }

@@ -9,15 +9,25 @@
 //     int8: the signed values; int4: 32 bytes, byte b's low nibble the value of lane b / 4 and its
 //     high nibble that of lane 8 + b / 4, same k); scale/min [N / 16, K / group, 16] (a panel's
 //     scales group after group).
-// Shared by quant_linear.cpp (fp32 products on the rows layout, dequantization, the op) and
-// quant_int8_dot.cpp (products on the panels layout with activations quantized to two int8 passes).
+// Shared by quant_linear.cpp (fp32 products on the rows layout, dequantization, the op) and the
+// panels layout's products with activations quantized to two int8 passes: quant_int8_dot.cpp
+// (AVX512-VNNI, and AMX-INT8 tiles) or, where the CPU has AVX2 but not AVX512-VNNI,
+// quant_int16_dot.cpp (the passes joined into one int16); the build compiles in at most one of them.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstdint>
+#include <string>
 
 #include "simd.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define TOKENMILL_INT8_DOT_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TOKENMILL_INT8_DOT_AVX2 1
+#endif
 
 namespace tokenmill_quant {
 
@@ -25,6 +35,7 @@ constexpr int64_t kRun = 32;  // values per packed run (and the smallest group)
 constexpr int64_t kBlock = 4;  // weight rows per work item of the rows layout
 constexpr int64_t kPanel = 16;  // weight rows per panel
 constexpr int64_t kPanelInt8Group = 16;  // the group below kRun an int8 panels-layout weight may have
+constexpr float kResidualSteps = 254.f;  // the activations' second int8 pass: in 254ths of the first's step
 
 struct Packed {
   const void* q;
@@ -62,8 +73,26 @@ inline float panel_scale(const Packed& p, int64_t at, bool mins = false) {
   return p.scale_fp16 != nullptr ? static_cast<float>(p.scale_fp16[at]) : p.scale[at];
 }
 
-// True where quant_int8_dot.cpp is compiled in (the CPU has AVX512-VNNI with AVX512-VL/BW).
-bool int8_dot_available();
+// The sum of an activation block's dequantized values from its two passes' sums (hi_sum s +
+// lo_sum s / 254), computed one way wherever it is (an explicit fma: the compiler would contract
+// the plain expression differently in different builds).
+inline float dequantized_block_sum(float scale, int32_t hi_sum, int32_t lo_sum) {
+  return std::fma(scale, static_cast<float>(hi_sum), scale / kResidualSteps * static_cast<float>(lo_sum));
+}
+
+// Panels layout: fetches the scales (and int4 mins) of `panels` panels from panel0 (past the last
+// panel: harmless, a prefetch does not fault).
+inline void prefetch_scales(const Packed& p, int64_t panel0, int64_t panels) {
+  const int64_t at = panel0 * p.groups_per_row * kPanel, values = panels * p.groups_per_row * kPanel;
+  const bool half = p.scale_fp16 != nullptr;
+  const int64_t bytes = values * (half ? 2 : 4);
+  tokenmill_simd::prefetch_range(half ? static_cast<const void*>(p.scale_fp16 + at) : p.scale + at, bytes);
+  if (p.has_min) tokenmill_simd::prefetch_range(half ? static_cast<const void*>(p.min_fp16 + at) : p.min + at, bytes);
+}
+
+// Which int8_dot_product this build has: "avx512-vnni" (quant_int8_dot.cpp), "avx2"
+// (quant_int16_dot.cpp), or "" (none: the panels layout cannot run).
+std::string int8_dot_isa();
 
 // True where int8_dot_product multiplies with AMX-INT8 tiles from a few rows on (the CPU has them
 // and the kernel lets this process use them).
@@ -78,8 +107,9 @@ int64_t activation_block(int64_t group, int64_t k_dim);
 // passes (step s = absmax / 127, hi = round-half-even(x / s), lo = round-half-even((x - hi s) /
 // (s / 254)); an all-zero block has s = 0), then integer dot products per block scaled in fp32:
 // the fp32 product of the dequantized x (hi s + lo s / 254) with the dequantized weight, up to
-// summation order, plus the bias, rounded once to y's dtype (bf16: to nearest even). Only where
-// int8_dot_available().
+// summation order, plus the bias, rounded once to y's dtype (bf16: to nearest even). Both builds'
+// integer sums are exact and their fp32 epilogue the same, so a result has the same bits on either.
+// Only where int8_dot_isa() is not empty.
 void int8_dot_product(const Packed& p, const float* x, int64_t m_rows, const float* bias, float* y);
 void int8_dot_product(const Packed& p, const tokenmill_simd::bf16_t* x, int64_t m_rows, const float* bias,
                       tokenmill_simd::bf16_t* y);
