@@ -29,7 +29,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -47,14 +47,15 @@ using tokenmill_simd::vec16;
 
 constexpr int64_t kTilePositions = 16;
 constexpr int64_t kKeyBlock = 16;  // keys per transposed block: one vector of scores
-constexpr int64_t kMaxChunkVectors = 4;  // output dims per pass: 4 vectors of 16
 constexpr int64_t kMaxHeadDim = 256;
 #if defined(__AVX512F__)
 constexpr int64_t kScoreRows = 8;  // 8 accumulators
 constexpr int64_t kValueRows = 4;  // 16 accumulators
+constexpr int64_t kMaxChunkVectors = 4;  // output dims per pass: 4 vectors of 16
 #else
-constexpr int64_t kScoreRows = 4;  // a vec16 is two AVX2 registers
-constexpr int64_t kValueRows = 2;
+constexpr int64_t kScoreRows = 4;  // a vec16 is two AVX2 registers: 8 accumulators
+constexpr int64_t kValueRows = 2;  // 8 accumulators
+constexpr int64_t kMaxChunkVectors = 2;
 #endif
 
 template <typename T>
@@ -136,6 +137,67 @@ void pack_fp32(const Problem<T>& p, int64_t h, const Tile<T>& t, Scratch& s) {
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// With AVX2 alone, a vec16 times a scalar compiles to the scalar's broadcast through the stack on
+// every use: these two functions hold each vec16 as two 256-bit registers explicitly. Same sums,
+// in the same order, one fma each.
+
+// out[0, 16) = (low, high), rounded to T.
+template <typename T>
+inline void store_halves(T* out, __m256 low, __m256 high) {
+  vec16 v;
+  std::memcpy(&v, &low, sizeof(low));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(low), &high, sizeof(high));
+  store16(out, v);
+}
+
+// scores[r][block * 16 ..] for kScoreRows rows from `queries` and the key blocks [0, blocks).
+inline void score_rows(const float* queries, const float* keys, float* scores, int64_t blocks, int64_t dim,
+                       int64_t score_stride) {
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    const float* block = keys + kb * dim * kKeyBlock;
+    __m256 acc[kScoreRows][2];
+    for (int64_t r = 0; r < kScoreRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+      const __m256 k_low = _mm256_loadu_ps(block + d * kKeyBlock), k_high = _mm256_loadu_ps(block + d * kKeyBlock + 8);
+      #pragma GCC unroll 8
+      for (int64_t r = 0; r < kScoreRows; ++r) {
+        const __m256 q = _mm256_broadcast_ss(queries + r * dim + d);
+        acc[r][0] = _mm256_fmadd_ps(k_low, q, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(k_high, q, acc[r][1]);
+      }
+    }
+    for (int64_t r = 0; r < kScoreRows; ++r) store_halves(scores + r * score_stride + kb * kKeyBlock, acc[r][0], acc[r][1]);
+  }
+}
+
+// out rows (kValueRows of them; `valid` written) for dims [d0, d0 + 16 * kVectors): sum over keys
+// [lo, hi) of probs[r][j] * values[j].
+template <typename T, int kVectors>
+inline void value_rows(const float* probs, int64_t prob_stride, const float* values, int64_t dim, int64_t d0,
+                       int64_t lo, int64_t hi, T* const* out_rows, int64_t valid) {
+  __m256 acc[kValueRows][2 * kVectors];
+  for (int64_t r = 0; r < kValueRows; ++r) {
+    for (int c = 0; c < 2 * kVectors; ++c) acc[r][c] = _mm256_setzero_ps();
+  }
+  for (int64_t j = lo; j < hi; ++j) {
+    __m256 v[2 * kVectors];
+    #pragma GCC unroll 8
+    for (int c = 0; c < 2 * kVectors; ++c) v[c] = _mm256_loadu_ps(values + j * dim + d0 + 8 * c);
+    #pragma GCC unroll 8
+    for (int64_t r = 0; r < kValueRows; ++r) {
+      const __m256 weight = _mm256_broadcast_ss(probs + r * prob_stride + j);
+      #pragma GCC unroll 8
+      for (int c = 0; c < 2 * kVectors; ++c) acc[r][c] = _mm256_fmadd_ps(v[c], weight, acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < kValueRows; ++r) {  // constant indices keep acc in registers
+    if (r >= valid) break;
+    for (int c = 0; c < kVectors; ++c) store_halves(out_rows[r] + d0 + 16 * c, acc[r][2 * c], acc[r][2 * c + 1]);
+  }
+}
+#else
 // scores[r][block * 16 ..] for kScoreRows rows from `queries` and the key blocks [0, blocks).
 inline void score_rows(const float* queries, const float* keys, float* scores, int64_t blocks, int64_t dim,
                        int64_t score_stride) {
@@ -174,6 +236,8 @@ inline void value_rows(const float* probs, int64_t prob_stride, const float* val
     for (int c = 0; c < kVectors; ++c) store16(out_rows[r] + d0 + 16 * c, acc[r][c]);
   }
 }
+
+#endif
 
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Dot = true;
