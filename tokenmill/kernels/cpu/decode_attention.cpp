@@ -28,7 +28,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -144,6 +144,42 @@ struct Partials {
 // r + i = sum over the chunk's keys l of s[(r + i) len + l] (times an int8 value's scale) times value
 // l, summed in key order in registers and stored once. With `prefetch`, the value rows of all the
 // item's heads are requested `ahead` slots in advance (later heads' passes find them in cache).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// (AVX2 alone: each vec16 as two 256-bit registers explicitly, the weight broadcast once; a vec16
+// times a scalar would put the broadcast through the stack on every use. The same fmas in the same
+// order.)
+template <int64_t kHeadDim, int64_t kRows, typename KV>
+inline void value_rows(const Problem<KV>& p, const int32_t* slots, int64_t len, const float* s, int64_t r, int64_t h,
+                       int64_t kv_begin, int64_t offset, bool prefetch, int64_t ahead, int64_t row_bytes, float* out) {
+  constexpr int64_t kHalves = kHeadDim / 8;
+  const int64_t slot_stride = p.n_kv_heads * kHeadDim;
+  __m256 acc[kRows][kHalves];
+  for (int64_t j = 0; j < kRows; ++j) {
+    for (int64_t i = 0; i < kHalves; ++i) acc[j][i] = _mm256_setzero_ps();
+  }
+  for (int64_t l = 0; l < len; ++l) {
+    if (prefetch && l + ahead < len) {
+      prefetch_slot(p.v_cache, p.v_scale, p, slots[l + ahead], slot_stride, offset, row_bytes, kv_begin);
+    }
+    const KV* values = p.v_cache + slots[l] * slot_stride + offset + h * kHeadDim;
+    const float v_scale = slot_scale<KV>(p, p.v_scale, slots[l], kv_begin + h);
+    __m256 weight[kRows];
+    for (int64_t j = 0; j < kRows; ++j) weight[j] = _mm256_set1_ps(s[(r + j) * len + l] * v_scale);
+    for (int64_t i = 0; i < kHalves; i += 2) {
+      const vec16 v = load16(values + 8 * i);
+      __m256 halves[2];
+      std::memcpy(halves, &v, sizeof(v));
+      for (int64_t j = 0; j < kRows; ++j) {
+        acc[j][i] = _mm256_fmadd_ps(weight[j], halves[0], acc[j][i]);
+        acc[j][i + 1] = _mm256_fmadd_ps(weight[j], halves[1], acc[j][i + 1]);
+      }
+    }
+  }
+  for (int64_t j = 0; j < kRows; ++j) {
+    for (int64_t i = 0; i < kHalves; ++i) _mm256_storeu_ps(out + (r + j) * kHeadDim + 8 * i, acc[j][i]);
+  }
+}
+#else
 template <int64_t kHeadDim, int64_t kRows, typename KV>
 inline void value_rows(const Problem<KV>& p, const int32_t* slots, int64_t len, const float* s, int64_t r, int64_t h,
                        int64_t kv_begin, int64_t offset, bool prefetch, int64_t ahead, int64_t row_bytes, float* out) {
@@ -167,6 +203,8 @@ inline void value_rows(const Problem<KV>& p, const int32_t* slots, int64_t len, 
     for (int64_t i = 0; i < kVecs; ++i) store16(out + (r + j) * kHeadDim + 16 * i, acc[j][i]);
   }
 }
+
+#endif
 
 #if defined(__AVX512BF16__)
 // The scores of query rows [r, r + group) (bf16 queries) against four bf16 keys of KV head h (in
@@ -290,7 +328,11 @@ void attend(const Problem<KV>& p, const Chunk& chunk, int64_t c, bool whole, Par
   }
   if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
     // per KV head, its query rows a few at a time, their outputs kept in registers over all the keys
+#if defined(__AVX512F__)
     constexpr int64_t kRows = kHeadDim / 16 <= 4 ? 4 : 2;  // kRows x kHeadDim / 16 accumulators <= 16
+#else
+    constexpr int64_t kRows = kHeadDim <= 64 ? 2 : 1;  // AVX2: kRows x kHeadDim / 8 accumulators <= 16
+#endif
     for (int64_t h = 0; h < kv_end - kv_begin; ++h) {
       for (int64_t g = 0; g < p.group; g += kRows) {
         const int64_t r = h * p.group + g;
