@@ -167,7 +167,9 @@ inline void score_rows(const float* queries, const float* keys, float* scores, i
         acc[r][1] = _mm256_fmadd_ps(k_high, q, acc[r][1]);
       }
     }
-    for (int64_t r = 0; r < kScoreRows; ++r) store_halves(scores + r * score_stride + kb * kKeyBlock, acc[r][0], acc[r][1]);
+    for (int64_t r = 0; r < kScoreRows; ++r) {
+      store_halves(scores + r * score_stride + kb * kKeyBlock, acc[r][0], acc[r][1]);
+    }
   }
 }
 

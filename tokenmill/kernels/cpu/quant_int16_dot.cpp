@@ -134,7 +134,8 @@ __attribute__((always_inline)) inline __m256i widened_quad(const uint8_t* q, int
 }
 
 // The block's int32 sums of one row against an int8 weight's panel, 16 rows' as two vectors of 8
-// (rows 0-7, 8-15), from the four vpmaddwd accumulators (rows 4 g ... 4 g + 3, each row's two pair sums side by side).
+// (rows 0-7, 8-15), from the four vpmaddwd accumulators (rows 4 g ... 4 g + 3, each row's two pair
+// sums side by side).
 __attribute__((always_inline)) inline void panel_sums(const __m256i* dots, __m256i* halves) {
   // hadd gives rows (0 1 4 5 | 2 3 6 7) per 128-bit half; the permute puts them in order
   halves[0] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(dots[0], dots[1]), 0xd8);
@@ -248,7 +249,8 @@ __attribute__((always_inline)) inline void int4_block_sums(const Packed& p, cons
     }
     for (int m = 0; m < kRows; ++m) {  // a row's int16 pair sums in order, so vpmaddwd gives rows 0-7 (8-15)
       for (int h = 0; h < 2; ++h) {
-        const __m256i hi = _mm256_madd_epi16(sums[m][0][h], residual_steps), lo = _mm256_madd_epi16(sums[m][1][h], ones);
+        const __m256i hi = _mm256_madd_epi16(sums[m][0][h], residual_steps);
+        const __m256i lo = _mm256_madd_epi16(sums[m][1][h], ones);
         joined[m][h] = _mm256_add_epi32(joined[m][h], _mm256_add_epi32(hi, lo));
       }
     }
@@ -285,8 +287,8 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
 
 // Rows [m_begin, m_end) of x against panel `panel`, kTileRows rows at a time.
 template <typename Out>
-void panel_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m_begin, int64_t m_end, int64_t panel,
-                Out* y) {
+void panel_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m_begin, int64_t m_end,
+                int64_t panel, Out* y) {
   int64_t m0 = m_begin;
   for (; m0 + kTileRows <= m_end; m0 += kTileRows) panel_tile<kTileRows>(p, a, bias, m0, panel, m0 == m_begin, y);
   if (m0 < m_end) panel_tile<1>(p, a, bias, m0, panel, m0 == m_begin, y);

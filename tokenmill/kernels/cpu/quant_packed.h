@@ -6,9 +6,10 @@
 //     nibble and value 16 + j in its high one); scale/min [N, K / group].
 //   panels layout, qweight 3-D [N / 16, K / 4, 64 | 32]: each panel of 16 weight rows, per quad of
 //     4 values along K, as the 64 bytes of one 16-lane int32 vector (lane r: row r's 4 values;
-//     int8: the signed values; int4: 32 bytes, byte b's low nibble the value of lane b / 4 and its
-//     high nibble that of lane 8 + b / 4, same k); scale/min [N / 16, K / group, 16] (a panel's
-//     scales group after group).
+//     int8: the signed values; int4: 32 bytes a quad, quads in pairs: the 64 bytes of quads 2 j and
+//     2 j + 1 hold quad 2 j's values in their low nibbles and quad 2 j + 1's in their high ones, byte
+//     b lane b / 4's value b % 4 in both); scale/min [N / 16, K / group, 16] (a panel's scales group
+//     after group).
 // Shared by quant_linear.cpp (fp32 products on the rows layout, dequantization, the op) and the
 // panels layout's products with activations quantized to two int8 passes: quant_int8_dot.cpp
 // (AVX512-VNNI, and AMX-INT8 tiles) or, where the CPU has AVX2 but not AVX512-VNNI,
