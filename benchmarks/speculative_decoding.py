@@ -166,20 +166,24 @@ def main() -> None:
     prompts = copy_heavy_prompts(str(gguf))
     results: dict[str, Any] = {"speculative_config": ARGS.speculative_config}
     if "batch1" in ARGS.parts:
-        results["batch1"] = pair(str(gguf), prompts, 1, [MAX_TOKENS] * len(prompts), False, ARGS.speculative_config)
+        results["batch1"] = pair(
+            str(gguf), prompts, 1, [MAX_TOKENS] * len(prompts), False, ARGS.speculative_config, ARGS.dtype
+        )
         report(results, "batch1")
     if "sweep" in ARGS.parts:
         results["sweep"] = {}
         for batch in ARGS.batch:
             many = prompts * max(1, batch // len(prompts) * 2)
-            results["sweep"][batch] = pair(str(gguf), many, batch, [128] * len(many), True, ARGS.speculative_config)
+            results["sweep"][batch] = pair(
+                str(gguf), many, batch, [128] * len(many), True, ARGS.speculative_config, ARGS.dtype
+            )
         report(results, "sweep")
     if "reference" in ARGS.parts:
         from tokenmill.bench.workload import make_workload
 
         work = make_workload(64, vocab_size=49152, seed=0)
         defaults = {k: v for k, v in ARGS.speculative_config.items() if k != "disable_by_batch_size"}
-        results["reference"] = pair(str(gguf), work.prompts, 64, work.output_lens, True, defaults)
+        results["reference"] = pair(str(gguf), work.prompts, 64, work.output_lens, True, defaults, ARGS.dtype)
         report(results, "reference")
     if "vllm" in ARGS.parts:
         from compare_llamacpp_gguf import safetensors_copy
@@ -262,6 +266,9 @@ def parse_args() -> argparse.Namespace:
         default=["batch1", "sweep", "reference"],
     )
     parser.add_argument("--draft-layers", type=int, default=8)
+    parser.add_argument(
+        "--dtype", default="auto", help="the GGUF runs' dtype (default: %(default)s, the CPU's fast one)"
+    )
     parser.add_argument("--repeats", type=int, default=1, help="plain/speculative pairs per measurement (medians)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--speculative-config", type=json.loads, default=dict(NGRAM, disable_by_batch_size=1000))
