@@ -11,10 +11,11 @@ Stacked MoE experts are quantized with the scheme too, each expert's projections
 ``Linear`` layers (``moe.Experts.quantize_``). On CPU the remaining tensors and the quantized ones
 are then moved into one fresh huge-page mapping, which frees the full-precision weights.
 
-The layout (``quant_format``) is chosen per model: a bf16 model on a CPU with the int8 kernel
-(AVX512-VNNI) keeps the projections whose output width is a multiple of 16 in the panels layout
-(activations quantized per block to two int8 passes, value and residual; integer products); fp32
-models, other CPUs and other widths keep the rows layout (fp32 products on the dequantized values).
+The layout (``quant_format``) is chosen per model (:func:`panels_on_cpu`): a bf16 model on a CPU
+with the int8 kernel (AVX512-VNNI, or AVX2), and an fp32 one where that kernel is the AVX2 one, keep
+the projections whose output width is a multiple of 16 in the panels layout (activations quantized
+per block to two int8 passes, value and residual; integer products); fp32 models on AVX512-VNNI
+CPUs, other CPUs and other widths keep the rows layout (fp32 products on the dequantized values).
 """
 
 from __future__ import annotations
