@@ -21,9 +21,9 @@ The ``config_groups`` (``targets``: ``"Linear"``, a module name or ``"re:<regex>
 projection its arguments; which projections are quantized is read from the tensors (``ignore``d
 ones are stored as plain weights). The config's activation quantization (W8A8's
 ``input_activations``, and any ``input_scale`` tensors) is not read: the projections compute as
-every quantized one does, i.e. in the panels layout (where ``quantization.panels_on_cpu``) with activations quantized
-to int8 dynamically per block of each row (``kernels/quant_linear.py``), else with activations in
-the model's dtype.
+every quantized one does, i.e. in the panels layout (where ``quantization.panels_on_cpu``) with
+activations quantized to int8 dynamically per block of each row (``kernels/quant_linear.py``), else
+with activations in the model's dtype.
 """
 
 from __future__ import annotations
