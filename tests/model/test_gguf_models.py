@@ -286,7 +286,7 @@ def test_quantized_moe_file_matches_transformers_on_its_dequantized_weights(case
 
 @pytest.mark.skipif(not int8_dot_products(), reason="needs AVX2 or AVX512-VNNI (the panels layout's int8 kernel)")
 def test_q6_k_projections_stay_quantized_in_the_panels_layout(tmp_path: Path) -> None:
-    """A bf16 model on a VNNI CPU keeps Q6_K projections as int8 groups of 16 in the panels layout
+    """A bf16 model on a CPU with the int8 kernel keeps Q6_K projections as int8 groups of 16 in the panels layout
     (``qkv_proj`` joins Q8_0 q/k, groups of 32, with a Q6_K v at 16): the oracle is transformers in
     fp32 on the file's weights with each projection's input quantized as the kernel does (blocks of
     its group), and our bf16 error stays within twice transformers' own bf16 error."""

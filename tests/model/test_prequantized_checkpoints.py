@@ -189,7 +189,7 @@ def test_prequantized_checkpoint_matches_transformers_on_its_dequantized_weights
 @pytest.mark.usefixtures("exact_fp32_activations")
 @pytest.mark.skipif(not int8_dot_products(), reason="needs AVX2 or AVX512-VNNI (the panels layout's int8 kernel)")
 def test_bf16_prequantized_checkpoint_takes_the_panels_layout(tmp_path: Path) -> None:
-    """In bf16 on a VNNI CPU a checkpoint's projections are repacked to the panels layout (int8
+    """In bf16 on a CPU with the int8 kernel a checkpoint's projections are repacked to the panels layout (int8
     activations), as quantizing at load does: the logits stay within bf16-and-int8-activation
     distance of the fp32 rows-layout model's (a packing error would be far off)."""
     quantizer, config = CASES["awq_g32"]

@@ -75,7 +75,7 @@ def test_fp32_panels_model_matches_transformers_with_its_activations_quantized(
 @pytest.mark.skipif(not int8_dot_products(), reason="needs AVX2 or AVX512-VNNI (the panels layout's int8 kernel)")
 @pytest.mark.parametrize("scheme_name", sorted(SCHEMES))
 def test_bf16_panels_model_is_as_close_to_its_fp32_oracle_as_transformers_bf16(scheme_name, tmp_path: Path) -> None:
-    """A bf16 model on a VNNI CPU keeps its projections in the panels layout (int8 activations): the
+    """A bf16 model on a CPU with the int8 kernel keeps its projections in the panels layout (int8 activations): the
     oracle is transformers in fp32 on the dequantized weights with each projection's input quantized
     the same way; our bf16 error must be within what transformers' own bf16 run makes. Both quantize
     the checkpoint's weights as rounded to bf16 (what the bf16 model loads)."""
