@@ -35,11 +35,12 @@ kernel dequantizes each run into registers for each few rows, with AVX2 alone it
 block of weight rows once into L1 for every row of x, and the BLAS's fp32 products are slower there."""
 
 
-PANELS_MAX_ROWS = 192 if "amx_int8" in cpu_flags() else 512
+PANELS_MAX_ROWS = 192 if "amx_int8" in cpu_flags() else 512 if "avx512_vnni" in cpu_flags() else 2048
 """Most rows of x for which a panels-layout weight runs the int8 kernel (two activation passes: its
 integer work doubles, and with many rows that work is the cost); more rows dequantize the weight to
 x's dtype for oneDNN, which is faster beyond about this many rows (README's measurements): with AMX
-(int8 tiles for the kernel, bf16 tiles for oneDNN) from ~200 rows on, with AVX-512 alone from ~512."""
+(int8 tiles for the kernel, bf16 tiles for oneDNN) from ~200 rows on, with AVX-512 alone from ~512;
+with AVX2 alone (fp32 GEMM on the dequantized weight) not up to 2,048."""
 
 
 def int8_dot_tiles() -> bool:
