@@ -12,8 +12,9 @@ causal_softmax_ (CpuBackend prefill).
 CPUs with AVX2 alone; ``quant_packed.h``: their weight view.
 ``lora_add.cpp``: a step's LoRA deltas of one projection, every adapter at once (``kernels/lora.py``).
 ``decode_forward.cpp``: the whole forward of a decode step in one call (``model/decode_forward.py``).
-``simd.h``: the vector helpers they share; ``kernels.h``: the kernels' C++ entry points;
-``linear_io.h``: the linear kernels' checks and bias.
+``simd.h``: the vector helpers they share; ``tile16.h``: the fp32 register tile of ``panel_linear.cpp``
+and the AVX2 prefill scores; ``kernels.h``: the kernels' C++ entry points; ``linear_io.h``: the linear
+kernels' checks and bias.
 
 The sources are compiled by ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja)
 for the host CPU (``-march=native``; ``TOKENMILL_CPU_MARCH`` names another target, e.g. ``x86-64-v3``
@@ -62,7 +63,9 @@ SOURCES = [
         "skinny_linear.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "linear_io.h", "quant_packed.h", "simd.h")]
+HEADERS = [
+    Path(__file__).with_name(name) for name in ("kernels.h", "linear_io.h", "quant_packed.h", "simd.h", "tile16.h")
+]
 LDFLAGS = ["-fopenmp"]
 
 

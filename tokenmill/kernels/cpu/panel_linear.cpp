@@ -13,13 +13,14 @@
 #include <algorithm>
 
 #include "linear_io.h"
+#include "tile16.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 namespace {
 
-constexpr int64_t kPanel = 16;  // weight rows per panel = output columns of a register tile
+constexpr int64_t kPanel = tokenmill_tile::kWidth;  // weight rows per panel = output columns of a register tile
 constexpr int64_t kTileRows = 6;  // x rows of a register tile
 constexpr int64_t kDepth = 768;  // k per packed block: 16 x 768 floats = 48 KB, shared by all row tiles
 
@@ -55,50 +56,15 @@ void pack_panel(const float* w, int64_t ld, int64_t n_valid, int64_t depth, floa
   }
 }
 
-// out[i * ld_out + j] (+)= sum_k x[i * ld_x + k] * panel[k * 16 + j] for i < kRows, j < n_valid.
-template <int kRows>
-void tile(const float* x, int64_t ld_x, const float* panel, int64_t depth, float* out, int64_t ld_out,
-          bool accumulate, int64_t n_valid) {
-  __m256 acc[kRows][2];
-#pragma GCC unroll 8
-  for (int i = 0; i < kRows; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < depth; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(panel + k * kPanel), b1 = _mm256_loadu_ps(panel + k * kPanel + 8);
-#pragma GCC unroll 8
-    for (int i = 0; i < kRows; ++i) {
-      const __m256 a = _mm256_broadcast_ss(x + i * ld_x + k);
-      acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
-    }
-  }
-  alignas(32) float row[kPanel];
-#pragma GCC unroll 8  // every acc index must be constant, or the accumulators live in memory
-  for (int i = 0; i < kRows; ++i) {
-    float* o = out + i * ld_out;
-    if (n_valid == kPanel) {
-      if (accumulate) {
-        acc[i][0] = _mm256_add_ps(acc[i][0], _mm256_loadu_ps(o));
-        acc[i][1] = _mm256_add_ps(acc[i][1], _mm256_loadu_ps(o + 8));
-      }
-      _mm256_storeu_ps(o, acc[i][0]);
-      _mm256_storeu_ps(o + 8, acc[i][1]);
-    } else {
-      _mm256_store_ps(row, acc[i][0]);
-      _mm256_store_ps(row + 8, acc[i][1]);
-      for (int64_t j = 0; j < n_valid; ++j) o[j] = accumulate ? o[j] + row[j] : row[j];
-    }
-  }
-}
-
 void any_tile(int64_t rows, const float* x, int64_t ld_x, const float* panel, int64_t depth, float* out,
               int64_t ld_out, bool accumulate, int64_t n_valid) {
   switch (rows) {
-    case 6: tile<6>(x, ld_x, panel, depth, out, ld_out, accumulate, n_valid); break;
-    case 5: tile<5>(x, ld_x, panel, depth, out, ld_out, accumulate, n_valid); break;
-    case 4: tile<4>(x, ld_x, panel, depth, out, ld_out, accumulate, n_valid); break;
-    case 3: tile<3>(x, ld_x, panel, depth, out, ld_out, accumulate, n_valid); break;
-    case 2: tile<2>(x, ld_x, panel, depth, out, ld_out, accumulate, n_valid); break;
-    default: tile<1>(x, ld_x, panel, depth, out, ld_out, accumulate, n_valid);
+    case 6: tokenmill_tile::tile16<6>(x, ld_x, panel, depth, out, ld_out, accumulate, n_valid); break;
+    case 5: tokenmill_tile::tile16<5>(x, ld_x, panel, depth, out, ld_out, accumulate, n_valid); break;
+    case 4: tokenmill_tile::tile16<4>(x, ld_x, panel, depth, out, ld_out, accumulate, n_valid); break;
+    case 3: tokenmill_tile::tile16<3>(x, ld_x, panel, depth, out, ld_out, accumulate, n_valid); break;
+    case 2: tokenmill_tile::tile16<2>(x, ld_x, panel, depth, out, ld_out, accumulate, n_valid); break;
+    default: tokenmill_tile::tile16<1>(x, ld_x, panel, depth, out, ld_out, accumulate, n_valid);
   }
 }
 

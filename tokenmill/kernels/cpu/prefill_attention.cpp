@@ -34,6 +34,7 @@
 #endif
 
 #include "simd.h"
+#include "tile16.h"
 
 namespace {
 
@@ -139,8 +140,8 @@ void pack_fp32(const Problem<T>& p, int64_t h, const Tile<T>& t, Scratch& s) {
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 // With AVX2 alone, a vec16 times a scalar compiles to the scalar's broadcast through the stack on
-// every use: these two functions hold each vec16 as two 256-bit registers explicitly. Same sums,
-// in the same order, one fma each.
+// every use: the scores take panel_linear.cpp's register tile (tile16.h) and the value sums hold each
+// vec16 as two 256-bit registers explicitly. Same sums, in the same order, one fma each.
 
 // out[0, 16) = (low, high), rounded to T.
 template <typename T>
@@ -155,21 +156,8 @@ inline void store_halves(T* out, __m256 low, __m256 high) {
 inline void score_rows(const float* queries, const float* keys, float* scores, int64_t blocks, int64_t dim,
                        int64_t score_stride) {
   for (int64_t kb = 0; kb < blocks; ++kb) {
-    const float* block = keys + kb * dim * kKeyBlock;
-    __m256 acc[kScoreRows][2];
-    for (int64_t r = 0; r < kScoreRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dim; ++d) {
-      const __m256 k_low = _mm256_loadu_ps(block + d * kKeyBlock), k_high = _mm256_loadu_ps(block + d * kKeyBlock + 8);
-      #pragma GCC unroll 8
-      for (int64_t r = 0; r < kScoreRows; ++r) {
-        const __m256 q = _mm256_broadcast_ss(queries + r * dim + d);
-        acc[r][0] = _mm256_fmadd_ps(k_low, q, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(k_high, q, acc[r][1]);
-      }
-    }
-    for (int64_t r = 0; r < kScoreRows; ++r) {
-      store_halves(scores + r * score_stride + kb * kKeyBlock, acc[r][0], acc[r][1]);
-    }
+    tokenmill_tile::tile16<kScoreRows>(queries, dim, keys + kb * dim * kKeyBlock, dim, scores + kb * kKeyBlock,
+                                       score_stride, false, kKeyBlock);
   }
 }
 
