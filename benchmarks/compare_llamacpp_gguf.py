@@ -10,8 +10,12 @@ a fresh process, never together. Per engine and file:
   the prompt's first token) / 127, median of ``--repeats`` after a warm-up;
 - ``prefill_tok_s``: a 512-token prompt (a new one each repeat), one output token;
 - ``throughput_tok_s``: output tokens/s over the reference workload's lengths (``--requests``
-  requests, prompts 32-512 tokens, outputs 32-256; tokenmill: all submitted at once; llama.cpp,
-  whose Python binding serves one sequence at a time: one after another, its best setting here);
+  requests, prompts 32-512 tokens, outputs 32-256); tokenmill: all submitted at once; llama.cpp: as
+  llama-server serves them, in parallel slots with continuous batching (each step one batch of every
+  generating slot's next token, then prompt chunks up to ``n_batch``; a finished slot takes the next
+  request), through the binding's low-level API, for each of ``--llama-slots`` (1 slot: one request
+  after another) with a KV stream per slot; its best is the one compared (``throughput_by_slots``
+  has them all);
 - tokenmill only, ``load_to_first_token_s``: a fresh process from ``LLM(model=...)`` to the first
   token of a short prompt, for the GGUF (conversion cached, and a first run with an empty cache) and
   for the same model as a bf16 safetensors checkpoint (written once by transformers from the GGUF).
@@ -109,15 +113,73 @@ def llama_task(spec: dict[str, Any]) -> dict[str, Any]:
         for _ in range(spec["repeats"])
     ]
     prefill = [PREFILL_TOKENS / run(fresh_prompt(r), 1) for r in range(spec["repeats"])]
-    prompts, outs = spec["prompts"], spec["outs"]
-    t = time.perf_counter()
-    for prompt, n in zip(prompts, outs):
-        run(prompt, n)
+    llm.close()  # its context's memory, before the slots' own
+    by_slots = {slots: llama_slots_throughput(spec, slots) for slots in spec["slots"]}
     return {
         "decode_ms_per_token": 1000 * statistics.median(decode),
         "prefill_tok_s": statistics.median(prefill),
-        "throughput_tok_s": sum(outs) / (time.perf_counter() - t),
+        "throughput_tok_s": max(by_slots.values()),
+        "throughput_by_slots": by_slots,
     }
+
+
+def llama_slots_throughput(spec: dict[str, Any], slots: int, n_batch: int = 2048) -> float:
+    """Output tokens/s of llama.cpp serving ``spec``'s requests greedily in ``slots`` parallel slots."""
+    import llama_cpp as lc
+    import numpy as np
+
+    prompts, outs = spec["prompts"], spec["outs"]
+    model = lc.llama_model_load_from_file(spec["model"].encode(), lc.llama_model_default_params())
+    vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    params = lc.llama_context_default_params()
+    params.n_ctx = slots * max(len(p) + n for p, n in zip(prompts, outs))
+    params.n_batch, params.n_seq_max, params.kv_unified = n_batch, slots, False
+    params.n_threads = params.n_threads_batch = spec["threads"]
+    ctx = lc.llama_init_from_model(model, params)
+    batch = lc.llama_batch_init(n_batch, 0, 1)
+    waiting = list(range(len(prompts)))[::-1]
+
+    def add(token: int, pos: int, slot: int, rows: list[tuple[int, int]] | None) -> None:
+        """Appends one token of ``slot``'s sequence to the batch; with ``rows``, its logits are wanted."""
+        n = batch.n_tokens
+        batch.token[n], batch.pos[n], batch.n_seq_id[n], batch.seq_id[n][0] = token, pos, 1, slot
+        batch.logits[n] = rows is not None
+        if rows is not None:
+            rows.append((n, slot))
+        batch.n_tokens = n + 1
+
+    running: list[dict[str, int] | None] = [None] * slots  # request, prompt tokens fed, tokens made, last token
+    t = time.perf_counter()
+    while waiting or any(running):
+        for slot in range(slots):
+            if running[slot] is None and waiting:
+                running[slot] = {"request": waiting.pop(), "fed": 0, "made": 0, "last": -1}
+        rows: list[tuple[int, int]] = []  # (batch position whose logits are wanted, slot)
+        batch.n_tokens = 0
+        for slot, state in enumerate(running):  # every generating slot's next token first
+            if state is not None and state["made"] > 0:
+                add(state["last"], len(prompts[state["request"]]) + state["made"] - 1, slot, rows)
+        for slot, state in enumerate(running):  # then prompt chunks while the batch has room
+            if state is None or state["made"] > 0:
+                continue
+            prompt = prompts[state["request"]]
+            while state["fed"] < len(prompt) and batch.n_tokens < n_batch:
+                add(prompt[state["fed"]], state["fed"], slot, rows if state["fed"] == len(prompt) - 1 else None)
+                state["fed"] += 1
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        for row, slot in rows:
+            state = running[slot]
+            state["last"] = int(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, row), shape=(vocab,)).argmax())
+            state["made"] += 1
+            if state["made"] == outs[state["request"]]:
+                lc.llama_memory_seq_rm(lc.llama_get_memory(ctx), slot, -1, -1)
+                running[slot] = None
+    seconds = time.perf_counter() - t
+    lc.llama_batch_free(batch)
+    lc.llama_free(ctx)
+    lc.llama_model_free(model)
+    return sum(outs) / seconds
 
 
 def llama_quantize(spec: dict[str, Any]) -> dict[str, Any]:
@@ -172,6 +234,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="tokenmill's dtype (default: %(default)s, the CPU's fast one)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=64, help="throughput requests (default: %(default)s)")
+    parser.add_argument(
+        "--llama-slots", type=int, nargs="+", default=[1, 8, 16], help="llama.cpp's parallel slots to try (throughput)"
+    )
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "tokenmill-bench-gguf"))
     parser.add_argument("--parts", nargs="+", choices=["engines", "load"], default=["engines", "load"])
     parser.add_argument("--json", action="store_true")
@@ -196,7 +261,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     for name, path in (("Q4_1 (default model)", default), ("Q4_K_M", q4km)) if "engines" in args.parts else ():
         ours = call(sys.executable, "tokenmill", {**base, "model": str(path), "task": "bench", "dtype": args.dtype})
-        theirs = call(args.llama_python, "llama", {**base, "model": str(path), "prompts": prompts, "outs": outs})
+        llama_spec = {**base, "model": str(path), "prompts": prompts, "outs": outs, "slots": args.llama_slots}
+        theirs = call(args.llama_python, "llama", llama_spec)
         results[name] = {
             "tokenmill": ours,
             "llama.cpp": theirs,
