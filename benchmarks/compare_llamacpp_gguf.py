@@ -63,7 +63,13 @@ def tokenmill_task(spec: dict[str, Any]) -> dict[str, Any]:
     from tokenmill import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model=spec["model"], cpu_threads=spec["threads"], dtype=spec.get("dtype", "auto"))
+    activations = spec.get("quantized_activations", "int16")
+    llm = LLM(
+        model=spec["model"],
+        cpu_threads=spec["threads"],
+        dtype=spec.get("dtype", "auto"),
+        quantized_activations=activations,
+    )
     if spec["task"] == "load":
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
         return {"load_to_first_token_s": time.perf_counter() - start}
@@ -232,6 +238,9 @@ def main() -> None:
     parser.add_argument("--llama-python", default=LLAMA_PYTHON)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto", help="tokenmill's dtype (default: %(default)s, the CPU's fast one)")
+    parser.add_argument(
+        "--quantized-activations", default="int16", help="tokenmill's quantized_activations (default: %(default)s)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=64, help="throughput requests (default: %(default)s)")
     parser.add_argument(
@@ -258,6 +267,7 @@ def main() -> None:
         call(args.llama_python, "quantize", {"model": str(default), "out": str(q4km), "threads": args.threads})
     prompts, outs = workload(args.requests, 49152)
     base = {"threads": args.threads, "repeats": args.repeats, "requests": args.requests, "vocab": 49152}
+    base["quantized_activations"] = args.quantized_activations
     results: dict[str, Any] = {}
     for name, path in (("Q4_1 (default model)", default), ("Q4_K_M", q4km)) if "engines" in args.parts else ():
         ours = call(sys.executable, "tokenmill", {**base, "model": str(path), "task": "bench", "dtype": args.dtype})

@@ -62,7 +62,8 @@ def tokenmill_task(spec: dict[str, Any]) -> dict[str, Any]:
     from tokenmill import LLM, SamplingParams
 
     options = {"speculative_config": spec["speculative"]} if spec["speculative"] else {}
-    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "auto"), **options)
+    activations = spec.get("quantized_activations", "int16")
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "auto"), quantized_activations=activations, **options)
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=spec["ignore_eos"]) for n in spec["max_tokens"]]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
@@ -116,6 +117,7 @@ def pair(
     build's speed moves by ~15% between processes); the median tokens/s of each, the ratio of the
     medians and each pair's ratio, acceptance and output agreement (of the last pair)."""
     spec = dict(model=model, prompts=prompts, batch=batch, max_tokens=max_tokens, ignore_eos=ignore_eos, dtype=dtype)
+    spec["quantized_activations"] = ARGS.quantized_activations
     plains, fasts = [], []
     for _ in range(ARGS.repeats):
         plains.append(call(__file__, sys.executable, "tokenmill", {**spec, "speculative": None}))
@@ -268,6 +270,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--draft-layers", type=int, default=8)
     parser.add_argument(
         "--dtype", default="auto", help="the GGUF runs' dtype (default: %(default)s, the CPU's fast one)"
+    )
+    parser.add_argument(
+        "--quantized-activations", default="int16", help="tokenmill's quantized_activations (default: %(default)s)"
     )
     parser.add_argument("--repeats", type=int, default=1, help="plain/speculative pairs per measurement (medians)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])

@@ -106,6 +106,14 @@ class EngineConfig:
         "channel, int4 the largest of 128, 64, 32 that divides each layer's input width.",
         section="model",
     )
+    quantized_activations: str = option(
+        "int16",
+        "How products with a quantized weight in the CPU kernels' panels layout (int8 activations x "
+        'packed weight) quantize their inputs, per block of a row: "int16" (two int8 passes, the value '
+        'and its rounding residual: about 15 bits of the block\'s range) or "int8" (one pass, as '
+        "llama.cpp does: half the integer work, coarser logits). Other products ignore it.",
+        section="model",
+    )
     cpu_threads: int = option(
         0,
         "Threads of the engine's parallel ops on CPU. 0: adapt them to the CPUs this process may use "
@@ -364,6 +372,8 @@ class EngineConfig:
             raise ValueError(f"max_score_documents must be >= 1, got {self.max_score_documents}")
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f'quantization must be None, "int8" or "int4", got {self.quantization!r}')
+        if self.quantized_activations not in ("int16", "int8"):
+            raise ValueError(f'quantized_activations must be "int16" or "int8", got {self.quantized_activations!r}')
         if self.quantization_group_size not in (None, 32, 64, 128):
             raise ValueError(f"quantization_group_size must be None, 32, 64 or 128, got {self.quantization_group_size}")
         if self.page_size < 1 or self.page_size > 256 or self.page_size & (self.page_size - 1):

@@ -9,7 +9,8 @@ quantized-then-dequantized value first (``tokenmill.model.quantization.fake_quan
 numbers a model loaded with that ``quantization`` computes), which measures the quantization error;
 ``--int8-activations`` also quantizes each one's input as the panels layout (bf16 on a VNNI CPU) does.
 
-Usage: ``python tools/measure_perplexity.py [--model-dir PATH] [--quantization int8|int4] [--int8-activations]``
+Usage: ``python tools/measure_perplexity.py [--model-dir PATH] [--quantization int8|int4] [--int8-activations]
+[--activation-passes 1|2]``
 """
 
 from __future__ import annotations
@@ -48,13 +49,15 @@ def measure(
     batch_size: int = 8,
     quantization: str | None = None,
     int8_activations: bool = False,
+    activation_passes: int = 2,
 ) -> dict[str, float]:
     """Return model and unigram-baseline perplexities on the held-out files (the model's weights as
-    ``quantization`` leaves them, if given, and with ``int8_activations`` their inputs too)."""
+    ``quantization`` leaves them, if given, and with ``int8_activations`` their inputs too, in
+    ``activation_passes`` int8 passes)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
     scheme = quantization_scheme(EngineConfig(quantization=quantization))
-    quantized = 0 if scheme is None else fake_quantize_model(model, scheme, int8_activations)
+    quantized = 0 if scheme is None else fake_quantize_model(model, scheme, int8_activations, activation_passes)
     vocab_size = model.config.vocab_size
     eos_id = tokenizer.eos_token_id
     train_texts, val_texts = load_split()
@@ -88,12 +91,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quantization", choices=("int8", "int4"), default=None)
     parser.add_argument("--int8-activations", action="store_true", help="also quantize the projections' inputs")
+    parser.add_argument(
+        "--activation-passes", type=int, choices=(1, 2), default=2, help="int8 passes of the inputs (1: as llama.cpp)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     result = measure(
-        args.model_dir, args.seq_len, quantization=args.quantization, int8_activations=args.int8_activations
+        args.model_dir,
+        args.seq_len,
+        quantization=args.quantization,
+        int8_activations=args.int8_activations,
+        activation_passes=args.activation_passes,
     )
-    activations = ", int8 activations" if args.int8_activations else ""
+    activations = f", int8 activations in {args.activation_passes} pass(es)" if args.int8_activations else ""
     print(f"quantized modules:        {result['quantized_projections']} ({args.quantization or 'none'}{activations})")
     print(f"held-out tokens:          {result['tokens']:,} ({args.seq_len}-token windows)")
     print(f"model perplexity:         {result['model_ppl']:.3f}")

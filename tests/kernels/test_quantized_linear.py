@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from tokenmill.kernels.quant_format import (
     unpack_int4,
 )
 from tokenmill.kernels.quant_linear import (
+    ONE_PASS_PANELS_MAX_ROWS,
     PANELS_MAX_ROWS,
     STREAM_MAX_ROWS,
     activation_block,
@@ -217,6 +219,9 @@ def test_activation_quantization_keeps_each_block_to_a_508th_of_its_step() -> No
     assert ((got - x).abs() <= fine / 2 + 1e-7).all()
     hi_only = torch.round(x[1, :4] / (1.0 / 127)) * (1.0 / 127)
     assert (got[1, :4] - x[1, :4]).abs().sum() < (hi_only - x[1, :4]).abs().sum() / 100
+    one_pass = fake_quantize_activations(x, 4, passes=1)  # hi alone, to half a step
+    torch.testing.assert_close(one_pass[1, :4], hi_only)
+    assert ((one_pass - x).abs() <= (absmax / 127 / 2).repeat_interleave(4, dim=1) + 1e-7).all()
     assert activation_block(64, 256) == 64 and activation_block(256, 256) == 128 and activation_block(160, 160) == 32
 
 
@@ -229,16 +234,18 @@ needs_int8_dots = pytest.mark.skipif(
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
 @pytest.mark.parametrize("rows", [1, 5, 6, 13, 17])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("passes", [2, 1])
 def test_panels_kernel_equals_linear_on_the_dequantized_activations_and_weight(
-    scheme: QuantScheme, rows: int, dtype: torch.dtype
+    scheme: QuantScheme, rows: int, dtype: torch.dtype, passes: int
 ) -> None:
     """N = 80: two pairs of panels and one single; rows: whole register tiles of 4 (and AMX tiles of
-    8) and remainders."""
+    8) and remainders; activations in two int8 passes or one."""
     torch.manual_seed(rows)
     w, x, bias = torch.randn(80, 256), torch.randn(rows, 256).to(dtype), torch.randn(80)
     x[0, :32] = 0.0  # an all-zero block
-    tensors = to_panels(quantize(w, scheme))
-    expected = F.linear(fake_quantize_activations(x, activation_block(tensors.group, 256)), dequantize(tensors), bias)
+    tensors = dataclasses.replace(to_panels(quantize(w, scheme)), activation_passes=passes)
+    x_seen = fake_quantize_activations(x, activation_block(tensors.group, 256), passes)
+    expected = F.linear(x_seen, dequantize(tensors), bias)
     got = quantized_linear(x, tensors, bias.to(dtype))
     assert got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
@@ -248,17 +255,20 @@ def test_panels_kernel_equals_linear_on_the_dequantized_activations_and_weight(
 @needs_int8_dots
 @pytest.mark.parametrize("scheme", [*SCHEMES, QuantScheme(8, 16)], ids=lambda s: s.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_panels_rows_in_a_batch_are_the_bits_of_each_row_alone(scheme: QuantScheme, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("passes", [2, 1])
+def test_panels_rows_in_a_batch_are_the_bits_of_each_row_alone(
+    scheme: QuantScheme, dtype: torch.dtype, passes: int
+) -> None:
     """A row's result does not depend on the rows beside it (speculative verification and batched
     greedy decoding rely on it): with AMX (int8_dot_tiles) batches of a few rows on run in tiles of
     8 rows, one row alone runs the vector path; both join the same exact integer sums the same way.
     N = 48: a pair of panels and a single; 19 rows: two whole tiles and a part; K = 384: blocks of
-    16 ... 128 and per-channel int8's 128."""
+    16 ... 128 and per-channel int8's 128. With one activation pass, every row runs the vector path."""
     torch.manual_seed(len(scheme.name))
     w, x, bias = torch.randn(48, 384), torch.randn(19, 384).to(dtype), torch.randn(48)
     x[3, 64:192] = 0.0  # all-zero blocks
     x[7] *= 1e3  # a row of another scale beside the others
-    tensors = to_panels(quantize(w, scheme))
+    tensors = dataclasses.replace(to_panels(quantize(w, scheme)), activation_passes=passes)
     batch = quantized_linear(x, tensors, bias.to(dtype))
     for rows in (range(19), range(2, 11)):  # every row against the batch; a batch of 9 from row 2
         alone = torch.cat([quantized_linear(x[i : i + 1], tensors, bias.to(dtype)) for i in rows])
@@ -310,13 +320,15 @@ def test_the_avx2_build_gives_the_bits_of_the_avx512_vnni_build(tmp_path: Path) 
     """The kernels built for AVX2 alone (``TOKENMILL_CPU_MARCH=x86-64-v3``: quant_int16_dot.cpp, in a
     process of their own) multiply panels-layout weights with the same bits as this CPU's
     AVX512-VNNI build (and AMX tiles, where it has them): int8 (per channel, groups of 32 and 16)
-    and int4 (both kinds, fp32 and fp16 scales), fp32 and bf16 rows, 1 to past a 192-row chunk."""
+    and int4 (both kinds, fp32 and fp16 scales), fp32 and bf16 rows, 1 to past a 192-row chunk,
+    activations in two passes or one."""
     torch.manual_seed(11)
     weights = [
         to_panels(quantize(torch.randn(48, 512), scheme))
         for scheme in (QuantScheme(8), QuantScheme(8, 32), QuantScheme(8, 16), *SCHEMES[2:])
     ]
     weights.append(to_panels(_fp16_exact(quantize(torch.randn(32, 512), QuantScheme(4, 32, symmetric=False)))))
+    weights += [dataclasses.replace(w, activation_passes=1) for w in weights]
     cases = []
     for w in weights:
         for rows in (1, 2, 3, 7, 200):
@@ -331,7 +343,7 @@ def test_the_avx2_build_gives_the_bits_of_the_avx512_vnni_build(tmp_path: Path) 
     theirs = torch.load(tmp_path / "out.pt", weights_only=False)
     assert theirs["isa"] == "avx2"
     for (w, x, bias), out in zip(cases, theirs["out"], strict=True):
-        assert torch.equal(quantized_linear(x, w, bias), out), (w.bits, w.group, x.shape, x.dtype)
+        assert torch.equal(quantized_linear(x, w, bias), out), (w.bits, w.group, w.activation_passes, x.shape, x.dtype)
 
 
 def test_int8_tiles_are_used_where_the_cpu_has_them() -> None:
@@ -342,9 +354,16 @@ def test_int8_tiles_are_used_where_the_cpu_has_them() -> None:
 
 @needs_int8_dots
 @pytest.mark.parametrize("bits", [8, 4])
-def test_panels_beyond_the_kernels_rows_are_linear_on_the_dequantized_weight(bits: int) -> None:
-    """More rows than PANELS_MAX_ROWS: the weight is dequantized for oneDNN, activations as they are."""
-    w, x = torch.randn(32, 64), torch.randn(PANELS_MAX_ROWS + 3, 64).bfloat16()
-    tensors = to_panels(quantize(w, QuantScheme(bits, 32, symmetric=bits == 8)))
+@pytest.mark.parametrize("passes, most_rows", [(2, PANELS_MAX_ROWS), (1, ONE_PASS_PANELS_MAX_ROWS)])
+def test_panels_beyond_the_kernels_rows_are_linear_on_the_dequantized_weight(
+    bits: int, passes: int, most_rows: int
+) -> None:
+    """More rows than the limit for the weight's activation passes: the weight is dequantized for
+    oneDNN, activations as they are; up to it, they are quantized."""
+    w, x = torch.randn(32, 64), torch.randn(most_rows + 3, 64).bfloat16()
+    tensors = dataclasses.replace(
+        to_panels(quantize(w, QuantScheme(bits, 32, symmetric=bits == 8))), activation_passes=passes
+    )
     expected = F.linear(x, dequantize(tensors, torch.bfloat16))
     assert torch.equal(quantized_linear(x, tensors), expected)
+    assert not torch.equal(quantized_linear(x[:most_rows], tensors), expected[:most_rows])

@@ -33,7 +33,7 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.decode_forward import CpuDecodeForward
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_model
-from tokenmill.model.quantization import quantize_model
+from tokenmill.model.quantization import quantize_model, set_activation_passes
 from tokenmill.model.registry import load_model_config
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler to build the CPU kernels")
@@ -131,6 +131,7 @@ def test_matches_python_layers(
 @pytest.mark.parametrize("scheme", [QuantScheme(8), QuantScheme(4, 32, symmetric=False)], ids=lambda s: s.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_requests, stream_max_rows", [(1, STREAM_MAX_ROWS), (5, STREAM_MAX_ROWS), (5, 4)])
+@pytest.mark.parametrize("passes", [2, 1])
 def test_quantized_projections_match_python_layers(
     llama: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -138,13 +139,16 @@ def test_quantized_projections_match_python_layers(
     dtype: torch.dtype,
     n_requests: int,
     stream_max_rows: int,
+    passes: int,
 ) -> None:
     """Quantized projections in the C++ decode forward: streamed, or (more rows than the streaming
-    limit, lowered here to fit the harness's rows) dequantized for oneDNN."""
+    limit, lowered here to fit the harness's rows) dequantized for oneDNN; in the panels layout (bf16
+    with an int8 path) with the model's activation passes."""
     monkeypatch.setattr(quant_linear_module, "STREAM_MAX_ROWS", stream_max_rows)
     monkeypatch.setattr(decode_forward_module, "STREAM_MAX_ROWS", stream_max_rows)
     model = load_model(llama, dtype, "cpu")
     quantize_model(model, scheme)
+    set_activation_passes(model, passes)
     fused, fused_cache = greedy_decode(model, n_requests, steps=4, fused=True)
     python, python_cache = greedy_decode(model, n_requests, steps=4, fused=False)
     for step, (a, b) in enumerate(zip(fused, python)):

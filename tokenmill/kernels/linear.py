@@ -131,6 +131,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self._blocked = BlockedCopy()
         self.quantization: QuantScheme | None = None
+        self.activation_passes = 2  # a panels-layout quantized weight's (QuantizedTensors.activation_passes)
         self.lora: LoRAWeights | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,7 +185,9 @@ class Linear(nn.Linear):
         """The quantized weight's tensors (only after :meth:`quantize_`)."""
         assert self.quantization is not None, "the layer is not quantized"
         group = self.in_features * self.out_features // self.qscale.numel()
-        return QuantizedTensors(self.qweight, self.qscale, self.qmin, self.quantization.bits, group)
+        return QuantizedTensors(
+            self.qweight, self.qscale, self.qmin, self.quantization.bits, group, self.activation_passes
+        )
 
     def blocked_weight(self, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
         """The blocked copy that :meth:`forward` multiplies a CPU input of ``dtype`` and ``rows`` rows

@@ -82,13 +82,15 @@ class QuantScheme:
 @dataclass
 class QuantizedTensors:
     """One quantized weight in the rows or the panels layout (see the module docstring): ``min`` is
-    None for int8."""
+    None for int8. ``activation_passes``: how many int8 passes the panels layout's products quantize
+    their inputs to (:func:`fake_quantize_activations`)."""
 
     qweight: torch.Tensor
     scale: torch.Tensor
     min: torch.Tensor | None
     bits: int
     group: int
+    activation_passes: int = 2
 
     @property
     def panels(self) -> bool:
@@ -156,15 +158,17 @@ ACTIVATION_RESIDUAL_STEPS = 254
 parts of its step (the residual is at most half a step, so it fits in [-127, 127])."""
 
 
-def fake_quantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+def fake_quantize_activations(x: torch.Tensor, block: int, passes: int = 2) -> torch.Tensor:
     """``x [..., K]`` (float) as the panels layout's kernel sees it, in fp32: each block of ``block``
     values of a row has the step ``s = absmax / 127`` and two int8 passes, ``hi = round(x / s)`` and
     ``lo = round((x - hi s) / (s / 254))`` (``torch.round``: half to even), dequantized as
-    ``hi s + lo s / 254``."""
+    ``hi s + lo s / 254``; with one pass (``passes=1``, llama.cpp's int8 activations), ``hi s``."""
     blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
     scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
     step = _nonzero(scale)
     hi = torch.round(blocks / step)
+    if passes == 1:
+        return (hi * scale).reshape(x.shape)
     fine = step / ACTIVATION_RESIDUAL_STEPS
     lo = torch.round(torch.addcmul(blocks, hi, step, value=-1) / fine)
     return (hi * scale + lo * (scale / ACTIVATION_RESIDUAL_STEPS)).reshape(x.shape)

@@ -7,12 +7,13 @@ On CPU with the C++ kernels built (fp32 or bf16 input), ``quantized_linear`` of 
   ``x @ dequantize(weight).T + bias``, the contract of ``F.linear`` on the dequantized weight (to
   fp32 rounding: the kernel sums in its own order);
 - panels layout (made only where :func:`int8_dot_products`), up to ``PANELS_MAX_ROWS`` rows: each
-  row of x is first quantized per block of :func:`activation_block` values to two int8 passes, the
-  value and its rounding residual (``quant_format.fake_quantize_activations``: to 1/508 of the
-  block's int8 step), and multiplied in integers (AVX512-VNNI, or AMX-INT8 tiles from a few rows on
-  where :func:`int8_dot_tiles`; on CPUs with AVX2 alone the two passes joined in int16: each row's
-  result the same bits on any of them), streaming the packed
-  weight: the result is
+  row of x is first quantized per block of :func:`activation_block` values to the weight's
+  ``activation_passes`` int8 passes, two by default: the value and its rounding residual
+  (``quant_format.fake_quantize_activations``: to 1/508 of the block's int8 step; one pass: the
+  value alone, to half a step, with half the integer work), and multiplied in integers
+  (AVX512-VNNI, or, two passes, AMX-INT8 tiles from a few rows on where :func:`int8_dot_tiles`; on
+  CPUs with AVX2 alone the two passes joined in int16: each row's result the same bits on any of
+  them), streaming the packed weight: the result is
   ``F.linear`` of those dequantized activations on the dequantized weight (to fp32 rounding); more
   rows: the weight is dequantized into a temporary in the input's dtype for oneDNN, as above.
 Elsewhere (GPU, other dtypes, no compiler) the weight is dequantized in torch for each call (and
@@ -36,11 +37,16 @@ block of weight rows once into L1 for every row of x, and the BLAS's fp32 produc
 
 
 PANELS_MAX_ROWS = 192 if "amx_int8" in cpu_flags() else 512 if "avx512_vnni" in cpu_flags() else 2048
-"""Most rows of x for which a panels-layout weight runs the int8 kernel (two activation passes: its
-integer work doubles, and with many rows that work is the cost); more rows dequantize the weight to
-x's dtype for oneDNN, which is faster beyond about this many rows (README's measurements): with AMX
-(int8 tiles for the kernel, bf16 tiles for oneDNN) from ~200 rows on, with AVX-512 alone from ~512;
-with AVX2 alone (fp32 GEMM on the dequantized weight) not up to 2,048."""
+"""Most rows of x for which a panels-layout weight with two activation passes runs the int8 kernel
+(its integer work doubles, and with many rows that work is the cost); more rows dequantize the
+weight to x's dtype for oneDNN, which is faster beyond about this many rows (README's
+measurements): with AMX (int8 tiles for the kernel, bf16 tiles for oneDNN) from ~200 rows on, with
+AVX-512 alone from ~512; with AVX2 alone (fp32 GEMM on the dequantized weight) not up to 2,048."""
+
+ONE_PASS_PANELS_MAX_ROWS = 192 if "amx_int8" in cpu_flags() else 2048
+"""The same limit for one activation pass: half the integer work, so with AVX512-VNNI or AVX2 the
+kernel stays ahead of oneDNN up to 2,048 rows (README); with AMX one pass runs the vector path,
+not the tiles, and keeps the two-pass limit."""
 
 
 def int8_dot_tiles() -> bool:
@@ -77,13 +83,22 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedTensors, bias: torch.Tens
         kernels = load_cpu_kernels()
         if kernels is not None:
             rows = x.reshape(-1, k).contiguous()
-            if weight.panels and rows.shape[0] > PANELS_MAX_ROWS:
+            most_rows = PANELS_MAX_ROWS if weight.activation_passes == 2 else ONE_PASS_PANELS_MAX_ROWS
+            if weight.panels and rows.shape[0] > most_rows:
                 w = kernels.dequantize_weight(
                     weight.qweight, weight.scale, weight.min, weight.bits, weight.group, x.dtype
                 )
                 return F.linear(x, w, bias)
             out = kernels.quantized_linear(
-                rows, weight.qweight, weight.scale, weight.min, weight.bits, weight.group, bias, STREAM_MAX_ROWS
+                rows,
+                weight.qweight,
+                weight.scale,
+                weight.min,
+                weight.bits,
+                weight.group,
+                bias,
+                STREAM_MAX_ROWS,
+                weight.activation_passes,
             )
             return out.view(*x.shape[:-1], n)
     return F.linear(x, dequantize(weight, x.dtype), bias)

@@ -47,6 +47,8 @@ class CpuDecodeForward:
         any_quantized = any(p is not None for p in quantized)
         self._qscales = [None if p is None else p.qscale for p in quantized] if any_quantized else []
         self._qmins = [None if p is None else p.qmin for p in quantized] if any_quantized else []
+        # the int8 passes of the quantized projections' inputs (Linear.activation_passes: one setting per model)
+        self.activation_passes = next((p.activation_passes for p in quantized if p is not None), 2)
 
     @classmethod
     def build(cls, model: CausalLM, backend: AttentionBackend, kv_dtype: torch.dtype) -> CpuDecodeForward | None:
@@ -114,4 +116,5 @@ class CpuDecodeForward:
             STREAM_MAX_ROWS,
             view.k_scale,
             view.v_scale,
+            self.activation_passes,
         )

@@ -81,6 +81,17 @@ def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
     return len(targets)
 
 
+def set_activation_passes(model: torch.nn.Module, passes: int) -> int:
+    """Have every quantized projection of ``model`` quantize its inputs to ``passes`` int8 passes
+    (``QuantizedTensors.activation_passes``; only panels-layout products read it); returns how many."""
+    if passes not in (1, 2):
+        raise ValueError(f"activation passes must be 1 or 2, got {passes}")
+    quantized = [m for m in model.modules() if isinstance(m, Linear) and m.quantization is not None]
+    for module in quantized:
+        module.activation_passes = passes
+    return len(quantized)
+
+
 def _fitting_experts(layers: torch.nn.Module, scheme: QuantScheme) -> list[Experts]:
     """The stacked MoE experts under ``layers`` to quantize, checked as :func:`_fitting_projections`
     checks projections (both of an expert's input widths)."""
@@ -140,7 +151,9 @@ def _kernel_description(panels: bool) -> str:
     return f"rows layout: fp32 streaming (quant_linear.cpp) up to {STREAM_MAX_ROWS} rows, dequantized + oneDNN beyond"
 
 
-def fake_quantize_model(model: torch.nn.Module, scheme: QuantScheme, int8_activations: bool = False) -> int:
+def fake_quantize_model(
+    model: torch.nn.Module, scheme: QuantScheme, int8_activations: bool = False, activation_passes: int = 2
+) -> int:
     """Make a transformers causal LM (``model.model.layers``, ``get_output_embeddings()``) compute
     what a tokenmill model quantized with ``scheme`` does; returns how many modules changed. Each
     ``nn.Linear`` :func:`quantize_model` would quantize (the decoder projections; the LM head with
@@ -150,8 +163,8 @@ def fake_quantize_model(model: torch.nn.Module, scheme: QuantScheme, int8_activa
     (gate/up) weights give what tokenmill's packed ones give (for measuring the quantization error,
     e.g. perplexity, with any framework).
     With ``int8_activations`` each of them whose output width the panels layout takes (a multiple
-    of 16) also quantizes its input as that layout's kernel does (a forward pre-hook:
-    ``fake_quantize_activations`` per ``activation_block``); a model with stacked experts then raises
+    of 16) also quantizes its input as that layout's kernel does in ``activation_passes`` passes (a
+    forward pre-hook: ``fake_quantize_activations`` per ``activation_block``); a model with stacked experts then raises
     ValueError (their products are internal to the module)."""
     targets = [(module, scheme) for module in _fitting_projections(model.model.layers, scheme, torch.nn.Linear)]
     head = model.get_output_embeddings()
@@ -173,7 +186,9 @@ def fake_quantize_model(model: torch.nn.Module, scheme: QuantScheme, int8_activa
         if int8_activations and module.out_features % PANEL == 0:
             block = activation_block(module_scheme.group_for(module.in_features), module.in_features)
             module.register_forward_pre_hook(
-                lambda _, args, block=block: (fake_quantize_activations(args[0], block).to(args[0].dtype),)
+                lambda _, args, block=block: (
+                    fake_quantize_activations(args[0], block, activation_passes).to(args[0].dtype),
+                )
             )
     return len(targets) + 2 * sum(stack.gate_up_proj.shape[0] for stack in stacks)
 

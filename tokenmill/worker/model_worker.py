@@ -35,7 +35,7 @@ from tokenmill.model.decode_forward import CpuDecodeForward
 from tokenmill.model.loader import load_model
 from tokenmill.model.lora import LoRASlots
 from tokenmill.model.parallel import TensorParallel
-from tokenmill.model.quantization import quantization_scheme, quantize_model
+from tokenmill.model.quantization import quantization_scheme, quantize_model, set_activation_passes
 from tokenmill.model.registry import Model, load_model_config
 from tokenmill.worker.cuda_graphs import CudaGraphDecodeRunner, make_cuda_graph_runner
 from tokenmill.worker.forward_step import ForwardStep
@@ -142,6 +142,8 @@ def build_model_worker(
     scheme = quantization_scheme(config)
     if scheme is not None:
         quantize_model(model, scheme)
+    if config.quantized_activations == "int8":
+        set_activation_passes(model, 1)
     if not model.is_encoder:
         model.backend = model.make_backend(config, dtype)
     dtype_name = str(dtype).removeprefix("torch.") + (" (auto)" if config.dtype == "auto" else "")

@@ -71,7 +71,7 @@ struct PlainLinear {
 // weight, through PlainLinear's choice); qscales/qmins: empty, or like blocked, the scale and min of a
 // projection kept quantized (quant_linear.cpp's layout; its weight slot then holds the packed int8
 // or uint8 weight: 8 or 4 bits; min None for int8) or None for one that is not, multiplied by
-// quantized_linear with stream_max_rows as kernels/quant_linear.py calls it; k_buffer/v_buffer
+// quantized_linear with stream_max_rows and activation_passes as kernels/quant_linear.py calls it; k_buffer/v_buffer
 // [layers, slots, Hkv, D] in the model's dtype, fp8 (kv_fp8's format), or int8 with k_scale_buffer/v_scale_buffer
 // [layers, slots, Hkv] (kv_quant's format); windows: each layer's sliding window (0: global attention). Returns the logits [B, V'].
 at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& embed,
@@ -85,7 +85,7 @@ at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positio
                           const c10::List<std::optional<at::Tensor>>& qscales,
                           const c10::List<std::optional<at::Tensor>>& qmins, int64_t stream_max_rows,
                           const c10::optional<at::Tensor>& k_scale_buffer,
-                          const c10::optional<at::Tensor>& v_scale_buffer) {
+                          const c10::optional<at::Tensor>& v_scale_buffer, int64_t activation_passes) {
   const int64_t n_layers = k_buffer.size(0), batch = input_ids.numel();
   TORCH_CHECK(static_cast<int64_t>(windows.size()) == n_layers, "one window per layer");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == n_layers * kWeightsPerLayer, "expected ", kWeightsPerLayer,
@@ -108,7 +108,8 @@ at::Tensor decode_forward(const at::Tensor& input_ids, const at::Tensor& positio
         const int64_t bits = weight.scalar_type() == at::kChar ? 8 : 4;
         const int64_t n_out = weight.dim() == 3 ? weight.size(0) * tokenmill_quant::kPanel : weight.size(0);
         const int64_t group = x.size(1) * n_out / scales->numel();  // either layout: one scale per group
-        return quantized_linear(x, weight, *scales, qmins.get(index), bits, group, c10::nullopt, stream_max_rows);
+        return quantized_linear(x, weight, *scales, qmins.get(index), bits, group, c10::nullopt, stream_max_rows,
+                                activation_passes);
       }
     }
     if (!blocked.empty()) {
@@ -153,7 +154,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
         "Tensor(b!) v_buffer, Tensor out_cache_loc, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
         "int[] windows, int n_heads, int n_kv_heads, int head_dim, float eps, float scale, int skinny_max_rows, "
         "int panel_max_rows, Tensor?[] qscales, Tensor?[] qmins, int stream_max_rows, Tensor? k_scale_buffer=None, "
-        "Tensor? v_scale_buffer=None) -> Tensor");
+        "Tensor? v_scale_buffer=None, int activation_passes=2) -> Tensor");
   m.impl("decode_forward", c10::DispatchKey::CPU, &decode_forward);
   // fp32 blocked weights are oneDNN tensors, which dispatch the call to this key
   m.impl("decode_forward", c10::DispatchKey::MkldnnCPU, &decode_forward);

@@ -12,7 +12,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& min, int64_t bits, int64_t group,
-                            const c10::optional<at::Tensor>& bias, int64_t stream_max_rows);
+                            const c10::optional<at::Tensor>& bias, int64_t stream_max_rows, int64_t activation_passes);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);

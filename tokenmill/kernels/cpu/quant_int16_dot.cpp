@@ -1,8 +1,9 @@
 // Products with a panels-layout quantized weight on CPUs with AVX2 (and FMA, F16C) but without
 // AVX512-VNNI: quant_packed.h's int8_dot_product, with the same activations and the same results as
 // quant_int8_dot.cpp's. Each block of a row of x gets the step s = absmax / 127 and the two int8
-// passes hi = round(x / s) and lo = round((x - hi s) / (s / 254)), as there. The weight is read a
-// panel of 16 rows at a time, a quad of K (4 values) per row:
+// passes hi = round(x / s) and lo = round((x - hi s) / (s / 254)), as there (or hi alone, with one
+// pass: below, read "254 hi + lo" as hi). The weight is read a panel of 16 rows at a time, a quad of
+// K (4 values) per row:
 // - int4: a quad's bytes (0..15) as they unpack, 8 rows to a vector, against each pass's 4 bytes
 //   (broadcast) by vpmaddubsw, whose int16 pair sums (at most 2 x 15 x 127) are added for up to 8
 //   quads (at most 30480, no saturation) before vpmaddwd joins them into int32 as 254 hi + lo;
@@ -37,15 +38,16 @@ constexpr int64_t kChunkRows = 192;  // rows of x per pass over the weight
 
 constexpr int64_t kInt16Quads = 8;  // int4: quads whose int16 pair sums are added before joining
 
-// x quantized per block: int4 weights, the int8 passes [M, 2, K] (row m's hi, then its lo); int8
-// weights, the joined values 254 hi + lo [M, K]; per block its scale and the dequantized block's sum.
+// x quantized per block: int4 weights, the int8 passes [M, n_passes, K] (row m's hi, then its lo if
+// two); int8 weights, the joined values 254 hi + lo (one pass: hi) [M, K]; per block its scale and
+// the dequantized block's sum.
 struct QuantizedRows {
   std::vector<int8_t> passes;
   std::vector<int16_t> joined;
   std::vector<float> scale, x_sum;
-  int64_t block, blocks_per_row, k_dim;
-  const int8_t* hi(int64_t row) const { return passes.data() + 2 * row * k_dim; }
-  const int8_t* lo(int64_t row) const { return passes.data() + (2 * row + 1) * k_dim; }
+  int64_t block, blocks_per_row, k_dim, n_passes;
+  const int8_t* hi(int64_t row) const { return passes.data() + n_passes * row * k_dim; }
+  const int8_t* lo(int64_t row) const { return hi(row) + k_dim; }
 };
 
 inline __m256 load8_ps(const float* p) { return _mm256_loadu_ps(p); }
@@ -78,17 +80,19 @@ inline void store8(int16_t* out, __m256i v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), words);
 }
 
-// x quantized for a weight of `bits`: the passes apart (4) or joined (8).
+// x quantized to `n_passes` passes for a weight of `bits`: the passes apart (4) or joined (8).
 template <typename In>
-QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t block, int64_t bits) {
+QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t block, int64_t bits,
+                            int64_t n_passes) {
   QuantizedRows a;
   a.block = block;
   a.blocks_per_row = k_dim / block;
   a.k_dim = k_dim;
+  a.n_passes = n_passes;
   if (bits == 8) {
     a.joined.resize(m_rows * k_dim);
   } else {
-    a.passes.resize(2 * m_rows * k_dim);
+    a.passes.resize(n_passes * m_rows * k_dim);
   }
   a.scale.resize(m_rows * a.blocks_per_row);
   a.x_sum.resize(a.scale.size());
@@ -110,14 +114,16 @@ QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t 
         const __m256 hi_f = _mm256_round_ps(_mm256_div_ps(xv, divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __m256 residual = _mm256_fnmadd_ps(hi_f, divisor, xv);
         const __m256i hi = _mm256_cvtps_epi32(hi_f);
-        const __m256i lo = _mm256_cvtps_epi32(_mm256_div_ps(residual, lo_divisor));
+        const __m256i lo =
+            n_passes == 2 ? _mm256_cvtps_epi32(_mm256_div_ps(residual, lo_divisor)) : _mm256_setzero_si256();
         hi_total = _mm256_add_epi32(hi_total, hi);
         lo_total = _mm256_add_epi32(lo_total, lo);
         if (bits == 8) {
-          store8(a.joined.data() + b * block + k, _mm256_add_epi32(_mm256_mullo_epi32(hi, residual_steps), lo));
+          const __m256i joined = n_passes == 2 ? _mm256_add_epi32(_mm256_mullo_epi32(hi, residual_steps), lo) : hi;
+          store8(a.joined.data() + b * block + k, joined);
         } else {
-          store8(a.passes.data() + 2 * row * k_dim + at + k, hi);
-          store8(a.passes.data() + (2 * row + 1) * k_dim + at + k, lo);
+          store8(a.passes.data() + n_passes * row * k_dim + at + k, hi);
+          if (n_passes == 2) store8(a.passes.data() + (2 * row + 1) * k_dim + at + k, lo);
         }
       }
       a.scale[b] = scale;
@@ -167,8 +173,9 @@ inline void prefetch_quads(const Packed& p, int64_t panel, int64_t t) {
 }
 
 // acc[m] (rows 0-7 and 8-15 of the panel) plus block b's product for kRows rows from m0, from the
-// block's exact int32 sums `joined` [m][half]: (254 hi + lo) (x scale / 254) (weight scale), then,
-// for int4, the weight's min times the block's dequantized x sum.
+// block's exact int32 sums `joined` [m][half]: (254 hi + lo) (x scale / 254) (weight scale), or hi
+// (x scale) (weight scale) with one pass, then, for int4, the weight's min times the block's
+// dequantized x sum.
 template <int kRows>
 __attribute__((always_inline)) inline void add_block(const Packed& p, const QuantizedRows& a, int64_t m0, int64_t panel,
                                                      int64_t b, const __m256i (*joined)[2], __m256 (*acc)[2]) {
@@ -176,7 +183,8 @@ __attribute__((always_inline)) inline void add_block(const Packed& p, const Quan
   load_group(p, panel, b / (p.group / a.block), w_scale, w_min);
   for (int m = 0; m < kRows; ++m) {
     const int64_t ab = (m0 + m) * a.blocks_per_row + b;
-    const __m256 x_scale = _mm256_set1_ps(a.scale[ab] / kResidualSteps), x_sum = _mm256_set1_ps(a.x_sum[ab]);
+    const __m256 x_scale = _mm256_set1_ps(a.n_passes == 2 ? a.scale[ab] / kResidualSteps : a.scale[ab]);
+    const __m256 x_sum = _mm256_set1_ps(a.x_sum[ab]);
     for (int h = 0; h < 2; ++h) {
       acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(joined[m][h]), _mm256_mul_ps(w_scale[h], x_scale), acc[m][h]);
       if (p.has_min) acc[m][h] = _mm256_fmadd_ps(w_min[h], x_sum, acc[m][h]);
@@ -213,8 +221,9 @@ __attribute__((always_inline)) inline void int8_block_sums(const Packed& p, cons
   for (int m = 0; m < kRows; ++m) panel_sums(dots[m], joined[m]);
 }
 
-// Block b's int32 sums for kRows rows from m0 against an int4 weight's panel (the passes apart).
-template <int kRows>
+// Block b's int32 sums for kRows rows from m0 in kPasses passes against an int4 weight's panel (the
+// passes apart).
+template <int kRows, int kPasses>
 __attribute__((always_inline)) inline void int4_block_sums(const Packed& p, const QuantizedRows& a, int64_t m0,
                                                            int64_t panel, int64_t b, bool prefetch_next,
                                                            __m256i (*joined)[2]) {
@@ -223,9 +232,9 @@ __attribute__((always_inline)) inline void int4_block_sums(const Packed& p, cons
   for (int m = 0; m < kRows; ++m) joined[m][0] = joined[m][1] = _mm256_setzero_si256();
   const int64_t quads_per_block = a.block / 4, end = (b + 1) * quads_per_block;
   for (int64_t t0 = b * quads_per_block; t0 < end; t0 += kInt16Quads) {
-    __m256i sums[kRows][2][2];  // [row][pass][half]: int16 pair sums
+    __m256i sums[kRows][kPasses][2];  // [row][pass][half]: int16 pair sums
     for (int m = 0; m < kRows; ++m) {
-      for (int pass = 0; pass < 2; ++pass) sums[m][pass][0] = sums[m][pass][1] = _mm256_setzero_si256();
+      for (int pass = 0; pass < kPasses; ++pass) sums[m][pass][0] = sums[m][pass][1] = _mm256_setzero_si256();
     }
     for (int64_t t = t0; t < std::min(end, t0 + kInt16Quads); t += 2) {  // quads in pairs: t even
       const uint8_t* q = quad_bytes(p, panel, t);
@@ -236,22 +245,26 @@ __attribute__((always_inline)) inline void int4_block_sums(const Packed& p, cons
         __m256i w[2];  // quad t + s, rows 0-7 and 8-15: 4 bytes a row
         for (int h = 0; h < 2; ++h) w[h] = _mm256_and_si256(s == 0 ? bytes[h] : _mm256_srli_epi16(bytes[h], 4), nibble);
         for (int m = 0; m < kRows; ++m) {
-          int32_t hi, lo;
-          std::memcpy(&hi, a.hi(m0 + m) + 4 * (t + s), sizeof(hi));
-          std::memcpy(&lo, a.lo(m0 + m) + 4 * (t + s), sizeof(lo));
-          const __m256i x_hi = _mm256_set1_epi32(hi), x_lo = _mm256_set1_epi32(lo);
-          for (int h = 0; h < 2; ++h) {
-            sums[m][0][h] = _mm256_add_epi16(sums[m][0][h], _mm256_maddubs_epi16(w[h], x_hi));
-            sums[m][1][h] = _mm256_add_epi16(sums[m][1][h], _mm256_maddubs_epi16(w[h], x_lo));
+          for (int pass = 0; pass < kPasses; ++pass) {
+            int32_t bytes4;
+            std::memcpy(&bytes4, (pass == 0 ? a.hi(m0 + m) : a.lo(m0 + m)) + 4 * (t + s), sizeof(bytes4));
+            const __m256i x_pass = _mm256_set1_epi32(bytes4);
+            for (int h = 0; h < 2; ++h) {
+              sums[m][pass][h] = _mm256_add_epi16(sums[m][pass][h], _mm256_maddubs_epi16(w[h], x_pass));
+            }
           }
         }
       }
     }
     for (int m = 0; m < kRows; ++m) {  // a row's int16 pair sums in order, so vpmaddwd gives rows 0-7 (8-15)
       for (int h = 0; h < 2; ++h) {
-        const __m256i hi = _mm256_madd_epi16(sums[m][0][h], residual_steps);
-        const __m256i lo = _mm256_madd_epi16(sums[m][1][h], ones);
-        joined[m][h] = _mm256_add_epi32(joined[m][h], _mm256_add_epi32(hi, lo));
+        if (kPasses == 2) {
+          const __m256i hi = _mm256_madd_epi16(sums[m][0][h], residual_steps);
+          const __m256i lo = _mm256_madd_epi16(sums[m][1][h], ones);
+          joined[m][h] = _mm256_add_epi32(joined[m][h], _mm256_add_epi32(hi, lo));
+        } else {
+          joined[m][h] = _mm256_add_epi32(joined[m][h], _mm256_madd_epi16(sums[m][0][h], ones));
+        }
       }
     }
   }
@@ -269,8 +282,10 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
     __m256i joined[kRows][2];
     if (p.bits == 8) {
       int8_block_sums<kRows>(p, a, m0, panel, b, prefetch_next, joined);
+    } else if (a.n_passes == 2) {
+      int4_block_sums<kRows, 2>(p, a, m0, panel, b, prefetch_next, joined);
     } else {
-      int4_block_sums<kRows>(p, a, m0, panel, b, prefetch_next, joined);
+      int4_block_sums<kRows, 1>(p, a, m0, panel, b, prefetch_next, joined);
     }
     add_block<kRows>(p, a, m0, panel, b, joined, acc);
   }
@@ -296,7 +311,8 @@ void panel_rows(const Packed& p, const QuantizedRows& a, const float* bias, int6
 
 template <typename T>
 void product(const Packed& p, const T* x, int64_t m_rows, const float* bias, T* y) {
-  const QuantizedRows a = quantize_rows(x, m_rows, p.k_dim, activation_block(p.group, p.k_dim), p.bits);
+  const QuantizedRows a =
+      quantize_rows(x, m_rows, p.k_dim, activation_block(p.group, p.k_dim), p.bits, p.activation_passes);
   const int64_t n_panels = p.n_out / kPanel;
   for (int64_t m_begin = 0; m_begin < m_rows; m_begin += kChunkRows) {
     const int64_t m_end = std::min(m_rows, m_begin + kChunkRows);

@@ -3,20 +3,21 @@
 // values of a per-channel int8 row), each block gets one fp32 scale s = absmax / 127 and two int8
 // passes: hi = round(x / s) and lo = round((x - hi s) / (s / 254)), the residual in 254ths of a step
 // (|lo| <= 127), so x is represented to s / 508 (about 15 bits of the block's range, finer than
-// bf16's 8). The weight is read a panel of 16 rows at a time, one quad of K (4 values) per 16-lane
+// bf16's 8); or, with one pass, hi alone (to s / 2, as llama.cpp's int8 activations; half the
+// integer work). The weight is read a panel of 16 rows at a time, one quad of K (4 values) per 16-lane
 // vector, so one vpdpbusd multiplies the panel's quad (unsigned bytes) by a row's 4 activation bytes
 // broadcast (signed), summing into the panel's 16 int32 outputs: no horizontal sums; each quad
-// runs against both passes. An int4 byte is its value 0..15 as is; an int8 weight v is fed as the
+// runs against each pass. An int4 byte is its value 0..15 as is; an int8 weight v is fed as the
 // unsigned byte v + 128 and 128 x the block's sum of activation bytes is taken off again, in int32.
 // Once per block the two sums are joined exactly in int32 (254 hi + lo), converted and scaled by
-// s / 254 (an int4 group's min multiplies the block's dequantized activation sum). The integer sums
+// s / 254 (one pass: hi by s; an int4 group's min multiplies the block's dequantized activation sum). The integer sums
 // are exact, so the result is the fp32 product of the dequantized activations with the dequantized
 // weight up to summation order.
 //   Work split: x is taken kChunkRows rows at a time (its int8 bytes stay in cache); for each chunk
 //   threads take pairs of panels (32 output columns), running the chunk's rows 4 at a time (the
 //   tile: 4 x 2 x 2 int32 and 4 x 2 fp32 accumulators in registers) against the pair's packed
 //   bytes, read from memory once per chunk and from cache for the further row tiles.
-//   With AMX-INT8 (and the kernel's permission to use tiles), from kTileMinRows rows on: the same
+//   With AMX-INT8 (and the kernel's permission to use tiles), from kTileMinRows rows on, two passes: the same
 //   integer sums by tile dot products. x's two passes are stored row by row interleaved (row m's
 //   hi, then its lo), so one A tile holds up to 8 rows' hi and lo as 16 tile rows; a panel's quads
 //   of one block are its B tile as stored (int8, signed x signed) or unpacked to bytes into the
@@ -58,24 +59,25 @@ constexpr int kTileRows = 4;  // rows of x per tile
 constexpr int kTilePanels = 2;  // panels per tile (and per work item)
 constexpr int64_t kChunkRows = 192;  // rows of x per pass over the weight
 
-// x quantized per block: int8 passes [M, 2, K] (row m's hi, then its lo); per block its scale, the
-// sums of hi's and lo's bytes, and the dequantized block's sum.
+// x quantized per block: int8 passes [M, n_passes, K] (row m's hi, then its lo if two); per block
+// its scale, the sums of hi's and lo's bytes (lo's: 0 with one pass), and the dequantized block's sum.
 struct QuantizedRows {
   std::vector<int8_t> passes;
   std::vector<float> scale, x_sum;
   std::vector<int32_t> hi_sum, lo_sum;
-  int64_t block, blocks_per_row, k_dim;
-  const int8_t* hi(int64_t row) const { return passes.data() + 2 * row * k_dim; }
-  const int8_t* lo(int64_t row) const { return passes.data() + (2 * row + 1) * k_dim; }
+  int64_t block, blocks_per_row, k_dim, n_passes;
+  const int8_t* hi(int64_t row) const { return passes.data() + n_passes * row * k_dim; }
+  const int8_t* lo(int64_t row) const { return hi(row) + k_dim; }
 };
 
 template <typename In>
-QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t block) {
+QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t block, int64_t n_passes) {
   QuantizedRows a;
   a.block = block;
   a.blocks_per_row = k_dim / block;
   a.k_dim = k_dim;
-  a.passes.resize(2 * m_rows * k_dim);
+  a.n_passes = n_passes;
+  a.passes.resize(n_passes * m_rows * k_dim);
   a.scale.resize(m_rows * a.blocks_per_row);
   a.x_sum.resize(a.scale.size());
   a.hi_sum.resize(a.scale.size());
@@ -84,8 +86,8 @@ QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t 
     for (int64_t b = begin; b < end; ++b) {
       const In* xb = x + b * block;  // rows are contiguous: block b of the whole [M, K]
       const int64_t row = b / a.blocks_per_row, at = (b % a.blocks_per_row) * block;
-      int8_t* hi_out = a.passes.data() + 2 * row * k_dim + at;
-      int8_t* lo_out = hi_out + k_dim;
+      int8_t* hi_out = a.passes.data() + n_passes * row * k_dim + at;
+      int8_t* lo_out = hi_out + k_dim;  // (two passes)
       __m512 absmax = _mm512_setzero_ps();
       for (int64_t k = 0; k < block; k += 16) absmax = _mm512_max_ps(absmax, _mm512_abs_ps(tokenmill_simd::load16(xb + k)));
       const float scale = _mm512_reduce_max_ps(absmax) / 127.f;
@@ -99,11 +101,13 @@ QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t 
         const __m512 hi_f = _mm512_roundscale_ps(_mm512_div_ps(xv, divisor), _MM_FROUND_TO_NEAREST_INT);
         const __m512 residual = _mm512_fnmadd_ps(hi_f, divisor, xv);
         const __m512i hi = _mm512_cvtps_epi32(hi_f);
-        const __m512i lo = _mm512_cvtps_epi32(_mm512_div_ps(residual, lo_divisor));
         hi_total = _mm512_add_epi32(hi_total, hi);
-        lo_total = _mm512_add_epi32(lo_total, lo);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(hi_out + k), _mm512_cvtepi32_epi8(hi));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(lo_out + k), _mm512_cvtepi32_epi8(lo));
+        if (n_passes == 2) {
+          const __m512i lo = _mm512_cvtps_epi32(_mm512_div_ps(residual, lo_divisor));
+          lo_total = _mm512_add_epi32(lo_total, lo);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(lo_out + k), _mm512_cvtepi32_epi8(lo));
+        }
       }
       a.scale[b] = scale;
       a.hi_sum[b] = _mm512_reduce_add_epi32(hi_total);
@@ -130,14 +134,22 @@ __attribute__((always_inline)) inline void panel_quads(const Packed& p, int64_t 
 }
 
 // acc plus one block's product for one row of x and one panel, from its exact int32 sums of the hi
-// and lo passes (the weight's own values): (254 hi + lo) (x scale / 254) (weight scale), then, for
-// int4 (has_min), the weight's min times the block's dequantized x sum. Both paths run this, so a
-// row's result does not depend on which did.
+// and lo passes (the weight's own values): (254 hi + lo) (x scale / 254) (weight scale), or with
+// one pass hi (x scale) (weight scale), then, for int4 (has_min), the weight's min times the block's
+// dequantized x sum. Both paths run this, so a row's result does not depend on which did.
+template <int kPasses>
 __attribute__((always_inline)) inline __m512 add_block(__m512 acc, __m512i hi, __m512i lo, __m512 w_scale, __m512 w_min,
                                                        bool has_min, const QuantizedRows& a, int64_t ab) {
-  const __m512 scale = _mm512_mul_ps(w_scale, _mm512_set1_ps(a.scale[ab] / kResidualSteps));
-  const __m512i residual_steps = _mm512_set1_epi32(static_cast<int32_t>(kResidualSteps));
-  const __m512i joined = _mm512_add_epi32(_mm512_mullo_epi32(hi, residual_steps), lo);  // exact: < 2^30
+  __m512 scale;
+  __m512i joined;
+  if (kPasses == 2) {
+    scale = _mm512_mul_ps(w_scale, _mm512_set1_ps(a.scale[ab] / kResidualSteps));
+    const __m512i residual_steps = _mm512_set1_epi32(static_cast<int32_t>(kResidualSteps));
+    joined = _mm512_add_epi32(_mm512_mullo_epi32(hi, residual_steps), lo);  // exact: < 2^30
+  } else {
+    scale = _mm512_mul_ps(w_scale, _mm512_set1_ps(a.scale[ab]));
+    joined = hi;
+  }
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(joined), scale, acc);
   if (has_min) acc = _mm512_fmadd_ps(w_min, _mm512_set1_ps(a.x_sum[ab]), acc);
   return acc;
@@ -172,11 +184,11 @@ inline void store_row(const Packed& p, const __m512* acc, int panels, const floa
   }
 }
 
-// y[m0 + m, 16 panel0 ...) (+ bias, if not null) for kRows rows of x and kPanels panels. With
-// `prefetch_next`, the next kPanels panels' scales are fetched first and their bytes as these are
-// read, at the same offsets (a work item's panels are short streams, and the hardware's prefetchers
-// stop at each page).
-template <int kRows, int kPanels, typename Out>
+// y[m0 + m, 16 panel0 ...) (+ bias, if not null) for kRows rows of x (in kPasses passes) and
+// kPanels panels. With `prefetch_next`, the next kPanels panels' scales are fetched first and their
+// bytes as these are read, at the same offsets (a work item's panels are short streams, and the
+// hardware's prefetchers stop at each page).
+template <int kRows, int kPanels, int kPasses, typename Out>
 void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m0, int64_t panel0,
                 bool prefetch_next, Out* y) {
   __m512 acc[kRows][kPanels];
@@ -210,10 +222,10 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
 #pragma GCC unroll 4
         for (int m = 0; m < kRows; ++m) {
           const __m512i hi = _mm512_set1_epi32(hi_quads[m][t + s]);
-          const __m512i lo = _mm512_set1_epi32(lo_quads[m][t + s]);
-          for (int j = 0; j < kPanels; ++j) {
-            hi_dots[m][j] = _mm512_dpbusd_epi32(hi_dots[m][j], w[s][j], hi);
-            lo_dots[m][j] = _mm512_dpbusd_epi32(lo_dots[m][j], w[s][j], lo);
+          for (int j = 0; j < kPanels; ++j) hi_dots[m][j] = _mm512_dpbusd_epi32(hi_dots[m][j], w[s][j], hi);
+          if (kPasses == 2) {
+            const __m512i lo = _mm512_set1_epi32(lo_quads[m][t + s]);
+            for (int j = 0; j < kPanels; ++j) lo_dots[m][j] = _mm512_dpbusd_epi32(lo_dots[m][j], w[s][j], lo);
           }
         }
       }
@@ -229,27 +241,38 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
           hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(128 * a.hi_sum[ab]));
           lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(128 * a.lo_sum[ab]));
         }
-        acc[m][j] = add_block(acc[m][j], hi, lo, w_scale[j], w_min[j], p.has_min, a, ab);
+        acc[m][j] = add_block<kPasses>(acc[m][j], hi, lo, w_scale[j], w_min[j], p.has_min, a, ab);
       }
     }
   }
   for (int m = 0; m < kRows; ++m) store_row(p, acc[m], kPanels, bias, m0 + m, panel0, y);
 }
 
-// Rows [m_begin, m_end) of x against kPanels panels from panel0, kTileRows rows at a time.
-template <int kPanels, typename Out>
+// Rows [m_begin, m_end) of x (in kPasses passes) against kPanels panels from panel0, kTileRows rows at a time.
+template <int kPanels, int kPasses, typename Out>
 void panel_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m_begin, int64_t m_end,
                 int64_t panel0, Out* y) {
   int64_t m0 = m_begin;
   for (; m0 + kTileRows <= m_end; m0 += kTileRows) {
-    panel_tile<kTileRows, kPanels>(p, a, bias, m0, panel0, m0 == m_begin, y);
+    panel_tile<kTileRows, kPanels, kPasses>(p, a, bias, m0, panel0, m0 == m_begin, y);
   }
   const bool first = m0 == m_begin;
   switch (m_end - m0) {
-    case 3: panel_tile<3, kPanels>(p, a, bias, m0, panel0, first, y); break;
-    case 2: panel_tile<2, kPanels>(p, a, bias, m0, panel0, first, y); break;
-    case 1: panel_tile<1, kPanels>(p, a, bias, m0, panel0, first, y); break;
+    case 3: panel_tile<3, kPanels, kPasses>(p, a, bias, m0, panel0, first, y); break;
+    case 2: panel_tile<2, kPanels, kPasses>(p, a, bias, m0, panel0, first, y); break;
+    case 1: panel_tile<1, kPanels, kPasses>(p, a, bias, m0, panel0, first, y); break;
     default: break;
+  }
+}
+
+// Rows [m_begin, m_end) of x against the work item of kTilePanels panels (fewer at the end) from panel0.
+template <int kPasses, typename Out>
+void item_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m_begin, int64_t m_end,
+               int64_t panel0, Out* y) {
+  if (panel0 + kTilePanels <= p.n_out / kPanel) {
+    panel_rows<kTilePanels, kPasses>(p, a, bias, m_begin, m_end, panel0, y);
+  } else {
+    panel_rows<1, kPasses>(p, a, bias, m_begin, m_end, panel0, y);
   }
 }
 
@@ -365,7 +388,7 @@ void tile_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64
       const int64_t ab = (m0 + m) * a.blocks_per_row + b;
       for (int j = 0; j < kPanels; ++j) {
         const __m512i hi = _mm512_load_si512(sums[j][2 * m]), lo = _mm512_load_si512(sums[j][2 * m + 1]);
-        acc[m][j] = add_block(acc[m][j], hi, lo, w_scale[j], w_min[j], p.has_min, a, ab);
+        acc[m][j] = add_block<2>(acc[m][j], hi, lo, w_scale[j], w_min[j], p.has_min, a, ab);
       }
     }
   }
@@ -414,9 +437,9 @@ void tile_product(const Packed& p, const QuantizedRows& a, int64_t m_rows, const
 
 template <typename T>
 void product(const Packed& p, const T* x, int64_t m_rows, const float* bias, T* y) {
-  const QuantizedRows a = quantize_rows(x, m_rows, p.k_dim, activation_block(p.group, p.k_dim));
+  const QuantizedRows a = quantize_rows(x, m_rows, p.k_dim, activation_block(p.group, p.k_dim), p.activation_passes);
 #if defined(TOKENMILL_INT8_TILES)
-  if (m_rows >= kTileMinRows && tiles_fit(a.block) && tiles_permitted()) {
+  if (a.n_passes == 2 && m_rows >= kTileMinRows && tiles_fit(a.block) && tiles_permitted()) {
     tile_product(p, a, m_rows, bias, y);
     return;
   }
@@ -426,11 +449,10 @@ void product(const Packed& p, const T* x, int64_t m_rows, const float* bias, T* 
     const int64_t m_end = std::min(m_rows, m_begin + kChunkRows);
     at::parallel_for(0, (n_panels + kTilePanels - 1) / kTilePanels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t panel0 = item * kTilePanels;
-        if (panel0 + kTilePanels <= n_panels) {
-          panel_rows<kTilePanels>(p, a, bias, m_begin, m_end, panel0, y);
+        if (a.n_passes == 2) {
+          item_rows<2>(p, a, bias, m_begin, m_end, item * kTilePanels, y);
         } else {
-          panel_rows<1>(p, a, bias, m_begin, m_end, panel0, y);
+          item_rows<1>(p, a, bias, m_begin, m_end, item * kTilePanels, y);
         }
       }
     });

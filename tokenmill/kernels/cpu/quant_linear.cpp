@@ -2,8 +2,8 @@
 //
 // quantized_linear: y [M, N] = x [M, K] @ w^T (+ bias), x and y fp32 or bf16; the packed weight is
 // never dequantized whole.
-//   Panels layout, any rows: x is quantized per block to two int8 passes (value and residual) and
-//   multiplied in integers (quant_int8_dot.cpp; quant_int16_dot.cpp on AVX2 without AVX512-VNNI).
+//   Panels layout, any rows: x is quantized per block to activation_passes int8 passes (two: value
+//   and residual; one: the value) and multiplied in integers (quant_int8_dot.cpp; quant_int16_dot.cpp on AVX2 without AVX512-VNNI).
 //   Rows layout, few rows (M <= stream_max_rows), in fp32: threads split the output columns in
 //   blocks of 4 weight rows, each 32-value run dequantized (times its scale) into registers and
 //   multiplied against up to 4 rows of x at a time; an int4 group's min is added once per group as
@@ -513,8 +513,11 @@ at::Tensor dequantize_weight(const at::Tensor& qweight, const at::Tensor& scale,
 
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& min, int64_t bits, int64_t group,
-                            const c10::optional<at::Tensor>& bias, int64_t stream_max_rows) {
-  const Packed p = tokenmill_quant::packed_operands(qweight, scale, min, bits, group);
+                            const c10::optional<at::Tensor>& bias, int64_t stream_max_rows, int64_t activation_passes) {
+  TORCH_CHECK(activation_passes == 1 || activation_passes == 2, "activation_passes must be 1 or 2, got ",
+              activation_passes);
+  Packed p = tokenmill_quant::packed_operands(qweight, scale, min, bits, group);
+  p.activation_passes = activation_passes;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == p.k_dim, "x must be [M, ", p.k_dim, "]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x fp32 or bf16");
   const int64_t m_rows = x.size(0);
@@ -548,7 +551,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight, cons
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("quantized_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? min, int bits, int group, Tensor? bias, "
-        "int stream_max_rows) -> Tensor");
+        "int stream_max_rows, int activation_passes=2) -> Tensor");
   m.def("dequantize_weight(Tensor qweight, Tensor scale, Tensor? min, int bits, int group, ScalarType dtype) -> Tensor");
   m.impl("quantized_linear", c10::DispatchKey::CPU, &quantized_linear);
   m.impl("dequantize_weight", c10::DispatchKey::CPU, &dequantize_weight);

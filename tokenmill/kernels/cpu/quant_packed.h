@@ -11,7 +11,7 @@
 //     b lane b / 4's value b % 4 in both); scale/min [N / 16, K / group, 16] (a panel's scales group
 //     after group).
 // Shared by quant_linear.cpp (fp32 products on the rows layout, dequantization, the op) and the
-// panels layout's products with activations quantized to two int8 passes: quant_int8_dot.cpp
+// panels layout's products with activations quantized to one or two int8 passes: quant_int8_dot.cpp
 // (AVX512-VNNI, and AMX-INT8 tiles) or, where the CPU has AVX2 but not AVX512-VNNI,
 // quant_int16_dot.cpp (the passes joined into one int16); the build compiles in at most one of them.
 #pragma once
@@ -49,6 +49,7 @@ struct Packed {
   int64_t groups_per_row;  // k_dim / group
   int64_t group_shift;  // log2(group) when group is a power of two; else -1 (then group == k_dim)
   bool panels;
+  int64_t activation_passes = 2;  // panels layout: int8 passes of x per product (int8_dot_product), 1 or 2
 };
 
 // The operands checked (layout, shapes, dtypes, contiguity, group) and gathered; raises on any mismatch.
@@ -74,9 +75,9 @@ inline float panel_scale(const Packed& p, int64_t at, bool mins = false) {
   return p.scale_fp16 != nullptr ? static_cast<float>(p.scale_fp16[at]) : p.scale[at];
 }
 
-// The sum of an activation block's dequantized values from its two passes' sums (hi_sum s +
-// lo_sum s / 254), computed one way wherever it is (an explicit fma: the compiler would contract
-// the plain expression differently in different builds).
+// The sum of an activation block's dequantized values from its passes' sums (hi_sum s + lo_sum s /
+// 254; lo_sum 0 with one pass), computed one way wherever it is (an explicit fma: the compiler would
+// contract the plain expression differently in different builds).
 inline float dequantized_block_sum(float scale, int32_t hi_sum, int32_t lo_sum) {
   return std::fma(scale, static_cast<float>(hi_sum), scale / kResidualSteps * static_cast<float>(lo_sum));
 }
@@ -104,12 +105,13 @@ bool int8_dot_tiles();
 int64_t activation_block(int64_t group, int64_t k_dim);
 
 // y [M, N] = x [M, K] @ w^T (+ bias [N], if not null) for a panels-layout weight, x and y fp32 or
-// both bf16, with x first quantized per block of activation_block values of a row to two int8
-// passes (step s = absmax / 127, hi = round-half-even(x / s), lo = round-half-even((x - hi s) /
-// (s / 254)); an all-zero block has s = 0), then integer dot products per block scaled in fp32:
-// the fp32 product of the dequantized x (hi s + lo s / 254) with the dequantized weight, up to
-// summation order, plus the bias, rounded once to y's dtype (bf16: to nearest even). Both builds'
-// integer sums are exact and their fp32 epilogue the same, so a result has the same bits on either.
+// both bf16, with x first quantized per block of activation_block values of a row to
+// p.activation_passes int8 passes (step s = absmax / 127, hi = round-half-even(x / s), and with two
+// passes lo = round-half-even((x - hi s) / (s / 254)); an all-zero block has s = 0), then integer
+// dot products per block scaled in fp32: the fp32 product of the dequantized x (hi s + lo s / 254,
+// or hi s) with the dequantized weight, up to summation order, plus the bias, rounded once to y's
+// dtype (bf16: to nearest even). Both builds' integer sums are exact and their fp32 epilogue the
+// same, so a result has the same bits on either.
 // Only where int8_dot_isa() is not empty.
 void int8_dot_product(const Packed& p, const float* x, int64_t m_rows, const float* bias, float* y);
 void int8_dot_product(const Packed& p, const tokenmill_simd::bf16_t* x, int64_t m_rows, const float* bias,
