@@ -3,7 +3,8 @@
 // quantized_linear: y [M, N] = x [M, K] @ w^T (+ bias), x and y fp32 or bf16; the packed weight is
 // never dequantized whole.
 //   Panels layout, any rows: x is quantized per block to activation_passes int8 passes (two: value
-//   and residual; one: the value) and multiplied in integers (quant_int8_dot.cpp; quant_int16_dot.cpp on AVX2 without AVX512-VNNI).
+//   and residual; one: the value) and multiplied in integers (quant_int8_dot.cpp; quant_int16_dot.cpp
+//   on AVX2 without AVX512-VNNI).
 //   Rows layout, few rows (M <= stream_max_rows), in fp32: threads split the output columns in
 //   blocks of 4 weight rows, each 32-value run dequantized (times its scale) into registers and
 //   multiplied against up to 4 rows of x at a time; an int4 group's min is added once per group as
