@@ -143,7 +143,8 @@ def build_model_worker(
     if scheme is not None:
         quantize_model(model, scheme)
     if config.quantized_activations == "int8":
-        set_activation_passes(model, 1)
+        n_projections = set_activation_passes(model, 1)
+        logger.info("quantized_activations int8: %d quantized projections take one int8 pass", n_projections)
     if not model.is_encoder:
         model.backend = model.make_backend(config, dtype)
     dtype_name = str(dtype).removeprefix("torch.") + (" (auto)" if config.dtype == "auto" else "")
