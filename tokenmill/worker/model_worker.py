@@ -144,7 +144,10 @@ def build_model_worker(
         quantize_model(model, scheme)
     if config.quantized_activations == "int8":
         n_projections = set_activation_passes(model, 1)
-        logger.info("quantized_activations int8: %d quantized projections take one int8 pass", n_projections)
+        if n_projections:
+            logger.info("quantized_activations int8: %d quantized projections take one int8 pass", n_projections)
+        else:
+            logger.warning("quantized_activations int8 changes nothing: no projection of this model is quantized")
     if not model.is_encoder:
         model.backend = model.make_backend(config, dtype)
     dtype_name = str(dtype).removeprefix("torch.") + (" (auto)" if config.dtype == "auto" else "")
