@@ -14,7 +14,8 @@ are then moved into one fresh huge-page mapping, which frees the full-precision 
 The layout (``quant_format``) is chosen per model (:func:`panels_on_cpu`): a bf16 model on a CPU
 with the int8 kernel (AVX512-VNNI, or AVX2), and an fp32 one where that kernel is the AVX2 one, keep
 the projections whose output width is a multiple of 16 in the panels layout (activations quantized
-per block to two int8 passes, value and residual; integer products); fp32 models on AVX512-VNNI
+per block to two int8 passes, value and residual, or to one with ``quantized_activations="int8"``:
+:func:`set_activation_passes`; integer products); fp32 models on AVX512-VNNI
 CPUs, other CPUs and other widths keep the rows layout (fp32 products on the dequantized values).
 """
 
@@ -113,8 +114,8 @@ def _quantizable_head(head: LinearT | None) -> LinearT | None:
 
 def panels_on_cpu(dtype: torch.dtype) -> bool:
     """Whether a CPU model in ``dtype`` keeps its quantized projections (those whose output width
-    is a multiple of 16) in the panels layout, so that their inputs are quantized to two int8
-    passes: where the C++ kernels have the int8 path, a bf16 model, or an fp32 one where that path
+    is a multiple of 16) in the panels layout, so that their inputs are quantized to int8 passes:
+    where the C++ kernels have the int8 path, a bf16 model, or an fp32 one where that path
     is the AVX2 one (there the rows layout's fp32 products cost twice as much: README; with
     AVX512-VNNI, fp32 keeps the rows layout's exact fp32 activations)."""
     isa = int8_dot_isa()

@@ -166,9 +166,8 @@ inline void value_rows(const Problem<KV>& p, const int32_t* slots, int64_t len, 
     __m256 weight[kRows];
     for (int64_t j = 0; j < kRows; ++j) weight[j] = _mm256_set1_ps(s[(r + j) * len + l] * v_scale);
     for (int64_t i = 0; i < kHalves; i += 2) {
-      const vec16 v = load16(values + 8 * i);
       __m256 halves[2];
-      std::memcpy(halves, &v, sizeof(v));
+      tokenmill_simd::split16(load16(values + 8 * i), halves);
       for (int64_t j = 0; j < kRows; ++j) {
         acc[j][i] = _mm256_fmadd_ps(weight[j], halves[0], acc[j][i]);
         acc[j][i + 1] = _mm256_fmadd_ps(weight[j], halves[1], acc[j][i + 1]);

@@ -143,15 +143,6 @@ void pack_fp32(const Problem<T>& p, int64_t h, const Tile<T>& t, Scratch& s) {
 // every use: the scores take panel_linear.cpp's register tile (tile16.h) and the value sums hold each
 // vec16 as two 256-bit registers explicitly. Same sums, in the same order, one fma each.
 
-// out[0, 16) = (low, high), rounded to T.
-template <typename T>
-inline void store_halves(T* out, __m256 low, __m256 high) {
-  vec16 v;
-  std::memcpy(&v, &low, sizeof(low));
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(low), &high, sizeof(high));
-  store16(out, v);
-}
-
 // scores[r][block * 16 ..] for kScoreRows rows from `queries` and the key blocks [0, blocks).
 inline void score_rows(const float* queries, const float* keys, float* scores, int64_t blocks, int64_t dim,
                        int64_t score_stride) {
@@ -184,7 +175,9 @@ inline void value_rows(const float* probs, int64_t prob_stride, const float* val
 #pragma GCC unroll 8
   for (int64_t r = 0; r < kValueRows; ++r) {  // constant indices keep acc in registers
     if (r >= valid) break;
-    for (int c = 0; c < kVectors; ++c) store_halves(out_rows[r] + d0 + 16 * c, acc[r][2 * c], acc[r][2 * c + 1]);
+    for (int c = 0; c < kVectors; ++c) {
+      store16(out_rows[r] + d0 + 16 * c, tokenmill_simd::join16(acc[r][2 * c], acc[r][2 * c + 1]));
+    }
   }
 }
 #else

@@ -291,12 +291,11 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
   }
   for (int m = 0; m < kRows; ++m) {
     const int64_t n0 = panel * kPanel;
-    tokenmill_simd::vec16 out;
+    __m256 sum[2];
     for (int h = 0; h < 2; ++h) {
-      const __m256 sum = bias != nullptr ? _mm256_add_ps(acc[m][h], _mm256_loadu_ps(bias + n0 + 8 * h)) : acc[m][h];
-      std::memcpy(reinterpret_cast<char*>(&out) + 32 * h, &sum, sizeof(sum));
+      sum[h] = bias != nullptr ? _mm256_add_ps(acc[m][h], _mm256_loadu_ps(bias + n0 + 8 * h)) : acc[m][h];
     }
-    tokenmill_simd::store16(y + (m0 + m) * p.n_out + n0, out);
+    tokenmill_simd::store16(y + (m0 + m) * p.n_out + n0, tokenmill_simd::join16(sum[0], sum[1]));
   }
 }
 

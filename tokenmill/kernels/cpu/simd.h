@@ -209,6 +209,19 @@ inline vec16 load16(const fp8_e5m2_t* p) { return load16_fp8(p); }
 
 inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+#if defined(__AVX2__)
+// A vec16 as two 256-bit registers (values 0-7, 8-15) and back: with AVX2 alone, code that keeps the
+// halves in registers explicitly (GCC would put a vec16 times a scalar's broadcast through the stack).
+inline void split16(vec16 v, __m256* halves) { std::memcpy(halves, &v, sizeof(v)); }
+
+inline vec16 join16(__m256 low, __m256 high) {
+  vec16 v;
+  std::memcpy(&v, &low, sizeof(low));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(low), &high, sizeof(high));
+  return v;
+}
+#endif
+
 // 16 values rounded to bf16 as store_as rounds one (nearest even, a NaN staying a quiet NaN).
 inline void store16(bf16_t* p, vec16 v) {
   typedef uint32_t u32x16 __attribute__((vector_size(64)));
