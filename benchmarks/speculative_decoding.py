@@ -7,7 +7,8 @@ another, never two at once; greedy decoding throughout.
 
 - ``batch1``: the copy-heavy chat workload (``bench/workload.py``: "rewrite this code with one
   change", 8 snippets x 3 edits, answers up to 256 tokens), each request alone: output tokens/s
-  plain and with ``--speculative-config`` (default k=5, n-grams of 3-5), the ratio, the acceptance
+  plain and with ``--speculative-config`` (default k=5, n-grams of 3-5), end to end (the prompt's
+  forward included) and decoding alone (after each request's first token), the ratios, the acceptance
   rate, whether the outputs are the same tokens, and ``copied_share``: how much of the plain
   answers repeats the prompt (:func:`copied_share`);
 - ``sweep``: the same requests, ``--batch`` of them at a time (the workload repeated): the ratio
@@ -76,6 +77,9 @@ def tokenmill_task(spec: dict[str, Any]) -> dict[str, Any]:
     after = llm.engine.stats()["speculative"]
     llm.shutdown()
     result = _result([o.outputs[0].token_ids for o in outputs], elapsed)
+    # decoding alone: each request's tokens after its first, over the time after its first token
+    after_first = sum(o.metrics.finished_time - o.metrics.first_token_time for o in outputs)
+    result["decode_tok_s"] = sum(len(o.outputs[0].token_ids) - 1 for o in outputs) / after_first
     if after is not None:
         proposed = after["proposed_tokens"] - before["proposed_tokens"]
         accepted = after["accepted_tokens"] - before["accepted_tokens"]
@@ -114,8 +118,9 @@ def pair(
     dtype: str = "auto",
 ) -> dict:
     """Plain, then with ``speculative``, ``--repeats`` times alternating (each a fresh process: one
-    build's speed moves by ~15% between processes); the median tokens/s of each, the ratio of the
-    medians and each pair's ratio, acceptance and output agreement (of the last pair)."""
+    build's speed moves by ~15% between processes); the median tokens/s of each, end to end (prompt
+    included) and decoding alone (after each request's first token), the ratios of the medians and
+    each pair's ratios, acceptance and output agreement (of the last pair)."""
     spec = dict(model=model, prompts=prompts, batch=batch, max_tokens=max_tokens, ignore_eos=ignore_eos, dtype=dtype)
     spec["quantized_activations"] = ARGS.quantized_activations
     plains, fasts = [], []
@@ -125,11 +130,17 @@ def pair(
     plain, fast = plains[-1], fasts[-1]
     plain_tok_s = statistics.median(run["output_tok_s"] for run in plains)
     fast_tok_s = statistics.median(run["output_tok_s"] for run in fasts)
+    plain_decode_tok_s = statistics.median(run["decode_tok_s"] for run in plains)
+    fast_decode_tok_s = statistics.median(run["decode_tok_s"] for run in fasts)
     return {
         "plain_tok_s": plain_tok_s,
         "speculative_tok_s": fast_tok_s,
         "ratio": fast_tok_s / plain_tok_s,
         "pair_ratios": [f["output_tok_s"] / p["output_tok_s"] for p, f in zip(plains, fasts)],
+        "plain_decode_tok_s": plain_decode_tok_s,
+        "speculative_decode_tok_s": fast_decode_tok_s,
+        "decode_ratio": fast_decode_tok_s / plain_decode_tok_s,
+        "decode_pair_ratios": [f["decode_tok_s"] / p["decode_tok_s"] for p, f in zip(plains, fasts)],
         "acceptance_rate": fast["acceptance_rate"],
         "propose_share": fast["propose_s"] / fast["elapsed_s"],
         "same_tokens": sum(a == b for a, b in zip(plain["token_ids"], fast["token_ids"])) / len(prompts),

@@ -62,6 +62,14 @@ class OutputProcessor:
         """Append each sampled token to its sequence, then emit every touched request. A failure
         here (e.g. in detokenization) fails only the request it belongs to."""
         touched: dict[str, RequestState] = {}
+        self.append_all(seqs, token_ids, logprobs, touched)
+        self.emit_all(touched)
+
+    def append_all(
+        self, seqs: list[Sequence], token_ids: list[int], logprobs: list[Any], touched: dict[str, RequestState]
+    ) -> None:
+        """:meth:`process`'s first half: append each sampled token to its sequence (a failure fails
+        only its request) and add each sequence's request to ``touched`` (by id), not emitting it."""
         for seq, token, token_logprobs in zip(seqs, token_ids, logprobs):
             if seq.is_finished:  # a sibling's failure already ended it
                 continue
@@ -73,6 +81,10 @@ class OutputProcessor:
             except Exception as exc:
                 logger.error("finishing a token failed:\n%s", traceback.format_exc())
                 self.fail([seq], f"internal error after sampling: {type(exc).__name__}: {exc}")
+
+    def emit_all(self, touched: dict[str, RequestState]) -> None:
+        """:meth:`process`'s second half: emit each of ``touched`` that the table still holds (one
+        failed meanwhile has had its final delta); an emit that fails fails only its request."""
         for state in touched.values():
             if state.request_id not in self.table.requests:
                 continue

@@ -31,6 +31,7 @@ import torch
 
 from tokenmill.engine.grammar import apply_grammar_masks
 from tokenmill.engine.sequence import Sequence
+from tokenmill.kernels.first_maxima import first_maxima
 from tokenmill.request import LOGPROB_FLOOR, Logprob
 
 NO_ALLOWED_TOKEN = -1
@@ -196,9 +197,9 @@ class Sampler:
         penalized = [seq for seq in seqs if seq.params.uses_penalties]
         wants_logprobs = any(seq.params.logprobs is not None for seq in seqs)
         if all(map(_plain_greedy, seqs)) and not any(banned):
-            best = logits.float().max(dim=-1)  # in fp32, where CPU reductions are fastest
-            token_ids = best.indices.tolist()  # max's indices: the first maximal entry, as argmax
-            dead = best.values[grammar_rows] == float("-inf") if grammar_rows else None
+            token_ids = first_maxima(logits)  # the first maximal entry, as argmax
+            picked = logits[grammar_rows, [token_ids[i] for i in grammar_rows]] if grammar_rows else None
+            dead = picked == float("-inf") if picked is not None else None
             _mark_dead_ends(token_ids, grammar_rows, dead, [None] * len(seqs))
             return SampleResult(token_ids, [None] * len(seqs))
 
@@ -373,12 +374,6 @@ def takes_first_maxima(seqs: list[Sequence], eos_token_ids: set[int]) -> bool:
     logits row as given (greedy; no logit bias, penalties, logprobs, grammar or banned tokens); it
     stays so as the sequences grow (a ban only lifts once ``min_tokens`` are out)."""
     return all(_plain_greedy(seq) and seq.grammar is None and not _banned_ids(seq, eos_token_ids) for seq in seqs)
-
-
-def first_maxima(logits: torch.Tensor) -> list[int]:
-    """Each row's index of its first maximal entry (what :meth:`Sampler.sample` picks for sequences
-    that :func:`takes_first_maxima`)."""
-    return logits.float().max(dim=-1).indices.tolist()
 
 
 def _banned_ids(seq: Sequence, eos_token_ids: set[int]) -> set[int]:

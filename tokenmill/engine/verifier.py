@@ -4,7 +4,8 @@ After a step, :func:`verify` runs the sampler over each :class:`Verification`'s 
 logits (its last token's and its proposals') in rounds: round ``j``
 samples row ``j`` of every sequence still going, with the sampler's ordinary rules (penalties,
 grammar masks, logprobs, seeds) and the sequence's state as the output stage left it after the
-previous rounds' tokens; the token is appended through the output stage (stop rules, deltas). A
+previous rounds' tokens; the token is appended through the output stage (stop rules; each request's
+delta is emitted once, after the last round). A
 sequence goes on to round ``j + 1`` while its token equals proposal ``j``; the first token that
 differs (or the one after the last proposal) is its last this step. (When every sequence is plain
 greedy, ``sampler.takes_first_maxima``, the rounds take the rows' first maxima from one pass over
@@ -23,6 +24,7 @@ import torch
 
 from tokenmill.cache.manager import CacheManager
 from tokenmill.engine.output import OutputProcessor
+from tokenmill.engine.request_state import RequestState
 from tokenmill.engine.sampler import Sampler, SampleResult, first_maxima, takes_first_maxima
 from tokenmill.engine.speculation import Speculator, Verification
 
@@ -55,6 +57,7 @@ def verify(
     stats.proposed_tokens += sum(map(len, proposals.values()))
     accepted_of = dict.fromkeys(proposals, 0)
     going = [v.seq for v in verifications]
+    touched: dict[str, RequestState] = {}  # requests given tokens: emitted once, after the last round
     # plain greedy sequences: every round's tokens are the rows' first maxima, taken in one pass
     maxima = first_maxima(logits) if takes_first_maxima(going, eos_token_ids) else None
     for j in range(1 + max(map(len, proposals.values()))):
@@ -81,6 +84,7 @@ def verify(
                 going.append(seq)
             else:  # its last token this step: the KV keeps exactly the tokens it holds
                 cache.truncate(seq.kv, seq.n_tokens)
-        output.process(sampled, result.token_ids, result.logprobs)
+        output.append_all(sampled, result.token_ids, result.logprobs, touched)
+    output.emit_all(touched)
     for v in verifications:
         speculator.record(v.seq, accepted_of[id(v.seq)])

@@ -5,6 +5,7 @@
 ``kv_int8.cpp``, ``kv_fp8.cpp``: the int8 and fp8 KV caches' store and read (``cache/kv_quant.py``).
 ``elementwise.cpp``: rms_norm, add_rms_norm, silu_and_mul, rotary_split_qkv (``kernels/fused.py``),
 causal_softmax_ (CpuBackend prefill).
+``first_maxima.cpp``: each logits row's first maximal entry, the greedy pick (``kernels/first_maxima.py``).
 ``skinny_linear.cpp``: ``x @ W^T`` for few rows of x (``kernels/linear.py``, decode batches).
 ``panel_linear.cpp``: ``x @ W^T`` for decode-batch-sized x (``kernels/linear.py``).
 ``quant_linear.cpp``: products with int8/int4 weights kept quantized (``kernels/quant_linear.py``);
@@ -52,6 +53,7 @@ SOURCES = [
         "decode_attention.cpp",
         "decode_forward.cpp",
         "elementwise.cpp",
+        "first_maxima.cpp",
         "kv_fp8.cpp",
         "kv_int8.cpp",
         "lora_add.cpp",
