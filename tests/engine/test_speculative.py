@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import json
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -186,6 +187,28 @@ def test_a_step_verifies_many_tokens_at_once(spec: LLM) -> None:
     steps = spec.engine.stats()["scheduler"]["steps"]
     run(spec, [prompt], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     assert spec.engine.stats()["scheduler"]["steps"] - steps < 32
+
+
+def test_a_verification_streams_its_tokens_as_one_delta(plain: LLM, spec: LLM) -> None:
+    """Each step sends one delta per request, however many tokens its verification emitted; the
+    deltas add up to plain decoding's tokens and text."""
+    prompt = list(range(30, 70)) * 2 + list(range(30, 34))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    deltas, done = [], threading.Event()
+
+    def collect(delta) -> None:
+        deltas.append(delta)
+        if delta.finished:
+            done.set()
+
+    spec.engine.add_request(prompt, params, collect)
+    assert done.wait(60)
+    [expected] = plain.generate([prompt], params, use_tqdm=False)
+    streamed = [d.outputs[0] for d in deltas if d.outputs]
+    assert [t for c in streamed for t in c.token_ids] == expected.outputs[0].token_ids
+    assert "".join(c.text for c in streamed) == expected.outputs[0].text
+    assert max(len(c.token_ids) for c in streamed) > 1
+    assert len(streamed) < len(expected.outputs[0].token_ids)
 
 
 @pytest.mark.parametrize(
