@@ -543,3 +543,28 @@ def test_a_folder_of_one_gguf_file_is_that_file(llama_file: Path) -> None:
         assert by_folder.engine.config.model_name() == llama_file.parent.name
         assert by_folder.engine.config.model_path() == by_file.engine.config.model_path()
         assert greedy(by_folder) == greedy(by_file)
+
+
+def test_a_conversion_parses_the_file_once_and_gives_gguf_its_reader_back(
+    llama_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Converting a file (its config and tokenizer by transformers' loaders, which read it with
+    ``gguf.GGUFReader`` too) parses it once, and ``gguf.GGUFReader`` is gguf's own again after."""
+    import gguf
+
+    parses = []
+    original = gguf.GGUFReader
+    monkeypatch.setattr(original, "_build_fields", _counting(original._build_fields, parses))
+    copy = tmp_path / NAME
+    shutil.copy(llama_file, copy)  # another path: converted anew
+    checkpoint_folder(copy)
+    assert len(parses) == 1
+    assert gguf.GGUFReader is original
+
+
+def _counting(method: Callable[..., Any], calls: list) -> Callable[..., Any]:
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(self)
+        return method(self, *args, **kwargs)
+
+    return counted
