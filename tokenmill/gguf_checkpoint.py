@@ -41,6 +41,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ CONVERTER_VERSION = 4
 """Bump when the converted folder's contents change: old conversions are then redone."""
 
 INDEX_FILE = "gguf_tensors.json"
+_PARSED_ONCE_LOCK = threading.Lock()  # see _parsed_once
 ROPE_FREQS = "rope_freqs.weight"
 """llama.cpp's per-frequency RoPE divisors (how it stores Llama 3.1's scaling): read into the config."""
 
@@ -235,20 +237,22 @@ def _reader(file: Path) -> Any:  # a gguf.GGUFReader (gguf is imported on first 
 def _parsed_once(file: Path, reader: Any) -> Iterator[None]:
     """While in the block, ``gguf.GGUFReader(file)`` (as transformers' GGUF config and tokenizer
     loaders call it) gives ``reader``, the file parsed once, instead of parsing it again; other
-    paths are parsed as usual."""
+    paths are parsed as usual. One block at a time in the process (conversions in two threads take
+    turns), so gguf's own class is always what it gets back."""
     import gguf
 
-    parse = gguf.GGUFReader
-    target = file.resolve()
+    with _PARSED_ONCE_LOCK:
+        parse = gguf.GGUFReader
+        target = file.resolve()
 
-    def reader_of(path: Any, *args: Any, **kwargs: Any) -> Any:
-        return reader if Path(path).resolve() == target else parse(path, *args, **kwargs)
+        def reader_of(path: Any, *args: Any, **kwargs: Any) -> Any:
+            return reader if Path(path).resolve() == target else parse(path, *args, **kwargs)
 
-    gguf.GGUFReader = reader_of
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = parse
+        gguf.GGUFReader = reader_of
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = parse
 
 
 def _field(reader, key: str):  # noqa: ANN001, ANN202 (gguf's reader types)
