@@ -25,8 +25,9 @@ import torch
 from tokenmill.cache.manager import CacheManager
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.request_state import RequestState
-from tokenmill.engine.sampler import Sampler, SampleResult, first_maxima, takes_first_maxima
+from tokenmill.engine.sampler import Sampler, SampleResult, takes_first_maxima
 from tokenmill.engine.speculation import Speculator, Verification
+from tokenmill.kernels.first_maxima import first_maxima
 
 
 def acceptance(sampled: int, proposed: int) -> tuple[int, bool]:

@@ -1,8 +1,8 @@
 // Greedy picks: each row's index of its first maximal entry, as torch's max(dim=-1) returns it
 // (a NaN counts as the maximum: the first NaN's index; a row of -inf: 0), for fp32 or bf16 logits
 // [rows, vocab]. Two passes over a row: its maximum (and whether it holds a NaN) in 8-wide vectors,
-// then the first entry equal to it, 8 at a time, stopping at the chunk that holds it. torch's
-// reduction with indices does not vectorize on CPU; a greedy step reads every logit of its rows.
+// then the first entry equal to it, 8 at a time, stopping at the chunk that holds it (torch's
+// reduction with indices is slower on CPU, and a greedy step reads every logit of its rows).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
