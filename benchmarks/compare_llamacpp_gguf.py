@@ -302,6 +302,7 @@ def load_times(default: Path, work_dir: Path, base: dict[str, Any], repeats: int
             times.append(call(sys.executable, "tokenmill", spec, env)["load_to_first_token_s"])
         loads[name] = statistics.median(times)
     loads["ratio converted gguf / safetensors"] = loads["gguf, converted"] / loads["safetensors bf16"]
+    loads["ratio first run / safetensors"] = loads["gguf, first run (empty cache)"] / loads["safetensors bf16"]
     return loads
 
 
