@@ -50,7 +50,6 @@ CONVERTER_VERSION = 4
 """Bump when the converted folder's contents change: old conversions are then redone."""
 
 INDEX_FILE = "gguf_tensors.json"
-_PARSED_ONCE_LOCK = threading.Lock()  # see _parsed_once
 ROPE_FREQS = "rope_freqs.weight"
 """llama.cpp's per-frequency RoPE divisors (how it stores Llama 3.1's scaling): read into the config."""
 
@@ -238,6 +237,9 @@ def _reader(file: Path) -> Any:  # a gguf.GGUFReader (gguf is imported on first 
             return values.view(values.dtype.newbyteorder(override_order or self.byte_order))
 
     return Reader(file)
+
+
+_PARSED_ONCE_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager

@@ -198,8 +198,8 @@ class Sampler:
         wants_logprobs = any(seq.params.logprobs is not None for seq in seqs)
         if all(map(_plain_greedy, seqs)) and not any(banned):
             token_ids = first_maxima(logits)  # the first maximal entry, as argmax
-            picked = logits[grammar_rows, [token_ids[i] for i in grammar_rows]] if grammar_rows else None
-            dead = picked == float("-inf") if picked is not None else None
+            picked = [token_ids[i] for i in grammar_rows]
+            dead = logits[grammar_rows, picked] == float("-inf") if grammar_rows else None
             _mark_dead_ends(token_ids, grammar_rows, dead, [None] * len(seqs))
             return SampleResult(token_ids, [None] * len(seqs))
 
