@@ -60,10 +60,11 @@ constexpr int kTilePanels = 2;  // panels per tile (and per work item)
 constexpr int64_t kChunkRows = 192;  // rows of x per pass over the weight
 
 // x quantized per block: int8 passes [M, n_passes, K] (row m's hi, then its lo if two); per block
-// its scale, the sums of hi's and lo's bytes (lo's: 0 with one pass), and the dequantized block's sum.
+// its scale, the factor of its joined integer sums (sum_scale: scale / 254 with two passes, scale
+// with one), the sums of hi's and lo's bytes (lo's: 0 with one pass), and the dequantized block's sum.
 struct QuantizedRows {
   std::vector<int8_t> passes;
-  std::vector<float> scale, x_sum;
+  std::vector<float> scale, sum_scale, x_sum;
   std::vector<int32_t> hi_sum, lo_sum;
   int64_t block, blocks_per_row, k_dim, n_passes;
   const int8_t* hi(int64_t row) const { return passes.data() + n_passes * row * k_dim; }
@@ -79,6 +80,7 @@ QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t 
   a.n_passes = n_passes;
   a.passes.resize(n_passes * m_rows * k_dim);
   a.scale.resize(m_rows * a.blocks_per_row);
+  a.sum_scale.resize(a.scale.size());
   a.x_sum.resize(a.scale.size());
   a.hi_sum.resize(a.scale.size());
   a.lo_sum.resize(a.scale.size());
@@ -110,6 +112,7 @@ QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t 
         }
       }
       a.scale[b] = scale;
+      a.sum_scale[b] = n_passes == 2 ? scale / kResidualSteps : scale;
       a.hi_sum[b] = _mm512_reduce_add_epi32(hi_total);
       a.lo_sum[b] = _mm512_reduce_add_epi32(lo_total);
       a.x_sum[b] = dequantized_block_sum(scale, a.hi_sum[b], a.lo_sum[b]);
@@ -120,10 +123,11 @@ QuantizedRows quantize_rows(const In* x, int64_t m_rows, int64_t k_dim, int64_t 
 
 // Panel `panel`'s quads t and t + 1 (t even) as 64 unsigned bytes each, lane r holding row r's 4
 // values (int4: 0..15, a pair's low and high nibbles; int8: v + 128).
+template <int kBits>
 __attribute__((always_inline)) inline void panel_quads(const Packed& p, int64_t panel, int64_t t, __m512i* first,
                                                        __m512i* second) {
   const uint8_t* q = quad_bytes(p, panel, t);
-  if (p.bits == 8) {
+  if (kBits == 8) {
     *first = _mm512_xor_si512(_mm512_loadu_si512(q), _mm512_set1_epi8(-128));
     *second = _mm512_xor_si512(_mm512_loadu_si512(q + 64), _mm512_set1_epi8(-128));
     return;
@@ -137,21 +141,17 @@ __attribute__((always_inline)) inline void panel_quads(const Packed& p, int64_t 
 // and lo passes (the weight's own values): (254 hi + lo) (x scale / 254) (weight scale), or with
 // one pass hi (x scale) (weight scale), then, for int4 (has_min), the weight's min times the block's
 // dequantized x sum. Both paths run this, so a row's result does not depend on which did.
-template <int kPasses>
+template <int kPasses, bool kHasMin>
 __attribute__((always_inline)) inline __m512 add_block(__m512 acc, __m512i hi, __m512i lo, __m512 w_scale, __m512 w_min,
-                                                       bool has_min, const QuantizedRows& a, int64_t ab) {
-  __m512 scale;
-  __m512i joined;
+                                                       const QuantizedRows& a, int64_t ab) {
+  const __m512 scale = _mm512_mul_ps(w_scale, _mm512_set1_ps(a.sum_scale[ab]));
+  __m512i joined = hi;
   if (kPasses == 2) {
-    scale = _mm512_mul_ps(w_scale, _mm512_set1_ps(a.scale[ab] / kResidualSteps));
     const __m512i residual_steps = _mm512_set1_epi32(static_cast<int32_t>(kResidualSteps));
     joined = _mm512_add_epi32(_mm512_mullo_epi32(hi, residual_steps), lo);  // exact: < 2^30
-  } else {
-    scale = _mm512_mul_ps(w_scale, _mm512_set1_ps(a.scale[ab]));
-    joined = hi;
   }
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(joined), scale, acc);
-  if (has_min) acc = _mm512_fmadd_ps(w_min, _mm512_set1_ps(a.x_sum[ab]), acc);
+  if (kHasMin) acc = _mm512_fmadd_ps(w_min, _mm512_set1_ps(a.x_sum[ab]), acc);
   return acc;
 }
 
@@ -185,10 +185,11 @@ inline void store_row(const Packed& p, const __m512* acc, int panels, const floa
 }
 
 // y[m0 + m, 16 panel0 ...) (+ bias, if not null) for kRows rows of x (in kPasses passes) and
-// kPanels panels. With `prefetch_next`, the next kPanels panels' scales are fetched first and their
-// bytes as these are read, at the same offsets (a work item's panels are short streams, and the
-// hardware's prefetchers stop at each page).
-template <int kRows, int kPanels, int kPasses, typename Out>
+// kPanels panels of a weight of kBits (p.bits: the compiler keeps the loops free of its tests). With
+// `prefetch_next`, the next kPanels panels' scales are fetched first and their bytes as these are
+// read, at the same offsets (a work item's panels are short streams, and the hardware's
+// prefetchers stop at each page).
+template <int kRows, int kPanels, int kPasses, int kBits, typename Out>
 void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m0, int64_t panel0,
                 bool prefetch_next, Out* y) {
   __m512 acc[kRows][kPanels];
@@ -210,12 +211,12 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
     }
     for (int64_t t = b * quads_per_block; t < (b + 1) * quads_per_block; t += 2) {  // a block's quads: even
       __m512i w[2][kPanels];
-      for (int j = 0; j < kPanels; ++j) panel_quads(p, panel0 + j, t, &w[0][j], &w[1][j]);
+      for (int j = 0; j < kPanels; ++j) panel_quads<kBits>(p, panel0 + j, t, &w[0][j], &w[1][j]);
       if (prefetch_next) {  // past the weight's end (the last item) is harmless
         for (int j = 0; j < kPanels; ++j) {
           const char* next = reinterpret_cast<const char*>(quad_bytes(p, panel0 + kPanels + j, t));
           _mm_prefetch(next, _MM_HINT_T0);
-          if (p.bits == 8) _mm_prefetch(next + 64, _MM_HINT_T0);
+          if (kBits == 8) _mm_prefetch(next + 64, _MM_HINT_T0);
         }
       }
       for (int s = 0; s < 2; ++s) {
@@ -237,11 +238,11 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
       const int64_t ab = (m0 + m) * a.blocks_per_row + b;
       for (int j = 0; j < kPanels; ++j) {
         __m512i hi = hi_dots[m][j], lo = lo_dots[m][j];
-        if (!p.has_min) {  // int8: the bytes were v + 128
+        if (kBits == 8) {  // the bytes were v + 128
           hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(128 * a.hi_sum[ab]));
-          lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(128 * a.lo_sum[ab]));
+          if (kPasses == 2) lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(128 * a.lo_sum[ab]));
         }
-        acc[m][j] = add_block<kPasses>(acc[m][j], hi, lo, w_scale[j], w_min[j], p.has_min, a, ab);
+        acc[m][j] = add_block<kPasses, kBits == 4>(acc[m][j], hi, lo, w_scale[j], w_min[j], a, ab);
       }
     }
   }
@@ -249,30 +250,30 @@ void panel_tile(const Packed& p, const QuantizedRows& a, const float* bias, int6
 }
 
 // Rows [m_begin, m_end) of x (in kPasses passes) against kPanels panels from panel0, kTileRows rows at a time.
-template <int kPanels, int kPasses, typename Out>
+template <int kPanels, int kPasses, int kBits, typename Out>
 void panel_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m_begin, int64_t m_end,
                 int64_t panel0, Out* y) {
   int64_t m0 = m_begin;
   for (; m0 + kTileRows <= m_end; m0 += kTileRows) {
-    panel_tile<kTileRows, kPanels, kPasses>(p, a, bias, m0, panel0, m0 == m_begin, y);
+    panel_tile<kTileRows, kPanels, kPasses, kBits>(p, a, bias, m0, panel0, m0 == m_begin, y);
   }
   const bool first = m0 == m_begin;
   switch (m_end - m0) {
-    case 3: panel_tile<3, kPanels, kPasses>(p, a, bias, m0, panel0, first, y); break;
-    case 2: panel_tile<2, kPanels, kPasses>(p, a, bias, m0, panel0, first, y); break;
-    case 1: panel_tile<1, kPanels, kPasses>(p, a, bias, m0, panel0, first, y); break;
+    case 3: panel_tile<3, kPanels, kPasses, kBits>(p, a, bias, m0, panel0, first, y); break;
+    case 2: panel_tile<2, kPanels, kPasses, kBits>(p, a, bias, m0, panel0, first, y); break;
+    case 1: panel_tile<1, kPanels, kPasses, kBits>(p, a, bias, m0, panel0, first, y); break;
     default: break;
   }
 }
 
 // Rows [m_begin, m_end) of x against the work item of kTilePanels panels (fewer at the end) from panel0.
-template <int kPasses, typename Out>
+template <int kPasses, int kBits, typename Out>
 void item_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64_t m_begin, int64_t m_end,
                int64_t panel0, Out* y) {
   if (panel0 + kTilePanels <= p.n_out / kPanel) {
-    panel_rows<kTilePanels, kPasses>(p, a, bias, m_begin, m_end, panel0, y);
+    panel_rows<kTilePanels, kPasses, kBits>(p, a, bias, m_begin, m_end, panel0, y);
   } else {
-    panel_rows<1, kPasses>(p, a, bias, m_begin, m_end, panel0, y);
+    panel_rows<1, kPasses, kBits>(p, a, bias, m_begin, m_end, panel0, y);
   }
 }
 
@@ -366,7 +367,7 @@ void tile_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64
         }
         for (int64_t t = t0; t < t1; t += 2) {
           __m512i first, second;
-          panel_quads(p, panel0 + j, t, &first, &second);
+          panel_quads<4>(p, panel0 + j, t, &first, &second);
           _mm512_storeu_si512(bytes + t * 64, first);
           _mm512_storeu_si512(bytes + t * 64 + 64, second);
         }
@@ -388,7 +389,8 @@ void tile_rows(const Packed& p, const QuantizedRows& a, const float* bias, int64
       const int64_t ab = (m0 + m) * a.blocks_per_row + b;
       for (int j = 0; j < kPanels; ++j) {
         const __m512i hi = _mm512_load_si512(sums[j][2 * m]), lo = _mm512_load_si512(sums[j][2 * m + 1]);
-        acc[m][j] = add_block<2>(acc[m][j], hi, lo, w_scale[j], w_min[j], p.has_min, a, ab);
+        acc[m][j] = p.has_min ? add_block<2, true>(acc[m][j], hi, lo, w_scale[j], w_min[j], a, ab)
+                              : add_block<2, false>(acc[m][j], hi, lo, w_scale[j], w_min[j], a, ab);
       }
     }
   }
@@ -449,10 +451,13 @@ void product(const Packed& p, const T* x, int64_t m_rows, const float* bias, T* 
     const int64_t m_end = std::min(m_rows, m_begin + kChunkRows);
     at::parallel_for(0, (n_panels + kTilePanels - 1) / kTilePanels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
+        const int64_t panel0 = item * kTilePanels;
         if (a.n_passes == 2) {
-          item_rows<2>(p, a, bias, m_begin, m_end, item * kTilePanels, y);
+          p.bits == 8 ? item_rows<2, 8>(p, a, bias, m_begin, m_end, panel0, y)
+                      : item_rows<2, 4>(p, a, bias, m_begin, m_end, panel0, y);
         } else {
-          item_rows<1>(p, a, bias, m_begin, m_end, item * kTilePanels, y);
+          p.bits == 8 ? item_rows<1, 8>(p, a, bias, m_begin, m_end, panel0, y)
+                      : item_rows<1, 4>(p, a, bias, m_begin, m_end, panel0, y);
         }
       }
     });
