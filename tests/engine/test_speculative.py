@@ -8,13 +8,18 @@ from __future__ import annotations
 import collections
 import json
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load_file
 
 from tests.engine.test_siblings import pages_held_only_by_the_prefix_cache
+from tests.engine.test_weight_updates import weights_for
+from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.throughput import run_throughput
 from tokenmill.bench.workload import make_workload
@@ -22,7 +27,7 @@ from tokenmill.cli import build_parser, config_from_args
 from tokenmill.config import EngineConfig
 from tokenmill.engine import verifier
 from tokenmill.metrics import ServerMetrics
-from tokenmill.request import StructuredOutputsParams
+from tokenmill.request import RequestOutput, StructuredOutputsParams, accumulate
 from tokenmill.speculative_config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 1000}
@@ -289,3 +294,65 @@ def test_the_throughput_benchmark_reports_the_runs_proposals(spec: LLM) -> None:
     assert 0 < result.spec_proposed_tokens <= after["proposed_tokens"] - before["proposed_tokens"]
     assert 0 <= result.spec_accepted_tokens <= after["accepted_tokens"] - before["accepted_tokens"]
     assert result.spec_accepted_tokens <= result.spec_proposed_tokens
+
+
+def generate_across_an_update(
+    checkpoint: Path, speculative: bool, update_after: int, update: list[tuple[str, torch.Tensor]]
+) -> tuple[list[int], list[int], list[int]]:
+    """Greedy tokens of PROMPTS[0] and their weight versions, with ``update`` applied between the step
+    that brings the output to at least ``update_after`` tokens and the next (the callback holds the
+    engine thread until the update is queued; commands run before every step); and the proposed
+    tokens counted then and at the end."""
+    llm = make_llm(speculative, model=str(checkpoint))
+    engine = llm.engine
+    due, queued, done = threading.Event(), threading.Event(), threading.Event()
+    total: list[RequestOutput | None] = [None]
+    observed: list[int] = []
+    proposed = [0, 0]
+
+    def on_output(delta: RequestOutput) -> None:  # on the engine thread, right after the delta's step
+        total[0] = accumulate(total[0], delta)
+        observed.extend([engine.weight_version] * sum(len(c.token_ids) for c in delta.outputs))
+        if delta.finished:
+            done.set()
+        elif len(observed) >= update_after and not due.is_set():
+            proposed[0] = engine.speculator.stats.proposed_tokens if speculative else 0
+            due.set()
+            assert queued.wait(30)
+            time.sleep(0.3)  # the tiny update is staged and queued long before this ends
+
+    try:
+        engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), on_output)
+        assert due.wait(60)
+        queued.set()
+        assert llm.update_weights(update) == 1
+        assert done.wait(60)
+    finally:
+        llm.shutdown()
+    if speculative:
+        proposed[1] = engine.speculator.stats.proposed_tokens
+    completion = total[0].outputs[0]
+    assert completion.weight_versions == observed  # each token tagged with the version that produced it
+    return completion.token_ids, completion.weight_versions, proposed
+
+
+def test_a_weight_update_between_verifications_gives_plain_decodings_tokens_and_versions(tmp_path: Path) -> None:
+    """Weights change between steps, so a proposal is made and verified under one version: across an
+    update (the running request keeping its KV), the tokens and their version tags equal plain
+    decoding's given the same update after the same token, with verifications on both sides."""
+    checkpoint = tmp_path / "tiny"
+    save_tiny_checkpoint(checkpoint, "llama")
+    update = weights_for(load_file(checkpoint / "model.safetensors"), 1)
+    tokens, versions, (before, after) = generate_across_an_update(checkpoint, True, 8, update)
+    switch = versions.index(1)
+    assert len(tokens) == 40 and 8 <= switch < 30 and versions == [0] * switch + [1] * (40 - switch)
+    assert 0 < before < after  # proposals verified before and after the update
+    plain_tokens, plain_versions, _ = generate_across_an_update(checkpoint, False, switch, update)
+    assert plain_versions == versions
+    assert plain_tokens == tokens
+    unchanged = make_llm(False, model=str(checkpoint))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        assert run(unchanged, PROMPTS[:1], params)[0][0][switch:] != tokens[switch:]  # the update did change them
+    finally:
+        unchanged.shutdown()
