@@ -356,3 +356,44 @@ def test_a_weight_update_between_verifications_gives_plain_decodings_tokens_and_
         assert run(unchanged, PROMPTS[:1], params)[0][0][switch:] != tokens[switch:]  # the update did change them
     finally:
         unchanged.shutdown()
+
+
+FAMILY_SETTINGS = {
+    "llama": {},
+    "mistral": dict(sliding_window=6),  # shorter than the prompts: verification rows see their own windows
+    "qwen2": {},
+    "qwen3": {},
+    "phi3": {},
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True),
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=5.0),
+    "gemma3": dict(head_dim=16, query_pre_attn_scalar=20, sliding_window=8, sliding_window_pattern=2),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY_SETTINGS))
+def family_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp(f"spec-{request.param}")
+    save_tiny_checkpoint(path, request.param, **FAMILY_SETTINGS[request.param])
+    return path
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_every_family_on_each_backend_gives_plain_decodings_greedy_tokens(
+    family_checkpoint: Path, backend: str
+) -> None:
+    """Each architecture (sliding windows, soft-capping, experts, q/k norms included) through the
+    torch-native and the CPU backends: prompt lookup's greedy tokens are plain decoding's, with
+    proposals accepted."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = []
+    for speculative in (False, True):
+        llm = make_llm(speculative, model=str(family_checkpoint), attention_backend=backend)
+        try:
+            assert llm.engine.model.backend.name == backend
+            outputs.append(run(llm, PROMPTS, params))
+            if speculative:
+                assert spec_stats(llm)["accepted_tokens"] > 0
+        finally:
+            llm.shutdown()
+    assert outputs[1] == outputs[0]
