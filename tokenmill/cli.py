@@ -87,9 +87,15 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title_prefix: str = 
 
 
 def config_from_args(cls: type[Config], args: argparse.Namespace) -> Config:
-    """``cls`` from the flags :func:`add_options` added and the command line gave (others keep their defaults)."""
+    """``cls`` from the flags :func:`add_options` added and the command line gave (others keep their
+    defaults). A value the config refuses ends the command as argparse does with a bad flag: its
+    message on stderr (``tokenmill: error: ...``), exit status 2, nothing started."""
     given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in given.items() if v is not None})
+    try:
+        return cls(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as exc:
+        print(f"tokenmill: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
 
 
 SAMPLING_DEFAULTS: dict[str, Any] = {

@@ -260,12 +260,20 @@ def test_prometheus_reports_proposed_and_accepted_tokens_per_method(spec: LLM) -
     }
 
 
-def test_the_command_line_takes_the_setting_as_json() -> None:
+def test_the_command_line_takes_the_setting_as_json(capsys: pytest.CaptureFixture[str]) -> None:
     parser = build_parser()
     args = parser.parse_args(["generate", "hi", "--speculative-config", json.dumps(NGRAM)])
     assert config_from_args(EngineConfig, args).speculative() == SpeculativeConfig.from_dict(NGRAM)
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "hi", "--speculative-config", "{method: ngram}"])
+    out_of_range = json.dumps(dict(NGRAM, num_speculative_tokens=17))
+    args = parser.parse_args(["serve", "--speculative-config", out_of_range])
+    with pytest.raises(SystemExit) as exited:
+        config_from_args(EngineConfig, args)
+    assert exited.value.code == 2
+    assert "tokenmill: error: speculative_config: num_speculative_tokens must be an integer in [1, 16], got 17" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_grammar_cuts_a_proposal_at_the_first_token_it_refuses(spec: LLM) -> None:
