@@ -18,11 +18,14 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokenmill.config import EngineConfig
 from tokenmill.request import SamplingParams
 from tokenmill.server.config import ServerConfig
+
+if TYPE_CHECKING:
+    from tokenmill.engine.engine import Engine
 
 Config = TypeVar("Config")
 
@@ -177,12 +180,22 @@ async def _stream(engine: Any, prompt: str | list[int], params: SamplingParams) 
     return "".join(text)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def start_engine(config: EngineConfig) -> Engine:
+    """The engine for ``config``; a setting it refuses at start (ValueError: a draft model with
+    another vocabulary, ...) ends the command like a bad flag (:func:`config_from_args`)."""
     from tokenmill.engine.engine import Engine
 
+    try:
+        return Engine(config)
+    except ValueError as exc:
+        print(f"tokenmill: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
     config = config_from_args(EngineConfig, args)
     params = _sampling_params(args, config.model_path())
-    engine = Engine(config)
+    engine = start_engine(config)
     try:
         print(args.prompt, end="", flush=True)
         asyncio.run(_stream(engine, args.prompt, params))
@@ -192,11 +205,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from tokenmill.engine.engine import Engine
-
     config = config_from_args(EngineConfig, args)
     params = _sampling_params(args, config.model_path())
-    engine = Engine(config)
+    engine = start_engine(config)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -225,12 +236,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.server.lifecycle import run_server
 
     engine_config = config_from_args(EngineConfig, args)
+    server_config = config_from_args(ServerConfig, args)
     place = launched_place()
     if place is not None and place.rank > 0:  # torchrun started every rank: rank 0 serves, the others are workers
         from tokenmill.distributed.worker_process import launched_worker_main
 
         launched_worker_main(engine_config)  # exits the process once rank 0 stops it
-    run_server(engine_config, config_from_args(ServerConfig, args))
+    run_server(start_engine(engine_config), server_config)
     return 0
 
 

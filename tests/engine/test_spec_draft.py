@@ -3,6 +3,9 @@ draft's KV kept in step with the accepted tokens, and drafts that do not fit the
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,6 +155,18 @@ def test_a_draft_that_does_not_fit_the_target_is_refused_at_start(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         LLM(model=str(models["target"]), speculative_config=draft_setting(models[draft]), **ENGINE, **options)
+
+
+def test_the_server_command_refuses_a_draft_of_another_vocabulary_with_its_message(models: dict[str, Path]) -> None:
+    """``tokenmill serve`` ends before serving, as with a bad flag: the reason on stderr, exit 2."""
+    setting = json.dumps(draft_setting(models["other-vocab"]))
+    command = [sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(models["target"]), "--dtype", "float32"]
+    done = subprocess.run(
+        [*command, "--port", "0", "--speculative-config", setting], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2
+    assert "tokenmill: error: speculative_config: the draft model" in done.stderr
+    assert "another vocabulary than the target" in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,6 @@ from fastapi import Request
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import Engine, EngineDeadError
 from tokenmill.engine.grammar_compile_worker import WORKERS
 from tokenmill.server.app import create_app
@@ -204,10 +203,9 @@ def build_server(engine: Engine, config: ServerConfig = ServerConfig(), log_leve
     return GracefulServer(uvicorn_config, gate, engine, config.shutdown_grace_seconds)
 
 
-def run_server(engine_config: EngineConfig, config: ServerConfig = ServerConfig()) -> None:
-    """Start an engine for ``engine_config``, serve it as ``config`` says until SIGINT/SIGTERM, then
-    shut down gracefully (see the module docstring) and return."""
-    engine = Engine(engine_config)
+def run_server(engine: Engine, config: ServerConfig = ServerConfig()) -> None:
+    """Serve ``engine`` as ``config`` says until SIGINT/SIGTERM, then shut down gracefully (see the
+    module docstring; the engine is shut down too) and return."""
     try:
         server = build_server(engine, config)
         # start-up's millions of objects (torch, transformers, the app) live to the end: kept out of
