@@ -18,7 +18,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from tokenmill.config import EngineConfig
 from tokenmill.request import SamplingParams
@@ -97,8 +97,13 @@ def config_from_args(cls: type[Config], args: argparse.Namespace) -> Config:
     try:
         return cls(**{k: v for k, v in given.items() if v is not None})
     except ValueError as exc:
-        print(f"tokenmill: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from exc
+        _refused(exc)
+
+
+def _refused(exc: ValueError) -> NoReturn:
+    """End the command as argparse ends it for a bad flag: ``tokenmill: error: <message>``, exit 2."""
+    print(f"tokenmill: error: {exc}", file=sys.stderr)
+    raise SystemExit(2) from exc
 
 
 SAMPLING_DEFAULTS: dict[str, Any] = {
@@ -188,8 +193,7 @@ def start_engine(config: EngineConfig) -> Engine:
     try:
         return Engine(config)
     except ValueError as exc:
-        print(f"tokenmill: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from exc
+        _refused(exc)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 
 from tests.engine.test_siblings import pages_held_only_by_the_prefix_cache
 from tests.engine.test_weight_updates import weights_for
+from tests.model.test_gemma import FAMILIES as GEMMA_FAMILIES
+from tests.model.test_moe import FAMILIES as MOE_FAMILIES
 from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.throughput import run_throughput
@@ -372,10 +374,8 @@ FAMILY_SETTINGS = {
     "qwen2": {},
     "qwen3": {},
     "phi3": {},
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True),
-    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=5.0),
-    "gemma3": dict(head_dim=16, query_pre_attn_scalar=20, sliding_window=8, sliding_window_pattern=2),
+    **MOE_FAMILIES,
+    **GEMMA_FAMILIES,
 }
 
 
