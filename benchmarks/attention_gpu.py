@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from results import save  # this script's folder is on sys.path
 
 PAGE_SIZE = 16
 
@@ -291,6 +292,7 @@ def main() -> None:
     if not args.skip_e2e:
         result["e2e_decode"] = e2e_bench(args)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    save("attention_gpu", result)
 
 
 if __name__ == "__main__":

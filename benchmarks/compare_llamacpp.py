@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from results import save  # this script's folder is on sys.path
+
 LLAMA_PYTHON = "/work/llama-venv/bin/python"
 PROMPT_LEN = 16
 OUTPUT_LEN = 64
@@ -486,6 +488,7 @@ def main() -> None:
         "correctness": correctness,
     }
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
+    save("compare_llamacpp", summary)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from results import save  # this script's folder is on sys.path
+
 LLAMA_PYTHON = "/work/llama-venv/bin/python"
 DECODE_PROMPT, DECODE_TOKENS, PREFILL_TOKENS = 16, 128, 512
 Q4_K_M = 15  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M
@@ -284,6 +286,7 @@ def main() -> None:
     if "load" in args.parts:
         results["load_to_first_token_s"] = load_times(default, work_dir, base, args.repeats)
     print(json.dumps(results) if args.json else json.dumps(results, indent=1))
+    save("compare_llamacpp_gguf", results)
 
 
 def load_times(default: Path, work_dir: Path, base: dict[str, Any], repeats: int) -> dict[str, float]:

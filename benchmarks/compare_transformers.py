@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from results import save  # this script's folder is on sys.path
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.roofline import copy_gbps, matmul_gflops, read_gbps
@@ -169,10 +170,8 @@ def main() -> None:
             "transformers_compute_roof_output_tok_s": round(hf_roof, 1),
             "transformers_fraction_of_roof": round(hf[best] / hf_roof, 3),
         } | batch1
-    if args.json:
-        print(json.dumps(result))
-        return
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    save("compare_transformers", result)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from results import save  # this script's folder is on sys.path
+
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
 FIRST_TOKENS = 8
 
@@ -173,6 +175,7 @@ def main() -> int:
         summary = neighbour_runs(model, work_file)
         os.unlink(work_file)
         print(json.dumps(summary) if ARGS.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
+        save("compare_vllm_neighbours", summary)
         return 0
     runs = {}
     for engine in ("vllm", "tokenmill"):
@@ -196,6 +199,7 @@ def main() -> int:
     else:
         for key, value in summary.items():
             print(f"{key}: {value}")
+    save("compare_vllm", summary)
     return 0
 
 

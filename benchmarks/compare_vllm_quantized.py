@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from compare_vllm import VLLM_ENV  # this script's folder is on sys.path
+from results import save  # this script's folder is on sys.path
 
 PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj\.weight")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -318,6 +319,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         for key, value in summary.items():
             print(f"{key}: {value}")
+    save("compare_vllm_quantized", summary)
     return 0
 
 

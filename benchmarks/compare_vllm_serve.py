@@ -37,6 +37,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from results import save  # this script's folder is on sys.path
+
 CLIENT = """
 import json, sys
 from vllm.benchmarks.serve import add_cli_args, main
@@ -145,6 +147,7 @@ def main() -> int:
             "throughput_ratio": round(ours["output_throughput"] / theirs["output_throughput"], 3),
         }
     print(json.dumps(summary) if ARGS.json else json.dumps(summary, indent=2))
+    save("compare_vllm_serve", summary)
     return 0
 
 

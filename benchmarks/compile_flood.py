@@ -23,6 +23,7 @@ import threading
 import time
 
 import httpx
+from results import save  # this script's folder is on sys.path
 
 PORT = 8766
 
@@ -82,21 +83,18 @@ def main() -> None:
         slow_done_s = round(time.monotonic() - started, 1)
         small = complete({"guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}}})
         after = [complete()[1] for _ in range(5)]
-        print(
-            json.dumps(
-                {
-                    "quiet_8_token_ms_median": statistics.median(quiet),
-                    "during_8_token_ms_median": statistics.median(during),
-                    "during_over_quiet": round(statistics.median(during) / statistics.median(quiet), 2),
-                    "health_ms_max_during": max(health),
-                    "slow_replies": slow_replies,
-                    "slow_done_after_s": slow_done_s,
-                    "small_structured_reply": small,
-                    "after_8_token_ms_median": statistics.median(after),
-                },
-                indent=1,
-            )
-        )
+        result = {
+            "quiet_8_token_ms_median": statistics.median(quiet),
+            "during_8_token_ms_median": statistics.median(during),
+            "during_over_quiet": round(statistics.median(during) / statistics.median(quiet), 2),
+            "health_ms_max_during": max(health),
+            "slow_replies": slow_replies,
+            "slow_done_after_s": slow_done_s,
+            "small_structured_reply": small,
+            "after_8_token_ms_median": statistics.median(after),
+        }
+        print(json.dumps(result, indent=1))
+        save("compile_flood", result)
     finally:
         server.terminate()
         server.wait()

@@ -35,6 +35,7 @@ from typing import Any
 
 import vllm_peer
 from fresh_process import answer, call
+from results import save  # this script's folder is on sys.path
 from wordpiece import cut_to_tokens, save_wordpiece, word_texts
 
 THREADS = 2
@@ -212,6 +213,7 @@ def main(args: argparse.Namespace) -> None:
             "min_cosine_vllm_fp32_vs_st": min(cosines(st["embeddings"], vllm["embeddings"])),
         }
     print(json.dumps(result, indent=None if args.json else 1))
+    save("embeddings", result)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
+from results import save  # this script's folder is on sys.path
 
 PORT = 8765
 
@@ -107,17 +108,15 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait()
-    print(
-        json.dumps(
-            {
-                "idle_ms": {"p50": percentile(idle, 0.5), "p99": percentile(idle, 0.99)},
-                "loaded_ms": {"p50": percentile(loaded, 0.5), "p99": percentile(loaded, 0.99), "max": max(loaded)},
-                "probes_loaded": len(loaded),
-                "reply_mb": [round(size / 1e6, 1) for size in sizes],
-                "slow_probes_s_ms": slow,
-            }
-        )
-    )
+    result = {
+        "idle_ms": {"p50": percentile(idle, 0.5), "p99": percentile(idle, 0.99)},
+        "loaded_ms": {"p50": percentile(loaded, 0.5), "p99": percentile(loaded, 0.99), "max": max(loaded)},
+        "probes_loaded": len(loaded),
+        "reply_mb": [round(size / 1e6, 1) for size in sizes],
+        "slow_probes_s_ms": slow,
+    }
+    print(json.dumps(result))
+    save("health_under_load", result)
 
 
 if __name__ == "__main__":

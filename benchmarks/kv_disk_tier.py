@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fresh_process import answer, call
+from results import save  # this script's folder is on sys.path
 
 THREADS = 2
 
@@ -153,6 +154,7 @@ def main(args: argparse.Namespace) -> None:
         if "cycle" in args.parts:
             result["cycle"] = cycle_part(model, work, args.prompts)
     print(json.dumps(result, indent=None if args.json else 1))
+    save("kv_disk_tier", result)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from fresh_process import answer, call
+from results import save  # this script's folder is on sys.path
 
 README = Path(__file__).parents[1] / "README.md"
 
@@ -188,6 +189,7 @@ def main(args: argparse.Namespace) -> None:
     if "throughput" in args.parts:
         result["throughput"] = throughput_part(args.rounds)
     print(json.dumps(result, indent=None if args.json else 1))
+    save("kv_int8", result)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fresh_process import answer, call
+from results import save  # this script's folder is on sys.path
 
 N_ADAPTERS = 8
 RANK = 16
@@ -150,6 +151,7 @@ def main() -> None:
         report["vllm_adapters_vs_base"] = ratio("vllm_adapters", "vllm_base")
         report["tokenmill_vs_vllm_with_adapters"] = ratio("tokenmill_adapters", "vllm_adapters")
     print(json.dumps(report, indent=2) if args.json else "\n".join(f"{k}: {v}" for k, v in report.items()))
+    save("lora", report)
 
 
 if __name__ == "__main__":

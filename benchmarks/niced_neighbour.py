@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+from results import save  # this script's folder is on sys.path
+
 TOKENS = 128
 
 
@@ -39,6 +41,7 @@ def main() -> None:
 
     ms_per_token()  # warm-up
     phases = [("quiet", None), ("nice +10", 10), ("quiet", None), ("nice +10", 10), ("busy, nice 0", 0)]
+    result = []
     for label, niceness in phases:
         neighbour = subprocess.Popen(spinner(niceness)) if niceness is not None else None
         time.sleep(0.5)
@@ -52,7 +55,17 @@ def main() -> None:
             f"threads {stats['cpu_threads']} changes {stats['cpu_thread_changes']}",
             flush=True,
         )
+        result.append(
+            {
+                "phase": label,
+                "median_ms_per_token": statistics.median(times),
+                "ms_per_token": times,
+                "cpu_threads": stats["cpu_threads"],
+                "cpu_thread_changes": stats["cpu_thread_changes"],
+            }
+        )
     llm.shutdown()
+    save("niced_neighbour", {"phases": result})
 
 
 if __name__ == "__main__":

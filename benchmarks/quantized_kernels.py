@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from results import save  # this script's folder is on sys.path
 
 from tokenmill.kernels.linear import Linear
 from tokenmill.kernels.quant_format import QuantScheme, quantize, to_panels
@@ -67,6 +68,7 @@ def main() -> None:
             results[m] = row
     summary = {"shape": [n, k], "dtype": args.dtype, "ms_for_30_products": results}
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
+    save("quantized_kernels", summary)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import statistics
 import time
 
 import torch
+from results import save  # this script's folder is on sys.path
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.workload import PRESETS, make_random_model, make_workload
@@ -84,6 +85,7 @@ def main() -> None:
         },
     }
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
+    save("quantized_weights", summary)
 
 
 if __name__ == "__main__":

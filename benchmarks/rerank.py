@@ -38,6 +38,7 @@ from typing import Any
 
 import vllm_peer
 from fresh_process import answer, call
+from results import save  # this script's folder is on sys.path
 from wordpiece import cut_to_tokens, save_wordpiece, word_texts
 
 THREADS = 2
@@ -171,6 +172,7 @@ def main(args: argparse.Namespace) -> None:
             "vllm_orders_agree": vllm["order"] == st["order"],
         }
     print(json.dumps(result, indent=None if args.json else 1))
+    save("rerank", result)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from results import save  # this script's folder is on sys.path
 
 from tokenmill.default_model import DEFAULT_MODEL_FILE, default_model
 from tokenmill.engine.sampler import _filter_logits
@@ -80,6 +81,7 @@ def main(args: argparse.Namespace) -> None:
         plain, ours = measure(logits, params, full_sort_filter), measure(logits, params, _filter_logits)
         result[name] = {"full_sort": plain, "tokenmill": ours, "speedup": plain["ms"] / ours["ms"]}
     print(json.dumps(result, indent=None if args.json else 1))
+    save("sampler_filters", result)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,11 @@ from tokenmill.server.background import serve_in_background
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.shared.generation import Generation
 
+try:
+    from results import save  # run as a script: its folder is on sys.path
+except ImportError:  # imported as benchmarks.soak (the reliability tests)
+    from benchmarks.results import save
+
 WORDS = ["hello", "world", "the", "cat", "dog", "sat", "on", "mat", "one", "two", "three", "def", "return", "x"]
 OPENAI_FINISH = {"stop", "length"}
 ANTHROPIC_STOP = {"end_turn", "max_tokens", "stop_sequence"}
@@ -510,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key:>25}: {value}")
         for error in (warm.errors + soak.errors + attacks.errors)[:10]:
             print("error:", error[:500])
+    save("soak", report)
     clean = not soak.errors and not warm.errors and not attacks.errors and not connections_after
     return 0 if clean and not any(held.values()) else 1
 

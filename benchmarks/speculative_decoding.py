@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from fresh_process import answer, call
+from results import save  # this script's folder is on sys.path
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 3, "prompt_lookup_max": 5}
 ORDINARY_QUESTIONS = (
@@ -233,6 +234,7 @@ def main() -> None:
         }
         report(results, "draft")
     print(json.dumps(results, indent=None if ARGS.json else 1))
+    save("speculative_decoding", results)
 
 
 def ordinary_prompts(model: str) -> list[list[int]]:

@@ -31,6 +31,7 @@ from types import SimpleNamespace
 
 import torch
 import xgrammar as xgr
+from results import save  # this script's folder is on sys.path
 
 import tokenmill.engine.grammar as grammar
 import tokenmill.engine.sampler as sampler
@@ -179,6 +180,7 @@ def main() -> int:
         },
     }
     print(json.dumps(report, indent=2))
+    save("structured_output", report)
     return 0
 
 

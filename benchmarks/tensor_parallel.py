@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from results import save  # this script's folder is on sys.path
 
 from tokenmill import LLM
 from tokenmill.bench.stats import Timer
@@ -98,6 +99,7 @@ def main() -> int:
     print(text)
     if args.json is not None:
         args.json.write_text(text + "\n")
+    save("tensor_parallel", report)
     return 0
 
 
