@@ -22,7 +22,8 @@ def new_request_id() -> str:
 
 @dataclass(eq=False)
 class RequestState:
-    """Engine-side state of one request and its ``n`` sequences."""
+    """Engine-side state of one request and its ``n`` sequences (their ``group``: a
+    :class:`~tokenmill.engine.sequence.RequestGroup`)."""
 
     request_id: str
     prompt: str | None

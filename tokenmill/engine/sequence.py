@@ -11,18 +11,27 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from tokenmill.cache.handle import KVHandle
 from tokenmill.engine.grammar import SequenceGrammar
-from tokenmill.request import Logprob, PoolingParams, SamplingParams
-
-if TYPE_CHECKING:  # the request state holds its sequences: a type-only import both ways
-    from tokenmill.engine.request_state import RequestState
+from tokenmill.request import Logprob, PoolingParams, RequestMetrics, SamplingParams
 
 _seq_ids = itertools.count()
+
+
+class RequestGroup(Protocol):
+    """The request a sequence belongs to, as its ``group``: the engine's
+    :class:`~tokenmill.engine.request_state.RequestState`, which holds its sequences (that module
+    imports this one, so this one names the request by what its readers use of it, not by import)."""
+
+    request_id: str
+    call_id: str  # the call it came in: admission shares by call
+    token_limit: int  # prompt + max_tokens, as validated: no sequence grows past it
+    metrics: RequestMetrics
+    seqs: list[Sequence]  # its n sequences, this one among them
 
 
 class SeqStatus(enum.Enum):
@@ -36,7 +45,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     index: int = 0
-    group: RequestState | None = None  # the request this sequence belongs to (set by intake)
+    group: RequestGroup | None = None  # the request this sequence belongs to (set by intake)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.lora import TILE_ROWS, LoRABatch, LoRAWeights
+from tokenmill.kernels.lora_slots import TILE_ROWS, LoRABatch, LoRAWeights
 
 MIN_DOT = 16
 """Smallest ``tl.dot`` tile dimension: ranks and column blocks are padded (masked) to at least it."""
