@@ -103,7 +103,7 @@ def test_dtype_auto_on_cpu_is_bf16_exactly_where_the_cpu_multiplies_bf16(
         llm.shutdown()
     # the rule itself, on both kinds of CPU, whatever the checkpoint's dtype
     for native, dtype in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr("tokenmill.config.native_bf16", lambda native=native: native)
+        monkeypatch.setattr("tokenmill.config.model.native_bf16", lambda native=native: native)
         for checkpoint_dtype in (None, torch.float16, torch.float32, torch.bfloat16):
             assert EngineConfig(dtype="auto", device="cpu").resolved_dtype(checkpoint_dtype) == dtype
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import LLM, Engine, SamplingParams
-from tokenmill.engine.weight_update import apply_update, stage_update
+from tokenmill.worker.weight_update import apply_update, stage_update
 from tokenmill.model.loader import WeightError, load_model
 from tokenmill.model.weights import checkpoint_targets
 from tokenmill.request import ParameterError, RequestOutput, accumulate

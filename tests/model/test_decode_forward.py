@@ -19,7 +19,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.attention.cpu_backend import CpuBackend
 from tokenmill.attention.torch_native import TorchNativeBackend
 from tokenmill.cache.storage import KVStorage, ReqToTokenPool
-from tokenmill.engine.executor import StepExecutor
+from tokenmill.distributed.executor import Executor
 from tokenmill.hardware import native_bf16
 from tokenmill.kernels import linear as linear_module
 from tokenmill.kernels import quant_linear as quant_linear_module
@@ -176,19 +176,19 @@ def test_engine_runs_it_on_every_decode_step(llama: Path, monkeypatch: pytest.Mo
     does, and the tokens and logprobs equal those of the same run on the Python forward."""
     steps: list[tuple[bool, int]] = []  # per forward: (pure decode step, C++ decode forward calls)
     calls = []
-    run_forward, run_fused = StepExecutor.run, CpuDecodeForward.__call__
+    run_forward, run_fused = Executor.execute, CpuDecodeForward.__call__
 
-    def forward(self: StepExecutor, plan) -> torch.Tensor:
+    def forward(self: Executor, step) -> torch.Tensor:
         before = len(calls)
-        logits = run_forward(self, plan)
-        steps.append((plan.is_pure_decode, len(calls) - before))
+        logits = run_forward(self, step)
+        steps.append((step.is_decode, len(calls) - before))
         return logits
 
     def fused(self: CpuDecodeForward, *args: object) -> torch.Tensor:
         calls.append(1)
         return run_fused(self, *args)
 
-    monkeypatch.setattr(StepExecutor, "run", forward)
+    monkeypatch.setattr(Executor, "execute", forward)
     monkeypatch.setattr(CpuDecodeForward, "__call__", fused)
     prompts = [[5, 6, 7], [(7 * i) % 90 + 4 for i in range(19)], [8, 9, 10, 11]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)

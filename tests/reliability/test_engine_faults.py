@@ -53,7 +53,7 @@ def assert_pool_at_baseline(llm: LLM) -> None:
 
 def test_fault_in_a_forward_fails_that_step_only(llm: LLM) -> None:
     engine = llm.engine
-    target, component = engine.executor, "run"
+    target, component = engine.executor, "execute"
     baseline = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     failed_before = engine.stats()["failed_requests"]
     # fail the step that decodes the long request's 4th token, whoever else is in it

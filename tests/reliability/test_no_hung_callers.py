@@ -98,14 +98,14 @@ def test_shutdown_mid_step_answers_every_waiting_caller(llm: LLM) -> None:
     wait_until(lambda: engine.stats()["active_requests"] == 3)
 
     # hold the loop inside a step's forward while more callers queue up behind it
-    forward, in_forward, release = engine.executor.run, threading.Event(), threading.Event()
+    forward, in_forward, release = engine.executor.execute, threading.Event(), threading.Event()
 
-    def held_forward(plan: Any) -> Any:
+    def held_forward(step: Any) -> Any:
         in_forward.set()
         release.wait()
-        return forward(plan)
+        return forward(step)
 
-    engine.executor.run = held_forward
+    engine.executor.execute = held_forward
     engine.resume_generation()
     assert in_forward.wait(HANG_GUARD_S)
     queued_add: queue.Queue[RequestOutput] = queue.Queue()

@@ -169,11 +169,11 @@ def test_internal_error_is_500_with_a_logged_id(
 
 
 def test_failed_generation_is_500_or_a_stream_error(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    def crash(plan):
+    def crash(step):
         raise RuntimeError("step exploded")
 
     with monkeypatch.context() as patch:
-        patch.setattr(server.engine.executor, "run", crash)  # the engine fails the step's requests
+        patch.setattr(server.engine.executor, "execute", crash)  # the engine fails the step's requests
         error = openai_error(post(server, "/v1/chat/completions", CHAT), 500)
         assert "step exploded" in error["message"] and "chatcmpl-" in error["message"]
         with httpx.stream("POST", f"{server.url}/v1/completions", json={**COMPLETION, "stream": True}) as response:

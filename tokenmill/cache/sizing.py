@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.cache.storage import KVStorage
-from tokenmill.config import EngineConfig
+from tokenmill.config.cache import CacheOptions
 
 DEFAULT_FRACTION = {"cuda": 0.85, "cpu": 0.1}
 
@@ -25,7 +25,7 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def kv_cache_slots(
-    config: EngineConfig, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    config: CacheOptions, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> int:
     """Slots for the KV cache of a model of that shape, a multiple of ``page_size`` holding at
     least one usable page."""

@@ -6,10 +6,10 @@ from tokenmill.cache.disk_tier import DiskKVTier
 from tokenmill.cache.host_tier import HostKVTier
 from tokenmill.cache.kv_tier import BLOCK_TOKENS, KVTier
 from tokenmill.cache.storage import KVStorage
-from tokenmill.config import EngineConfig
+from tokenmill.config.cache import CacheOptions
 
 
-def open_kv_tier(config: EngineConfig, storage: KVStorage, namespace: str) -> KVTier | None:
+def open_kv_tier(config: CacheOptions, storage: KVStorage, namespace: str) -> KVTier | None:
     """The disk tier (``kv_cache_disk_dir``), the host tier (``kv_cache_host_bytes`` > 0), the host
     tier in front of the disk tier when both are set, or None; blocks of ``max(BLOCK_TOKENS,
     page_size)`` tokens of ``storage``'s layers, heads and dtype. Raises DiskTierError / ValueError

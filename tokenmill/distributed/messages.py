@@ -1,10 +1,11 @@
 """The messages rank 0 broadcasts to the tensor-parallel workers: a step (a
-:class:`~tokenmill.worker.forward_step.ForwardStep`), heartbeats while idle, weight updates, LoRA
-slot loads, and shutdown.
+:class:`~tokenmill.worker.forward_step.ForwardStep`), a call (a ``ModelWorker`` method every rank
+runs: weight updates, LoRA slot loads), heartbeats while idle, and shutdown.
 
 A step is two broadcasts from rank 0: a fixed-size int64 header (the kind and the lengths), then
-one int64 payload with every field back to back; the other kinds are the header alone (a weight
-update's tensors follow it: ``weights.py``; a LoRA slot load's adapter: ``lora.py``). The step
+one int64 payload with every field back to back; a call is the header, then the method's name and
+arguments as one pickled object, and every rank's result gathered back (:func:`send_call`); the
+other kinds are the header alone. The step
 carries the request-to-token entries rank 0 wrote since the previous one, which each worker
 applies to its replica of the table before it runs the step, so every rank builds the same
 attention view over its own KV storage.
@@ -13,6 +14,7 @@ attention view over its own KV storage.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,8 +28,11 @@ class Kind(IntEnum):
     STEP = 1
     HEARTBEAT = 2
     SHUTDOWN = 3
-    WEIGHTS = 4
-    LORA = 5
+    CALL = 4
+
+
+Call = tuple[str, tuple[Any, ...]]
+"""A call's method name and arguments."""
 
 
 def send(kind: Kind, step: ForwardStep | None = None, device: torch.device | str = "cpu") -> None:
@@ -58,8 +63,30 @@ def send(kind: Kind, step: ForwardStep | None = None, device: torch.device | str
     dist.broadcast(torch.cat([p.to(device, torch.int64) for p in parts]), src=0)
 
 
+def send_call(method: str, args: tuple[Any, ...], device: torch.device | str) -> None:
+    """Broadcast a call of ``method(*args)`` from rank 0 (the workers answer with :func:`gather_results`)."""
+    send(Kind.CALL, device=device)
+    dist.broadcast_object_list([(method, args)], src=0, device=device)
+
+
+def receive_call(device: torch.device | str) -> Call:
+    """A worker after the CALL header: the method's name and arguments."""
+    received: list[Call | None] = [None]
+    dist.broadcast_object_list(received, src=0, device=device)
+    assert received[0] is not None
+    return received[0]
+
+
+def gather_results(result: Any, device: torch.device | str) -> list[Any]:
+    """Every rank's result of a call, by rank (each rank passes its own)."""
+    results: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(results, result)
+    return results
+
+
 def receive(device: torch.device | str) -> tuple[Kind, ForwardStep | None]:
-    """The next message from rank 0 on a worker: ``(kind, the step or None)``."""
+    """The next message from rank 0 on a worker: ``(kind, the step or None)``; after a CALL header
+    the call follows (:func:`receive_call`)."""
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
     dist.broadcast(header, src=0)
     kind, n_tokens, n_logits, n_reqs, n_forks, n_writes, is_decode, n_hidden, n_lora = header.tolist()

@@ -1,5 +1,5 @@
 """Rank 0's side of tensor parallelism: it spawns the worker processes, joins their group, sends
-each step's inputs, keeps idle workers' collectives from timing out, watches them, and stops them.
+each step's inputs and each call (a ``ModelWorker`` method every rank runs), keeps idle workers' collectives from timing out, watches them, and stops them.
 
 Workers are spawned (``torch.multiprocessing``'s spawn context, daemonic: the interpreter's exit
 ends them too) by the process that builds the engine, unless ``torchrun`` started every rank
@@ -25,19 +25,18 @@ import logging
 import multiprocessing.connection
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tokenmill.config import EngineConfig
-from tokenmill.distributed import group, lora, messages, weights
-from tokenmill.distributed.worker_process import agree_on_slots, worker_main
+from tokenmill.config import EngineConfig, Resolved
+from tokenmill.distributed import group, messages
+from tokenmill.distributed.worker_process import RankError, agree_on_slots, worker_main
 from tokenmill.model.loader import check_shardable
-from tokenmill.model.lora import ModuleDelta
 from tokenmill.model.parallel import TensorParallel
-from tokenmill.model.weights import WeightError
 from tokenmill.worker.forward_step import ForwardStep
 
 logger = logging.getLogger("tokenmill.distributed")
@@ -61,13 +60,13 @@ def spawn_workers(config: EngineConfig, port: int) -> list[mp.Process]:
     ]
 
 
-def start_worker_group(config: EngineConfig, device: torch.device) -> WorkerGroup | None:
+def start_worker_group(config: EngineConfig, resolved: Resolved) -> WorkerGroup | None:
     """The workers of ``config.tensor_parallel_size`` > 1 ranks, started and joined with rank 0 on
-    ``device``, once the checkpoint is known to shard that way; None at size 1."""
+    ``resolved.device``, once the checkpoint is known to shard that way; None at size 1."""
     if config.tensor_parallel_size == 1:
         return None
-    check_shardable(config.model_path(), TensorParallel(config.tensor_parallel_size))  # before any worker starts
-    return WorkerGroup(config, group.rank_device(device, 0), config.distributed_timeout_s)
+    check_shardable(resolved.model_path, TensorParallel(config.tensor_parallel_size))  # before any worker starts
+    return WorkerGroup(config, group.rank_device(resolved.device, 0), config.distributed_timeout_s)
 
 
 class WorkerGroupError(RuntimeError):
@@ -125,23 +124,21 @@ class WorkerGroup:
             messages.send(messages.Kind.STEP, step, self.device)
             yield
 
-    def update_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Send an update rank 0 validated and staged (whole tensors) to the workers; return once every
-        worker applied its part, or raise :class:`WeightError` naming each refusing rank (none applied).
-        Call between steps, then apply rank 0's part."""
+    def call(self, method: str, args: tuple[Any, ...], local: Callable[[], Any]) -> list[Any]:
+        """Have every worker run its ``ModelWorker``'s ``method(*args)`` while rank 0 runs ``local()``;
+        every rank's result by rank (a worker's exception comes back as a :class:`RankError`). An
+        exception of ``local`` is raised after the results are gathered. Call between steps."""
         with self._collective():
-            messages.send(messages.Kind.WEIGHTS, device=self.device)
-            votes = weights.send(tensors, self.device)
-        refusals = [f"tensor-parallel rank {rank} refused the update: {r}" for rank, r in enumerate(votes) if r]
-        if refusals:
-            raise WeightError("; ".join(refusals))
-
-    def load_lora_slot(self, slot: int, deltas: list[ModuleDelta]) -> None:
-        """Have every worker put its part of ``deltas`` (an adapter's whole matrices; none: empty)
-        into LoRA slot ``slot``. Call between steps, beside rank 0's own load."""
-        with self._collective():
-            messages.send(messages.Kind.LORA, device=self.device)
-            lora.send(slot, deltas, self.device)
+            messages.send_call(method, args, self.device)
+            error: Exception | None = None
+            try:
+                result = local()
+            except Exception as exc:  # the workers still wait for rank 0's part of the gather
+                error, result = exc, None
+            results = messages.gather_results(result, self.device)
+        if error is not None:
+            raise error
+        return results
 
     @contextlib.contextmanager
     def _collective(self) -> Iterator[None]:

@@ -1,6 +1,6 @@
 """A tensor-parallel worker process (ranks 1..N-1): it builds this rank's model worker (its shards
 of the model, its KV storage for its heads, a replica of the request-to-token table) and executes
-rank 0's steps.
+rank 0's steps and calls.
 
 The process holds no scheduler, request table or sampler: each step comes from rank 0
 (``messages.py``) and runs through the same ``ModelWorker.execute`` as rank 0's, taking part in
@@ -16,18 +16,21 @@ aborts the whole process (``std::terminate``; seen at exit under load).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.cpu_memory import keep_freed_memory
-from tokenmill.distributed import group, lora, messages, weights
+from tokenmill.distributed import group, messages
 from tokenmill.model.parallel import TensorParallel
+from tokenmill.model.registry import resolve_config
 from tokenmill.worker.model_worker import build_model_worker
 
 logger = logging.getLogger("tokenmill.distributed")
@@ -91,9 +94,18 @@ def run(
         group.leave()
 
 
+@dataclass(frozen=True)
+class RankError:
+    """What a worker's call raised, as its result (the call goes on on the other ranks)."""
+
+    rank: int
+    error: str
+
+
 def serve(config: EngineConfig, tp: TensorParallel, device: torch.device, timeout: float) -> None:
     """Build this rank's worker (agreeing on the KV size with the others), run messages until shutdown."""
-    worker = build_model_worker(config, tp, device, agree_on_slots=lambda n: agree_on_slots(n, device, timeout))
+    resolved = dataclasses.replace(resolve_config(config)[0], device=device)
+    worker = build_model_worker(config, resolved, tp, agree_on_slots=lambda n: agree_on_slots(n, device, timeout))
     while True:
         kind, step = messages.receive(device)
         if kind == messages.Kind.SHUTDOWN:
@@ -101,11 +113,13 @@ def serve(config: EngineConfig, tp: TensorParallel, device: torch.device, timeou
         if kind == messages.Kind.STEP:
             assert step is not None
             worker.execute(step)
-        elif kind == messages.Kind.WEIGHTS:
-            weights.receive(worker.model, device)
-        elif kind == messages.Kind.LORA:
-            assert worker.lora is not None, "LoRA slot loads need enable_lora"
-            lora.receive(worker.lora, device)
+        elif kind == messages.Kind.CALL:
+            method, args = messages.receive_call(device)
+            try:
+                result = getattr(worker, method)(*args)
+            except Exception as exc:  # noqa: BLE001 - rank 0 raises it, naming this rank
+                result = RankError(tp.rank, f"{type(exc).__name__}: {exc}")
+            messages.gather_results(result, device)
 
 
 def agree_on_slots(n_slots: int, device: torch.device, timeout: float) -> int:

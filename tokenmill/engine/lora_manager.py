@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tokenmill.model.lora import LoRAAdapter, LoRASlots, ModuleDelta
+from tokenmill.model.lora import LoRAAdapter, ModuleDelta
 
 
 @dataclass
@@ -38,21 +38,16 @@ class RegisteredAdapter:
 
 
 class LoRAManager:
-    def __init__(
-        self, slots: LoRASlots, load_elsewhere: Callable[[int, list[ModuleDelta]], None] | None = None
-    ) -> None:
-        """``slots``: rank 0's; ``load_elsewhere(slot, deltas)`` puts each slot load on the other
-        tensor-parallel ranks too (None at tp=1)."""
-        self.slots = slots
-        self._load_elsewhere = load_elsewhere
+    def __init__(self, max_loras: int, max_rank: int, load_slot: Callable[[int, list[ModuleDelta]], None]) -> None:
+        """``max_loras`` slots of adapters up to ``max_rank``; ``load_slot(slot, deltas)`` puts an
+        adapter's matrices into a slot on every rank (the executor's call)."""
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self._load_slot = load_slot
         self._adapters: dict[str, RegisteredAdapter] = {}
-        self._slot_owner: list[str | None] = [None] * slots.max_loras
-        self._recency: OrderedDict[int, None] = OrderedDict((i, None) for i in range(slots.max_loras))
+        self._slot_owner: list[str | None] = [None] * max_loras
+        self._recency: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
         self.slot_loads = 0  # adapters put into a slot (a first use or after an eviction)
-
-    @property
-    def max_rank(self) -> int:
-        return self.slots.max_rank
 
     def has(self, name: str) -> bool:
         return name in self._adapters
@@ -129,16 +124,13 @@ class LoRAManager:
         return {
             "loaded": len(self._adapters),
             "resident": sum(owner is not None for owner in self._slot_owner),
-            "slots": self.slots.max_loras,
+            "slots": self.max_loras,
             "slot_loads": self.slot_loads,
         }
 
     def _load(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Put ``adapter`` (None: nothing) into ``slot`` on every rank."""
-        deltas = [] if adapter is None else list(adapter.deltas.values())
-        if self._load_elsewhere is not None:
-            self._load_elsewhere(slot, deltas)
-        self.slots.load(slot, deltas)
+        self._load_slot(slot, [] if adapter is None else list(adapter.deltas.values()))
 
     def _is_free(self, slot: int) -> bool:
         owner = self._slot_owner[slot]

@@ -47,6 +47,12 @@ class OutputProcessor:
         self.weight_version = weight_version
         self.lora_version = lora_version
 
+    def cache_prompts(self, seqs: list[Sequence]) -> None:
+        """Put the prompts a forward just computed (``seqs``: each parent before its forked children)
+        into the prefix cache, before their first sampled token is appended."""
+        for seq in seqs:
+            self.scheduler.cache.cache_prompt(seq.kv, seq.all_token_ids)
+
     def abort(self, request_id: str) -> bool:
         """End every unfinished sequence of the request with "abort"; False if it is not live."""
         state = self.table.requests.get(request_id)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.cache.manager import CacheManager
-from tokenmill.config import EngineConfig
+from tokenmill.config.scheduler import SchedulerOptions
 from tokenmill.engine.lora_manager import LoRAManager
 from tokenmill.engine.sequence import SeqStatus, Sequence
 from tokenmill.engine.speculation import Speculator, Verification
@@ -121,7 +121,7 @@ class SchedulerStats:
 class Scheduler:
     def __init__(
         self,
-        config: EngineConfig,
+        config: SchedulerOptions,
         cache: CacheManager,
         speculator: Speculator | None = None,
         lora: LoRAManager | None = None,

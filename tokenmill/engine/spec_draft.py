@@ -27,10 +27,10 @@ from tokenmill.engine.sequence import Sequence
 from tokenmill.gguf_checkpoint import is_converted
 from tokenmill.model.parallel import SINGLE
 from tokenmill.model.prequantized import checkpoint_format
-from tokenmill.model.registry import load_model_config
+from tokenmill.model.registry import resolve_config
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.worker.forward_step import ForwardStep, TableWrites
-from tokenmill.worker.model_worker import ModelWorker, build_model_worker, max_context_len
+from tokenmill.worker.model_worker import ModelWorker, build_model_worker
 
 logger = logging.getLogger("tokenmill.engine")
 
@@ -77,8 +77,7 @@ class DraftModelProposer:
         (none for a GGUF or pre-quantized draft: it loads as stored). Raises ValueError naming what
         does not match: the vocabulary (the tokenizers' token -> id maps, or the model's width where
         the target has no tokenizer) or a context shorter than ``context_limit``."""
-        draft = dataclasses.replace(
-            target,
+        draft = target.replace(
             model=draft_path,
             revision=None,
             tokenizer=None,
@@ -90,8 +89,8 @@ class DraftModelProposer:
         )
         path = draft.model_path()
         if is_converted(path) or checkpoint_format(path) is not None:  # loads quantized as stored
-            draft = dataclasses.replace(draft, quantization=None)
-        draft_config = load_model_config(path)
+            draft = draft.replace(quantization=None)
+        resolved, draft_config = resolve_config(draft)
         if tokenizer is not None:
             if Tokenizer(path).hf.get_vocab() != tokenizer.hf.get_vocab():
                 raise ValueError(
@@ -103,17 +102,16 @@ class DraftModelProposer:
                 f"speculative_config: the draft model's vocabulary has {draft_config.vocab_size} tokens, "
                 f"the target's {vocab_size}"
             )
-        draft_context = max_context_len(draft, draft_config)
-        if draft_context < context_limit:
+        if resolved.max_context_len < context_limit:
             raise ValueError(
-                f"speculative_config: the draft model's context ({draft_context} tokens) is shorter than "
-                f"the target's ({context_limit})"
+                f"speculative_config: the draft model's context ({resolved.max_context_len} tokens) is shorter "
+                f"than the target's ({context_limit})"
             )
         pool = ReqToTokenPool(rows, context_limit, device)
-        sized = dataclasses.replace(draft, max_context_len=context_limit)
-        worker = build_model_worker(sized, SINGLE, device, pool.table)
+        sized = dataclasses.replace(resolved, device=device, max_context_len=context_limit)
+        worker = build_model_worker(draft, sized, SINGLE, pool.table)
         logger.info("draft model %s: %s", draft_path, draft_config.architecture)
-        return cls(worker, CacheManager(draft, worker.storage.n_slots, pool), vocab_size)
+        return cls(worker, CacheManager(draft.cache, worker.storage.n_slots, pool), vocab_size)
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """The draft's ``k`` most likely next tokens after ``seq``'s, one at a time (empty when its

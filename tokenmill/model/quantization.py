@@ -27,7 +27,7 @@ from typing import TypeVar
 
 import torch
 
-from tokenmill.config import EngineConfig
+from tokenmill.config.model import ModelOptions
 from tokenmill.kernels.linear import Linear
 from tokenmill.kernels.quant_format import PANEL, QuantScheme, dequantize, fake_quantize_activations, quantize
 from tokenmill.kernels.quant_linear import STREAM_MAX_ROWS, activation_block, int8_dot_isa
@@ -45,7 +45,7 @@ ROUTER_NAME = "gate"
 """The attribute name of an MoE router, which stays unquantized (its scores pick experts)."""
 
 
-def quantization_scheme(config: EngineConfig) -> QuantScheme | None:
+def quantization_scheme(config: ModelOptions) -> QuantScheme | None:
     """The scheme ``config`` asks for (None: no quantization)."""
     if config.quantization is None:
         return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tokenmill.config import EngineConfig, Resolved
 from tokenmill.model.bert import BertForSequenceClassification, BertModel
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.config import ModelConfig, ModelConfigError, architecture, read_config_json
@@ -65,3 +66,11 @@ def load_model_config(path: str | Path) -> ModelConfig:
             f"(supported: {', '.join(cls.activations)})"
         )
     return config
+
+
+def resolve_config(config: EngineConfig) -> tuple[Resolved, ModelConfig]:
+    """``config``'s derived values for its checkpoint (converted or fetched on first use), and the
+    checkpoint's family-adjusted config: read once per engine (and once per tensor-parallel worker)."""
+    path = config.model_path()
+    model_config = load_model_config(path)
+    return config.resolve(path, model_config.checkpoint_dtype, model_config.max_context_len), model_config

@@ -23,7 +23,7 @@ import torch
 
 from tokenmill.cache.storage import RESERVED_SLOT, KVStorage
 from tokenmill.cache.views import DecodeKVCache
-from tokenmill.config import EngineConfig
+from tokenmill.config.runtime import RuntimeOptions
 from tokenmill.model.causal_lm import CausalLM
 
 PAD_ROW = 0
@@ -41,7 +41,7 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 def make_cuda_graph_runner(
-    model: CausalLM, storage: KVStorage, table: torch.Tensor, config: EngineConfig
+    model: CausalLM, storage: KVStorage, table: torch.Tensor, config: RuntimeOptions
 ) -> CudaGraphDecodeRunner | None:
     """A runner when ``config.cuda_graphs`` is on, the KV storage lives on CUDA and the backend is capturable."""
     if not config.cuda_graphs or storage.k_buffer.device.type != "cuda":
@@ -58,7 +58,7 @@ class CudaGraphDecodeRunner:
     ``run`` (they live in the graph's output buffer).
     """
 
-    def __init__(self, model: CausalLM, storage: KVStorage, table: torch.Tensor, config: EngineConfig) -> None:
+    def __init__(self, model: CausalLM, storage: KVStorage, table: torch.Tensor, config: RuntimeOptions) -> None:
         self.model = model
         self.backend = model.backend
         self.storage = storage

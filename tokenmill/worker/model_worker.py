@@ -28,24 +28,20 @@ import torch
 from tokenmill.cache.sizing import kv_cache_slots
 from tokenmill.cache.storage import KVStorage
 from tokenmill.cache.view_binder import ViewBinder
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, Resolved
 from tokenmill.kernels.lora import LoRABatch
-from tokenmill.model.config import ModelConfig
 from tokenmill.model.decode_forward import CpuDecodeForward
 from tokenmill.model.loader import load_model
-from tokenmill.model.lora import LoRASlots
+from tokenmill.model.lora import LoRASlots, ModuleDelta
 from tokenmill.model.parallel import TensorParallel
 from tokenmill.model.quantization import quantization_scheme, quantize_model, set_activation_passes
-from tokenmill.model.registry import Model, load_model_config
+from tokenmill.model.registry import Model
+from tokenmill.model.weights import WeightError
 from tokenmill.worker.cuda_graphs import CudaGraphDecodeRunner, make_cuda_graph_runner
 from tokenmill.worker.forward_step import ForwardStep
+from tokenmill.worker.weight_update import StagedTensor, WeightsUpdate, apply_update, stage_update
 
 logger = logging.getLogger("tokenmill.worker")
-
-
-def max_context_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    """Most positions one sequence may hold: the engine's limit, capped by the model's."""
-    return min(config.max_context_len or model_config.max_context_len, model_config.max_context_len)
 
 
 class ModelWorker:
@@ -73,6 +69,7 @@ class ModelWorker:
         )
         self.last_forward_time = 0.0  # seconds inside the model call of the last step (CPU: exact)
         self.last_hidden: torch.Tensor | None = None  # the last step's ``hidden_indices`` rows (see execute)
+        self._staged: list[StagedTensor] | None = None  # a weight update between stage and commit
 
     def execute(self, step: ForwardStep) -> torch.Tensor:
         """Logits of the step's ``logits_indices`` rows (every row when None; a CUDA graph's until
@@ -124,22 +121,44 @@ class ModelWorker:
         self.last_forward_time = time.perf_counter() - start
         return logits
 
+    # ------------------------------------------------------------------ calls (every rank, between steps)
+    def stage_weights(self, update: WeightsUpdate) -> str | None:
+        """Stage this rank's part of ``update`` until :meth:`commit_weights`; this rank's refusal, or
+        None. The rank that read the update staged its part already (``update.staged``)."""
+        self._staged = update.staged
+        if self._staged is not None:
+            return None
+        try:
+            self._staged = stage_update(self.model, update.whole)
+        except Exception as exc:  # noqa: BLE001 - any failure to stage is this rank's refusal
+            return str(exc) if isinstance(exc, WeightError) else f"{type(exc).__name__}: {exc}"
+        return None
+
+    def commit_weights(self, apply: bool) -> None:
+        """Copy the staged update in (``apply``) or drop it; either way nothing stays staged."""
+        staged, self._staged = self._staged, None
+        if apply and staged is not None:
+            apply_update(staged)
+
+    def load_lora_slot(self, slot: int, deltas: list[ModuleDelta]) -> None:
+        """Put this rank's part of an adapter's matrices into LoRA slot ``slot`` (no deltas: empty it)."""
+        assert self.lora is not None, "LoRA slot loads need enable_lora"
+        self.lora.load(slot, deltas)
+
 
 def build_model_worker(
     config: EngineConfig,
+    resolved: Resolved,
     tp: TensorParallel,
-    device: torch.device,
     table: torch.Tensor | None = None,
     agree_on_slots: Callable[[int], int] | None = None,
 ) -> ModelWorker:
-    """This rank's worker: its shards of the model and attention backend, KV storage for its heads
-    (``agree_on_slots`` turns this rank's slot count into the one every rank uses), and ``table``
-    (rank 0's request-to-token table; None: a zeroed replica of the same shape)."""
-    path = config.model_path()
-    model_config = load_model_config(path)
-    dtype = config.resolved_dtype(model_config.checkpoint_dtype)
-    model = load_model(path, dtype, device, tp)
-    scheme = quantization_scheme(config)
+    """This rank's worker on ``resolved.device``: its shards of the model and attention backend, KV
+    storage for its heads (``agree_on_slots`` turns this rank's slot count into the one every rank
+    uses), and ``table`` (rank 0's request-to-token table; None: a zeroed replica of the same shape)."""
+    dtype, device = resolved.dtype, resolved.device
+    model = load_model(resolved.model_path, dtype, device, tp)
+    scheme = quantization_scheme(config.checkpoint)
     if scheme is not None:
         quantize_model(model, scheme)
     if config.quantized_activations == "int8":
@@ -152,16 +171,16 @@ def build_model_worker(
         model.backend = model.make_backend(config, dtype)
     dtype_name = str(dtype).removeprefix("torch.") + (" (auto)" if config.dtype == "auto" else "")
     attention = "bidirectional (no KV cache)" if model.backend is None else model.backend.name
-    logger.info("%s on %s in %s, attention %s", model_config.architecture, device, dtype_name, attention)
-    kv_dtype = config.resolved_kv_dtype(dtype)
+    logger.info("%s on %s in %s, attention %s", model.config.architecture, device, dtype_name, attention)
+    kv_dtype = resolved.kv_dtype
     n_layers, n_kv_heads, head_dim = model.kv_cache_shape()  # this rank's heads (all of them at tp=1)
-    n_slots = kv_cache_slots(config, n_layers, n_kv_heads, head_dim, kv_dtype, device)
+    n_slots = kv_cache_slots(config.cache, n_layers, n_kv_heads, head_dim, kv_dtype, device)
     if agree_on_slots is not None:
         n_slots = agree_on_slots(n_slots)
     storage = KVStorage(n_layers, n_slots, n_kv_heads, head_dim, kv_dtype, device)
     if table is None:
-        shape = (config.max_running_requests, max_context_len(config, model_config))
+        shape = (config.max_running_requests, resolved.max_context_len)
         table = torch.zeros(shape, dtype=torch.int32, device=device)
-    graphs = make_cuda_graph_runner(model, storage, table, config) if tp.size == 1 else None
+    graphs = make_cuda_graph_runner(model, storage, table, config.runtime) if tp.size == 1 else None
     lora = LoRASlots(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
     return ModelWorker(model, storage, table, graphs, lora)

@@ -27,7 +27,7 @@ from pydantic import Field, StrictInt
 from safetensors import SafetensorError
 
 from tokenmill.engine.engine import Engine, EngineDeadError
-from tokenmill.engine.weight_update import MAX_WEIGHT_VERSION
+from tokenmill.worker.weight_update import MAX_WEIGHT_VERSION
 from tokenmill.model.loader import weight_files
 from tokenmill.request import ParameterError
 from tokenmill.server.http.errors import APIError

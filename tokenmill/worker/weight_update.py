@@ -9,8 +9,9 @@ nothing. :func:`apply_update` (on the engine thread, between steps) then only co
 tensors of identical shape, dtype and device in place, which cannot fail halfway; the parameters
 keep their storage (CUDA graphs stay valid). Staging holds one extra copy of the updated weights
 until the update is applied. With tensor parallelism rank 0 stages its part and keeps a CPU copy
-of each whole tensor, which ``distributed/weights.py`` sends to the workers (each stages its part,
-and none applies unless every rank accepted).
+of each whole tensor: the :class:`WeightsUpdate` that every rank's ``ModelWorker.stage_weights``
+receives (each other rank stages its part from the whole tensors), and none applies unless every
+rank accepted.
 
 Derived copies of the weights are never stale: a oneDNN blocked copy (``kernels/linear.py``
 ``BlockedCopy``) is remade on its next use from the weight's version counter, which the in-place
@@ -49,6 +50,23 @@ class StagedTensor:
     target: WeightTarget
     tensor: torch.Tensor
     whole: torch.Tensor | None = None
+
+
+@dataclass
+class WeightsUpdate:
+    """An update on its way to every rank: the whole tensors (for the ranks that stage their part
+    from them) and, on the rank that read and staged it, its staged part, which is never sent."""
+
+    whole: list[tuple[str, torch.Tensor]]
+    staged: list[StagedTensor] | None = None
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"whole": self.whole, "staged": None}
+
+    @classmethod
+    def of(cls, staged: list[StagedTensor]) -> WeightsUpdate:
+        """The update of ``staged`` (whole copies kept where it was staged with ``keep_whole``)."""
+        return cls([(item.name, item.whole) for item in staged if item.whole is not None], staged)
 
 
 def next_version(current: int, requested: int | None) -> int:
