@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from tokenmill.engine.sampler import Sampler, _filter_logits, _sorted_candidates, apply_penalties
+from tokenmill.engine.logits_processors import _filter_logits, _sorted_candidates, apply_penalties
+from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sequence import Sequence
 from tokenmill.request import LOGPROB_FLOOR, SamplingParams
 

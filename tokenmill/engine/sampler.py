@@ -8,11 +8,12 @@ Per step, for each sequence (one row of ``logits``), in this order:
    counts that the sampler maintains incrementally across steps.
 3. ``temperature == 0``: exact argmax. Otherwise: divide by the temperature, drop tokens under
    ``min_p * max prob``, keep the ``top_k`` largest, keep the ``top_p`` nucleus (computed on the
-   distribution left after min-p and top-k), then draw by inverse CDF (one uniform number per
+   distribution left after min-p and top-k; these filters and the penalties are in
+   ``engine/logits_processors.py``), then draw by inverse CDF (one uniform number per
    sequence against the running sum of its probabilities), from the sequence's own generator if
    it has one.
 
-Logprobs come from ``log_softmax`` of the raw model logits, before any of the above.
+Logprobs (``engine/logprobs.py``) come from ``log_softmax`` of the raw model logits, before any of the above.
 
 A sequence with a grammar (structured output) first has every token its grammar does not allow
 set to ``-inf``, in every sampling mode; its logprobs then come from these masked logits (the
@@ -30,9 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.grammar import apply_grammar_masks
+from tokenmill.engine.logits_processors import _filter_logits, apply_penalties
+from tokenmill.engine.logprobs import sampled_logprobs, token_logprobs
 from tokenmill.engine.sequence import Sequence
 from tokenmill.kernels.first_maxima import first_maxima
-from tokenmill.request import LOGPROB_FLOOR, Logprob
+from tokenmill.request import Logprob
 
 NO_ALLOWED_TOKEN = -1
 """The "token" of a grammar sequence that no token may follow (see the module docstring)."""
@@ -45,114 +48,6 @@ class SampleResult:
 
     token_ids: list[int]
     logprobs: list[dict[int, Logprob] | None]
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    output_counts: torch.Tensor,
-    repetition: torch.Tensor,
-    frequency: torch.Tensor,
-    presence: torch.Tensor,
-) -> torch.Tensor:
-    """Return a penalized copy of ``logits`` ``[N, V]``; the inputs are not modified.
-
-    ``prompt_mask`` ``[N, V]`` (bool) marks tokens in each row's prompt and ``output_counts``
-    ``[N, V]`` counts them in its output. Per row ``i`` with penalties ``repetition[i]``,
-    ``frequency[i]``, ``presence[i]`` (each ``[N]``):
-    a token seen in the prompt or output becomes ``l / r`` if ``l > 0`` else ``l * r``; then
-    ``f * count`` and ``p * (count > 0)`` are subtracted.
-    """
-    counts = output_counts.to(logits.dtype)
-    in_output = output_counts > 0
-    scale = torch.where(prompt_mask | in_output, repetition[:, None].to(logits.dtype), 1.0)
-    penalized = torch.where(logits > 0, logits / scale, logits * scale)
-    return penalized - frequency[:, None] * counts - presence[:, None] * in_output.to(logits.dtype)
-
-
-PREFILTER_WIDTHS = (256, 4096)
-"""How many of a row's largest logits are tried, in turn, for top-p and min-p without top-k: a row
-whose kept tokens provably lie among them sorts only those (``_sorted_candidates``)."""
-
-CandidateGroup = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-"""``(rows, sorted logits [n, W], their token ids [n, W], tail [n])``: each row's W largest logits in
-descending order, and the probability mass of the row's other tokens that survive its top-k and
-min-p, in units of the W candidates' mass (what top-p's renormalization must still count)."""
-
-
-def _filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Return ``logits`` ``[R, V]`` with tokens outside min-p / top-k / top-p set to ``-inf``.
-
-    ``top_k[i] <= 0``, ``top_p[i] == 1`` and ``min_p[i] == 0`` disable the filter for row ``i``.
-    Min-p and top-k drop first; top-p keeps the shortest most likely run whose mass, renormalized
-    over the tokens they left, reaches ``top_p``; the most likely token always survives. A row sorts
-    only the candidates ``_sorted_candidates`` finds (sorting whole vocabularies costs more than a
-    decode step's forward): every token it keeps is among them.
-    """
-    out = torch.full_like(logits, float("-inf"))
-    groups = _sorted_candidates(logits, top_k, top_p, min_p)
-    for rows, sorted_logits, order, tail in groups:
-        kept = _filter_sorted(sorted_logits, top_k[rows], top_p[rows], min_p[rows], tail)
-        if len(groups) == 1:  # every row, in order
-            return out.scatter_(-1, order, kept)
-        row_out = torch.full((len(rows), logits.shape[-1]), float("-inf"), dtype=logits.dtype, device=logits.device)
-        out[rows] = row_out.scatter_(-1, order, kept)
-    return out
-
-
-def _filter_sorted(
-    sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, tail: torch.Tensor
-) -> torch.Tensor:
-    """``sorted_logits`` ``[R, W]`` (each row's largest, descending) with the filtered ones ``-inf``;
-    ``tail`` as in :data:`CandidateGroup`."""
-    probs = sorted_logits.softmax(dim=-1)
-    drop = probs < min_p[:, None] * probs[:, :1]
-    positions = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)
-    drop |= (top_k[:, None] > 0) & (positions[None, :] >= top_k[:, None])
-    probs = probs.masked_fill(drop, 0.0)
-    probs = probs / (probs.sum(dim=-1, keepdim=True) + tail[:, None])
-    mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 for the top token
-    drop |= (top_p[:, None] < 1.0) & (mass_before >= top_p[:, None]) & (positions[None, :] > 0)
-    return sorted_logits.masked_fill(drop, float("-inf"))
-
-
-def _sorted_candidates(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-) -> list[CandidateGroup]:
-    """Groups covering every row once, each row with as many of its largest logits as hold every token
-    it keeps: ``max(top_k)`` when every row has a top-k; else the first of ``PREFILTER_WIDTHS`` where
-    its top-k fits, the last of them is below its min-p bound, or the mass of those that survive
-    min-p reaches its top-p share of every survivor's (each with a margin for rounding); else its
-    whole vocabulary."""
-    vocab = logits.shape[-1]
-    everyone = torch.arange(logits.shape[0], device=logits.device)
-    no_tail = torch.zeros(logits.shape[0], dtype=logits.dtype, device=logits.device)
-    if int(top_k.min()) > 0 and int(top_k.max()) < vocab:
-        return [(everyone, *logits.topk(int(top_k.max()), dim=-1), no_tail)]
-    groups, pending = [], everyone
-    log_total = logits.logsumexp(dim=-1)
-    for width in PREFILTER_WIDTHS:
-        if width >= vocab or not pending.numel():
-            break
-        values, order = logits[pending].topk(width, dim=-1)
-        candidates = (values - log_total[pending, None]).exp()  # probabilities over the whole row
-        k, p, m = top_k[pending], top_p[pending], min_p[pending]
-        bound = (m * candidates[:, 0])[:, None]
-        kept_mass = (candidates * (candidates >= bound)).sum(dim=-1)
-        survivors = torch.ones_like(kept_mass)  # every token survives min-p 0
-        if bool((m > 0.0).any()):
-            row_probs = (logits[pending] - log_total[pending, None]).exp()
-            survivors = (row_probs * (row_probs >= bound)).sum(dim=-1)
-        tail = torch.where((k > 0) & (k <= width), 0.0, (survivors - kept_mass).clamp(min=0.0))
-        covered = (k > 0) & (k <= width)
-        covered |= (m > 0.0) & (candidates[:, -1] * (1 + 1e-4) < bound[:, 0])
-        covered |= (k <= 0) & (p < 1.0) & (kept_mass >= (p + 1e-4) * survivors)
-        if bool(covered.any()):
-            groups.append((pending[covered], values[covered], order[covered], (tail / candidates.sum(dim=-1))[covered]))
-            pending = pending[~covered]
-    if pending.numel():
-        groups.append((pending, *logits[pending].sort(dim=-1, descending=True), no_tail[: pending.numel()]))
-    return groups
 
 
 class Sampler:
@@ -215,7 +110,7 @@ class Sampler:
         token_ids = tokens.tolist()
         if penalized:
             self._count_chosen(seqs, token_ids)
-        logprobs = _logprobs(logits, seqs, token_ids) if wants_logprobs else [None] * len(seqs)
+        logprobs = sampled_logprobs(logits, seqs, token_ids) if wants_logprobs else [None] * len(seqs)
         if grammar_rows:  # a dead end's count and logprobs are dropped with it
             dead = ~torch.isfinite(work[grammar_rows]).any(dim=-1)
             _mark_dead_ends(token_ids, grammar_rows, dead, logprobs)
@@ -387,7 +282,12 @@ def _banned_ids(seq: Sequence, eos_token_ids: set[int]) -> set[int]:
     return banned
 
 
-def _mark_dead_ends(token_ids: list[int], grammar_rows: list[int], dead: torch.Tensor | None, logprobs: list) -> None:
+def _mark_dead_ends(
+    token_ids: list[int],
+    grammar_rows: list[int],
+    dead: torch.Tensor | None,
+    logprobs: list[dict[int, Logprob] | None],
+) -> None:
     """``NO_ALLOWED_TOKEN`` (and no logprobs) for each of ``grammar_rows`` whose entry of ``dead``
     (bool, one per grammar row; None: no grammar rows) is true."""
     if dead is None:
@@ -395,20 +295,6 @@ def _mark_dead_ends(token_ids: list[int], grammar_rows: list[int], dead: torch.T
     for i, is_dead in zip(grammar_rows, dead.tolist()):
         if is_dead:
             token_ids[i], logprobs[i] = NO_ALLOWED_TOKEN, None
-
-
-def _logprobs(raw_logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list[dict[int, Logprob] | None]:
-    """Chosen token plus the top ``params.logprobs`` tokens of the raw distribution, per sequence
-    (None for a sequence that did not ask); see :func:`token_logprobs`."""
-    rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
-    index = torch.tensor(rows, device=raw_logits.device)
-    entries = token_logprobs(
-        raw_logits[index], [token_ids[i] for i in rows], [seqs[i].params.logprobs or 0 for i in rows]
-    )
-    result: list[dict[int, Logprob] | None] = [None] * len(seqs)
-    for i, entry in zip(rows, entries):
-        result[i] = entry
-    return result
 
 
 def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, range]]) -> list[list[dict[int, Logprob]]]:
@@ -423,30 +309,3 @@ def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, range]]) -
     entries = token_logprobs(logits, targets, top_k) if targets else []
     starts = list(itertools.accumulate((len(p) for _, p in spans), initial=0))
     return [entries[a:b] for a, b in itertools.pairwise(starts)]
-
-
-def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_k: list[int]) -> list[dict[int, Logprob]]:
-    """Per row of ``logits`` ``[R, V]``: ``token_ids[r]`` plus the ``top_k[r]`` most likely tokens
-    under the fp32 log-softmax of the row (also what prompt logprobs are).
-
-    A token's rank is 1 + the number of tokens with a strictly larger logprob (ties share a rank).
-    The given token comes first in each dict. Values are floored at ``LOGPROB_FLOOR`` (NaN and -inf
-    included), so they are always finite.
-    """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    logprobs = torch.nan_to_num(logprobs, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
-    chosen = torch.tensor(token_ids, device=logprobs.device)
-    chosen_lp = logprobs.gather(1, chosen[:, None])
-    chosen_rank = (logprobs > chosen_lp).sum(dim=-1) + 1
-    top_lp, top_ids = logprobs.topk(max(top_k, default=0), dim=-1)
-    top_rank = torch.searchsorted(-top_lp, -top_lp, side="left") + 1
-
-    chosen_lp_list, chosen_rank_list = chosen_lp[:, 0].tolist(), chosen_rank.tolist()
-    top_lp_list, top_ids_list, top_rank_list = top_lp.tolist(), top_ids.tolist(), top_rank.tolist()
-    result = []
-    for r, (token, k) in enumerate(zip(token_ids, top_k)):
-        entry = {token: Logprob(chosen_lp_list[r], chosen_rank_list[r])}
-        for top, value, rank in zip(top_ids_list[r][:k], top_lp_list[r][:k], top_rank_list[r][:k]):
-            entry.setdefault(top, Logprob(value, rank))
-        result.append(entry)
-    return result
