@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from tokenmill.cache import disk_tier
-from tokenmill.cache.disk_tier import SUFFIX, TMP_SUFFIX, DiskKVTier, DiskTierError
+from tokenmill.cache.disk_block_file import SUFFIX, TMP_SUFFIX
+from tokenmill.cache.disk_directory import DiskTierError
+from tokenmill.cache.disk_tier import DiskKVTier
 from tokenmill.cache.kv_tier import block_keys
 
 # [n_layers, block_tokens, n_kv_heads, head_dim]: 2 KiB of float32 keys and values per block, big

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.cache.disk_tier import SUFFIX, DiskKVTier
+from tokenmill.cache.disk_block_file import SUFFIX
+from tokenmill.cache.disk_tier import DiskKVTier
 from tokenmill.cache.host_tier import HostKVTier
 from tokenmill.cache.kv_tier import block_parts, part_bytes
 

@@ -18,7 +18,8 @@ import torch
 
 from tests.tiny_models import hf_greedy, save_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
-from tokenmill.cache.disk_tier import SUFFIX, DiskTierError
+from tokenmill.cache.disk_block_file import SUFFIX
+from tokenmill.cache.disk_directory import DiskTierError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -13,7 +13,7 @@ import openai
 
 from tests.server.conftest import MODEL, serve
 from tokenmill import Engine
-from tokenmill.cache.disk_tier import SUFFIX
+from tokenmill.cache.disk_block_file import SUFFIX
 
 KEY = "tier-key"
 PROMPT = [random.Random(7).randrange(4, 97) for _ in range(300)]

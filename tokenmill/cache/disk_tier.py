@@ -13,8 +13,8 @@ Contracts:
   computed by other weights is never read.
 * **Nothing partial is ever served.** A block is written to a temporary name and renamed when
   whole; every file carries its namespace, name, shape and a CRC32 of its payload, checked on
-  each read. A corrupt, truncated or foreign file is deleted with a log line and reads as a miss.
-  Temporary files a killed process left are deleted at start.
+  each read (``cache/disk_block_file.py``). A corrupt, truncated or foreign file is deleted with a
+  log line and reads as a miss. Temporary files a killed process left are deleted at start.
 * **A request never waits on a write.** ``save`` queues the block for one background writer
   thread, which only writes files (no torch ops); past ``max_pending_bytes`` of queued blocks, or
   once the disk is full, blocks are dropped (counted), never waited for. A queued block is read
@@ -22,7 +22,8 @@ Contracts:
 * **Bounded.** Files take at most ``max_bytes``; the least recently used (saved or read) go first.
   The directory is locked (``flock``) while a tier holds it: a second server gets a clear error.
 * The index (names in LRU order) is written every ``INDEX_PERIOD_S`` seconds while it changes and
-  at ``close``; at start the files present are the truth, the index only orders them.
+  at ``close``; at start the files present are the truth, the index only orders them
+  (``cache/disk_directory.py``).
 
 ``contains``, ``load``, ``save``, ``clear`` and ``renamespace`` are called from the engine thread;
 the writer thread shares the index under a lock.
@@ -31,32 +32,31 @@ the writer thread shares the index under a lock.
 from __future__ import annotations
 
 import errno
-import fcntl
-import json
 import logging
 import os
-import shutil
-import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from queue import Empty, Queue
-from typing import IO
 
 import torch
 
+from tokenmill.cache.disk_block_file import (
+    READ_ERRORS,
+    TMP_SUFFIX,
+    block_contents,
+    block_path,
+    read_payload,
+    split_payload,
+)
+from tokenmill.cache.disk_directory import open_blocks, take_directory, write_index, write_namespace
 from tokenmill.cache.kv_tier import block_parts, check_block, part_bytes
 
 logger = logging.getLogger("tokenmill.cache")
 
-FORMAT = b"TMKV0001"
-SUFFIX = ".kv"
-TMP_SUFFIX = ".tmp"
 INDEX_PERIOD_S = 10.0
-_HEADER_LEN = struct.Struct("<I")
 
 
 @dataclass
@@ -73,10 +73,6 @@ class DiskTierStats:
     rejected_files: int = 0  # corrupt, truncated or foreign files deleted
 
 
-class DiskTierError(ValueError):
-    """A disk tier that cannot start: the message names the directory and what is wrong."""
-
-
 class DiskKVTier:
     """Blocks of ``block_shape`` (``[n_layers, block_tokens, n_kv_heads, head_dim]``) keys and values
     of ``dtype`` (int8: with their scales) in ``directory``; see the module docstring for the contracts."""
@@ -90,8 +86,8 @@ class DiskKVTier:
         dtype: torch.dtype,
         max_pending_bytes: int = 256 * 1024**2,
     ) -> None:
-        """Take ``directory`` (created if missing): raises DiskTierError if it is not writable, is
-        locked by another tier, or cannot hold ``max_bytes`` (nor one block)."""
+        """Take ``directory`` (created if missing): raises DiskTierError (``cache/disk_directory.py``)
+        if it is not writable, is locked by another tier, or cannot hold ``max_bytes`` (nor one block)."""
         self.directory = Path(directory)
         self.namespace = namespace
         self.block_shape = block_shape
@@ -110,8 +106,13 @@ class DiskKVTier:
         self._writing = True
         self._index_dirty = False
         self._generation = 0  # bumped by clear: a write begun before it is discarded
-        self._lock_file = self._take_directory(max_bytes)
-        self._open_namespace()
+        self._lock_file = take_directory(self.directory, max_bytes, self.payload_bytes, self.block_tokens)
+        for name, size in open_blocks(self.directory, namespace):  # least recently used first
+            self._index[name] = size
+            self._bytes += size
+        self._evict_over_budget()
+        if self._index:
+            logger.info("disk KV tier: %d blocks (%d bytes) from %s", len(self._index), self._bytes, self.directory)
         self._writer = threading.Thread(target=self._write_loop, name="tokenmill-kv-disk-writer", daemon=True)
         self._writer.start()
 
@@ -183,26 +184,21 @@ class DiskKVTier:
             self._index.move_to_end(key)
             self._index_dirty = True
         started = time.perf_counter()
-        path = self._path(key)
+        path = block_path(self.directory, key)
         try:
             with open(path, "rb") as file:
-                payload = self._read_checked(file, key)
+                payload = read_payload(file, self.namespace, key, self.block_shape, self.dtype, self.payload_bytes)
         except FileNotFoundError:  # evicted by the writer since the index said it was there
             self._forget(key)
             return None
-        except (OSError, ValueError, AttributeError, struct.error) as exc:
+        except READ_ERRORS as exc:
             logger.warning("disk KV tier: %s is unusable (%s): deleted", path.name, exc)
             self.stats.rejected_files += 1
             self._forget(key)
             return None
         self.stats.read_seconds += time.perf_counter() - started
         self.stats.read_bytes += len(payload)
-        flat, parts, start = torch.frombuffer(payload, dtype=torch.uint8), [], 0
-        for shape, dtype in self.parts:
-            n = part_bytes(shape, dtype)
-            parts.append(flat[start : start + n].view(dtype).view(shape))
-            start += n
-        return tuple(parts)
+        return split_payload(payload, self.parts)
 
     def clear(self) -> None:
         """Delete every block (on disk and queued)."""
@@ -216,13 +212,13 @@ class DiskKVTier:
             self._bytes = 0
             self._index_dirty = True
         for name in names:
-            self._path(name).unlink(missing_ok=True)
+            block_path(self.directory, name).unlink(missing_ok=True)
 
     def renamespace(self, namespace: str) -> None:
         """Serve ``namespace`` from now on (the weights changed): every block is deleted."""
         self.clear()
         self.namespace = namespace
-        self._write_meta()
+        write_namespace(self.directory, namespace)
 
     def close(self) -> None:
         """Write what is queued, then the index, and release the directory."""
@@ -231,104 +227,14 @@ class DiskKVTier:
         self._write_index()
         self._lock_file.close()
 
-    # ------------------------------------------------------------------ start
-    def _take_directory(self, max_bytes: int) -> IO[bytes]:
-        where = self.directory
-        try:
-            where.mkdir(parents=True, exist_ok=True)
-            lock_file = open(where / ".lock", "ab")  # noqa: SIM115 (held for the tier's life)
-        except OSError as exc:
-            raise DiskTierError(f"KV disk directory {where} is not usable: {exc}") from None
-        try:
-            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            lock_file.close()
-            raise DiskTierError(f"KV disk directory {where} is in use by another tokenmill process") from None
-        if not os.access(where, os.W_OK | os.X_OK):
-            lock_file.close()
-            raise DiskTierError(f"KV disk directory {where} is not writable")
-        if max_bytes < self.payload_bytes + 4096:
-            lock_file.close()
-            raise DiskTierError(
-                f"KV disk directory {where}: kv_cache_disk_bytes {max_bytes} cannot hold one block of "
-                f"{self.block_tokens} tokens ({self.payload_bytes} bytes)"
-            )
-        held = sum(p.stat().st_size for p in where.glob(f"*{SUFFIX}"))
-        free = shutil.disk_usage(where).free
-        if free + held < max_bytes:
-            lock_file.close()
-            raise DiskTierError(
-                f"KV disk directory {where} has {free + held} bytes for the tier, kv_cache_disk_bytes asks for "
-                f"{max_bytes}: lower it or free space"
-            )
-        return lock_file
-
-    def _open_namespace(self) -> None:
-        meta = self.directory / "tier.json"
-        try:
-            held = json.loads(meta.read_text()).get("namespace")
-        except (OSError, ValueError, AttributeError):
-            held = None
-        for tmp in self.directory.glob(f"*{TMP_SUFFIX}"):
-            tmp.unlink(missing_ok=True)
-        files = {p.stem: p.stat().st_size for p in self.directory.glob(f"*{SUFFIX}")}
-        if held != self.namespace:
-            if files:
-                logger.info("disk KV tier: %s held another model's KV (%d blocks): cleared", self.directory, len(files))
-            for name in files:
-                self._path(name).unlink(missing_ok=True)
-            (self.directory / "index.json").unlink(missing_ok=True)
-            self._write_meta()
-            return
-        try:
-            order = json.loads((self.directory / "index.json").read_text())
-        except (OSError, ValueError):
-            order = []
-        listed = [name for name in order if isinstance(name, str) and name in files]
-        unlisted = sorted(set(files) - set(listed), key=lambda name: self._path(name).stat().st_mtime_ns)
-        for name in listed + unlisted:  # unlisted ones were written after the last index: the newest
-            self._index[name] = files[name]
-            self._bytes += files[name]
-        self._evict_over_budget()
-        if self._index:
-            logger.info("disk KV tier: %d blocks (%d bytes) from %s", len(self._index), self._bytes, self.directory)
-
-    def _write_meta(self) -> None:
-        _replace_with(self.directory / "tier.json", json.dumps({"namespace": self.namespace}).encode())
-
-    # ------------------------------------------------------------------ files
-    def _path(self, key: str) -> Path:
-        return self.directory / f"{key}{SUFFIX}"
-
-    def _header(self, key: str, crc: int) -> bytes:
-        fields = {"namespace": self.namespace, "key": key, "shape": list(self.block_shape), "dtype": str(self.dtype)}
-        text = json.dumps({**fields, "crc32": crc}).encode()
-        return FORMAT + _HEADER_LEN.pack(len(text)) + text
-
-    def _read_checked(self, file: IO[bytes], key: str) -> bytearray:
-        if file.read(len(FORMAT)) != FORMAT:
-            raise ValueError("not a tokenmill KV block")
-        (n,) = _HEADER_LEN.unpack(file.read(_HEADER_LEN.size))
-        if n > 4096:
-            raise ValueError("header too long")
-        header = json.loads(file.read(n))
-        expected = {"namespace": self.namespace, "key": key, "shape": list(self.block_shape), "dtype": str(self.dtype)}
-        if any(header.get(name) != value for name, value in expected.items()):
-            raise ValueError("written for another model, block or shape")
-        payload = bytearray(self.payload_bytes)
-        if file.readinto(payload) != self.payload_bytes or file.read(1):
-            raise ValueError("truncated or too long")
-        if zlib.crc32(payload) != header.get("crc32"):
-            raise ValueError("checksum mismatch")
-        return payload
-
+    # ------------------------------------------------------------------ index
     def _forget(self, key: str) -> None:
         with self._lock:
             size = self._index.pop(key, None)
             if size is not None:
                 self._bytes -= size
                 self._index_dirty = True
-        self._path(key).unlink(missing_ok=True)
+        block_path(self.directory, key).unlink(missing_ok=True)
 
     def _evict_over_budget(self) -> None:
         """Delete least recently used blocks until the files fit ``max_bytes`` (lock held, or at start)."""
@@ -336,7 +242,7 @@ class DiskKVTier:
             name, size = self._index.popitem(last=False)
             self._bytes -= size
             self._index_dirty = True
-            self._path(name).unlink(missing_ok=True)
+            block_path(self.directory, name).unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ writer thread
     def _write_loop(self) -> None:
@@ -365,16 +271,13 @@ class DiskKVTier:
         if block is None:  # cleared while queued, or written under an earlier queue entry
             return
         started = time.perf_counter()
-        final, tmp = self._path(key), self._path(key).with_suffix(TMP_SUFFIX)
+        final = block_path(self.directory, key)
+        tmp = final.with_suffix(TMP_SUFFIX)
         try:
-            payloads = [part.view(torch.uint8).numpy() for part in block]
-            crc = 0
-            for payload in payloads:
-                crc = zlib.crc32(payload, crc)
+            contents = block_contents(self.namespace, key, self.block_shape, self.dtype, block)
             with open(tmp, "wb") as file:
-                file.write(self._header(key, crc))
-                for payload in payloads:
-                    file.write(payload)
+                for chunk in contents:
+                    file.write(chunk)
             size = tmp.stat().st_size
         except (OSError, ValueError) as exc:
             tmp.unlink(missing_ok=True)
@@ -411,14 +314,4 @@ class DiskKVTier:
                 return
             names = list(self._index)
             self._index_dirty = False
-        try:
-            _replace_with(self.directory / "index.json", json.dumps(names).encode())
-        except OSError as exc:
-            logger.warning("disk KV tier: writing its index failed: %s", exc)
-
-
-def _replace_with(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` whole or not at all (a temporary file renamed over it)."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+        write_index(self.directory, names)

@@ -1,0 +1,113 @@
+"""The disk tier's directory (``cache/disk_tier.py``) besides its block files (``cache/disk_block_file.py``):
+``.lock`` is locked (``flock``) while a tier holds the directory, ``tier.json`` names the namespace
+its blocks belong to, ``index.json`` lists their names least recently used first.
+
+:func:`take_directory` takes it for one tier, or raises :class:`DiskTierError`. At start
+(:func:`open_blocks`) the block files present are the truth and the index only orders them;
+temporary files a killed process left are deleted, and a directory of another namespace loses
+every block. ``tier.json`` and ``index.json`` are written whole or not at all.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import IO
+
+from tokenmill.cache.disk_block_file import SUFFIX, TMP_SUFFIX, block_path
+
+logger = logging.getLogger("tokenmill.cache")
+
+
+class DiskTierError(ValueError):
+    """A disk tier that cannot start: the message names the directory and what is wrong."""
+
+
+def take_directory(where: Path, max_bytes: int, block_bytes: int, block_tokens: int) -> IO[bytes]:
+    """Create ``where`` if missing and lock it (the lock is held while the returned file is open).
+    Raises DiskTierError (nothing left open) if it is not usable or writable, is locked by another
+    tier, or cannot hold ``max_bytes`` (counting the block files there) nor one block of
+    ``block_tokens`` tokens (``block_bytes``)."""
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        lock_file = open(where / ".lock", "ab")  # noqa: SIM115 (held for the tier's life)
+    except OSError as exc:
+        raise DiskTierError(f"KV disk directory {where} is not usable: {exc}") from None
+    try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock_file.close()
+        raise DiskTierError(f"KV disk directory {where} is in use by another tokenmill process") from None
+    if not os.access(where, os.W_OK | os.X_OK):
+        lock_file.close()
+        raise DiskTierError(f"KV disk directory {where} is not writable")
+    if max_bytes < block_bytes + 4096:
+        lock_file.close()
+        raise DiskTierError(
+            f"KV disk directory {where}: kv_cache_disk_bytes {max_bytes} cannot hold one block of "
+            f"{block_tokens} tokens ({block_bytes} bytes)"
+        )
+    held = sum(p.stat().st_size for p in where.glob(f"*{SUFFIX}"))
+    free = shutil.disk_usage(where).free
+    if free + held < max_bytes:
+        lock_file.close()
+        raise DiskTierError(
+            f"KV disk directory {where} has {free + held} bytes for the tier, kv_cache_disk_bytes asks for "
+            f"{max_bytes}: lower it or free space"
+        )
+    return lock_file
+
+
+def open_blocks(directory: Path, namespace: str) -> list[tuple[str, int]]:
+    """The blocks of ``namespace`` that ``directory`` holds (name, file bytes), least recently used
+    first: in the index's order, then those it does not list (written after it), oldest first.
+
+    Deletes the temporary files; if ``tier.json`` names another namespace, deletes every block and
+    the index, writes ``namespace`` there and returns no block."""
+    meta = directory / "tier.json"
+    try:
+        held = json.loads(meta.read_text()).get("namespace")
+    except (OSError, ValueError, AttributeError):
+        held = None
+    for tmp in directory.glob(f"*{TMP_SUFFIX}"):
+        tmp.unlink(missing_ok=True)
+    files = {p.stem: p.stat().st_size for p in directory.glob(f"*{SUFFIX}")}
+    if held != namespace:
+        if files:
+            logger.info("disk KV tier: %s held another model's KV (%d blocks): cleared", directory, len(files))
+        for name in files:
+            block_path(directory, name).unlink(missing_ok=True)
+        (directory / "index.json").unlink(missing_ok=True)
+        write_namespace(directory, namespace)
+        return []
+    try:
+        order = json.loads((directory / "index.json").read_text())
+    except (OSError, ValueError):
+        order = []
+    listed = [name for name in order if isinstance(name, str) and name in files]
+    unlisted = sorted(set(files) - set(listed), key=lambda name: block_path(directory, name).stat().st_mtime_ns)
+    return [(name, files[name]) for name in listed + unlisted]
+
+
+def write_namespace(directory: Path, namespace: str) -> None:
+    """Name ``namespace`` in ``tier.json``: the directory's blocks belong to it."""
+    _replace_with(directory / "tier.json", json.dumps({"namespace": namespace}).encode())
+
+
+def write_index(directory: Path, names: list[str]) -> None:
+    """Write ``names`` (the blocks, least recently used first) as the index; a failure is logged."""
+    try:
+        _replace_with(directory / "index.json", json.dumps(names).encode())
+    except OSError as exc:
+        logger.warning("disk KV tier: writing its index failed: %s", exc)
+
+
+def _replace_with(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all (a temporary file renamed over it)."""
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
