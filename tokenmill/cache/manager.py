@@ -13,13 +13,13 @@ admitted in an older epoch never inserts its KV into the radix cache, so no late
 reuse KV computed under old weights.
 
 The second tier (optional, ``cache/kv_tier.py``: host memory, disk, or host memory in front of
-disk): whole blocks of a prefix that enter the radix cache are queued to be saved, and an admission
-whose device match ends where the tier holds the next blocks loads them instead of computing them
-(when reading is measured faster than prefill).
-The manager never touches KV data: ``take_tier_moves`` hands the step's executor the slots to
-save from (before any later forward can overwrite them) and the blocks to store into freshly
-allocated slots (before the forward that reads them). A handle's positions waiting for a load
-count as computed, except that nothing caches them before the load is applied.
+disk) is reached through :class:`~tokenmill.cache.tier_moves.TierMoves`: whole blocks of a prefix
+that enter the radix cache are queued to be saved, and an admission whose device match ends where
+the tier holds the next blocks loads them instead of computing them (when reading is measured
+faster than prefill). The manager never touches KV data: ``take_tier_moves`` hands the step's
+executor the slots to save from and the blocks to store into freshly allocated slots. A handle's
+positions waiting for a load count as computed, except that nothing caches them before the load
+is applied.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ import torch
 
 from tokenmill.cache.allocator import PageAllocator
 from tokenmill.cache.handle import KVHandle
-from tokenmill.cache.kv_tier import KVTier, block_keys
+from tokenmill.cache.kv_tier import KVTier
 from tokenmill.cache.radix import RadixCache
 from tokenmill.cache.storage import ReqToTokenPool
+from tokenmill.cache.tier_moves import TierLoad, TierMoves
 from tokenmill.config import EngineConfig
 
 
@@ -45,17 +46,6 @@ class CacheStats:
     prefix_queries: int = 0
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class TierLoad:
-    """Keys and values (and an int8 cache's scales) read from the second tier for ``slots`` of ``kv``
-    (each part ``[n_layers, len(slots), ...]``, as ``KVStorage.read_slots`` returns them)."""
-
-    kv: KVHandle
-    position: int  # of slots[0] in kv's sequence
-    slots: torch.Tensor
-    parts: tuple[torch.Tensor, ...]
 
 
 class CacheManager:
@@ -73,9 +63,7 @@ class CacheManager:
         self.epoch = 0
         assert tier is None or (self.radix is not None and tier.block_tokens % self.page_size == 0)
         self.tier = tier
-        self._saves: dict[str, torch.Tensor] = {}  # block name -> its slots, until take_tier_moves
-        self._loads: list[TierLoad] = []
-        self._prefill_seconds_per_token: float | None = None
+        self._tier_moves = TierMoves(tier, req_pool)
 
     # ----------------------------------------------------------------- capacity
     @property
@@ -157,7 +145,7 @@ class CacheManager:
             self.radix.lock(match.node)
             kv.prefix_node = match.node
             if self.tier is not None and not namespace:
-                self._load_from_tier(kv, tokens)
+                self._tier_moves.load(kv, tokens, self.epoch, self.extend)
         return True
 
     def extend(self, kv: KVHandle, n_tokens: int) -> torch.Tensor | None:
@@ -240,7 +228,7 @@ class CacheManager:
         if kv.prefix_node is not None:
             self.radix.unlock(kv.prefix_node)
         kv.prefix_node = match.node
-        self._save_to_tier(kv, tokens)
+        self._tier_moves.save(kv, tokens, self.epoch)
 
     def fork(self, parent: KVHandle, child: KVHandle) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Give ``child`` (holding nothing) ``parent``'s positions ``0 .. n_kv-1``: a row that shares
@@ -278,13 +266,13 @@ class CacheManager:
         hits (positions past ``tokens``, a speculative step's proposals, never do)."""
         if kv.row is None:
             return
-        computed = min(kv.n_kv, len(tokens), self._drop_loads(kv))
+        computed = min(kv.n_kv, len(tokens), self._tier_moves.drop_loads(kv))
         n_full = computed // self.page_size * self.page_size
         pages = self._row_pages(kv.row, kv.n_kv)
         if self.radix is not None:
             if cache_pages and n_full and kv.epoch == self.epoch:
                 self.radix.insert(tokens[:n_full], pages[: n_full // self.page_size], kv.namespace)
-                self._save_to_tier(kv, tokens[:n_full])
+                self._tier_moves.save(kv, tokens[:n_full], self.epoch)
             if kv.prefix_node is not None:
                 self.radix.unlock(kv.prefix_node)
         if pages.numel():
@@ -297,7 +285,7 @@ class CacheManager:
         keep theirs; nothing computed before joins the second tier."""
         if self.radix is not None:
             self.radix.reset()
-        self._saves.clear()
+        self._tier_moves.forget_saves()
         self.epoch += 1
 
     def clear_tiers(self) -> None:
@@ -309,7 +297,7 @@ class CacheManager:
     def rename_tier(self, namespace: str) -> None:
         """The weights changed: the second tier serves ``namespace`` from now on (its blocks deleted)."""
         if self.tier is not None:
-            self._saves.clear()
+            self._tier_moves.forget_saves()
             self.tier.renamespace(namespace)
 
     # ----------------------------------------------------------------- second tier
@@ -317,84 +305,15 @@ class CacheManager:
         """``(saves, loads)`` queued since the last call: blocks to save (name, the slots holding them
         now) and blocks read for new slots. Saves must be read before loads are stored, both before
         the next forward."""
-        saves, loads = list(self._saves.items()), self._loads
-        self._saves, self._loads = {}, []
-        return saves, loads
+        return self._tier_moves.take()
 
     def observe_prefill(self, n_tokens: int, seconds: float) -> None:
         """A forward computed ``n_tokens`` prompt tokens in ``seconds``: the speed loading competes with."""
-        if n_tokens < 16 or seconds <= 0:
-            return
-        per_token = seconds / n_tokens
-        previous = self._prefill_seconds_per_token
-        self._prefill_seconds_per_token = per_token if previous is None else 0.8 * previous + 0.2 * per_token
+        self._tier_moves.observe_prefill(n_tokens, seconds)
 
     def tier_load_pays(self) -> bool:
         """Whether loading a token's KV from the tier is faster than computing it (True until both are measured)."""
-        tier, per_token = self.tier, self._prefill_seconds_per_token
-        if tier is None:
-            return False
-        read_bytes, read_seconds = tier.read_totals()
-        if read_seconds <= 0 or per_token is None:
-            return True
-        return tier.payload_bytes / tier.block_tokens * read_seconds / read_bytes < per_token
-
-    def _block_keys(self, kv: KVHandle, tokens: Sequence[int]) -> list[str]:
-        """The tier's names of the whole blocks of ``tokens`` (``kv``'s sequence's first tokens)."""
-        assert self.tier is not None
-        if kv.keys_epoch != self.epoch:
-            kv.block_keys, kv.keys_epoch = [], self.epoch
-        keys = block_keys(self.tier.namespace, tokens, self.tier.block_tokens, kv.block_keys)
-        return keys[: len(tokens) // self.tier.block_tokens]
-
-    def _load_from_tier(self, kv: KVHandle, tokens: Sequence[int]) -> None:
-        """Extend ``kv`` (holding its device match of ``tokens``) with the blocks the tier holds next,
-        read now and queued to be stored; nothing when reading does not pay or pages lack."""
-        tier = self.tier
-        assert tier is not None and kv.row is not None
-        bt, start = tier.block_tokens, kv.n_kv
-        first = start // bt
-        tier.record_query(len(tokens) - start)
-        keys = self._block_keys(kv, tokens)[first:]
-        held = 0
-        while held < len(keys) and tier.contains(keys[held]):
-            held += 1
-        if not held or not self.tier_load_pays():
-            return
-        blocks = []
-        for key in keys[:held]:
-            block = tier.load(key)
-            if block is None:
-                break
-            blocks.append(block)
-        n = (first + len(blocks)) * bt - start
-        slots = self.extend(kv, n) if n > 0 else None
-        if slots is None:
-            return
-        position, offset = start, start - first * bt
-        for key, block in zip(keys, blocks):
-            part = slots[position - start : position - start + bt - offset]
-            self._loads.append(TierLoad(kv, position, part, tuple(p[:, offset:] for p in block)))
-            tier.record_hit(key, part.numel())
-            position += part.numel()
-            offset = 0
-        kv.n_cached_tokens = kv.n_kv
-
-    def _save_to_tier(self, kv: KVHandle, tokens: Sequence[int]) -> None:
-        """Queue the whole blocks of ``tokens`` (computed in ``kv``'s row) that the tier lacks."""
-        if self.tier is None or kv.epoch != self.epoch or kv.namespace:
-            return
-        bt = self.tier.block_tokens
-        for b, key in enumerate(self._block_keys(kv, tokens)):
-            if key not in self._saves and not self.tier.contains(key):
-                self._saves[key] = self.req_pool.table[kv.row, b * bt : (b + 1) * bt].long().cpu()
-
-    def _drop_loads(self, kv: KVHandle) -> int:
-        """Forget ``kv``'s loads not yet stored; the first position they covered (a large number: none)."""
-        mine = [load.position for load in self._loads if load.kv is kv]
-        if mine:
-            self._loads = [load for load in self._loads if load.kv is not kv]
-        return min(mine, default=1 << 62)
+        return self._tier_moves.load_pays()
 
     # ----------------------------------------------------------------- internals
     def _alloc_pages(self, n: int) -> torch.Tensor | None:
