@@ -201,7 +201,7 @@ def test_weight_update_tp2_equals_tp1_and_a_refusal_by_any_rank_applies_on_none(
 def test_shutdown_stops_the_workers(tp2) -> None:
     """Ends the module's llama engine."""
     llm = tp2["llama"]
-    pids = [p.pid for p in llm.engine.workers.processes]
+    pids = [p.pid for p in llm.engine.executor.group.processes]
     llm.shutdown()
     assert not llm.engine.is_healthy()
     assert worker_processes() == [] and not any(pid_exists(pid) for pid in pids)
@@ -247,7 +247,7 @@ def test_worker_hung_while_idle_turns_the_engine_unhealthy_and_is_killed_on_shut
         while llm.engine.is_healthy():
             assert time.monotonic() < deadline, "a hung worker went unnoticed"
             time.sleep(0.05)
-        assert "heartbeat failed" in llm.engine.workers.failure
+        assert "heartbeat failed" in llm.engine.executor.group.failure
         with pytest.raises(RuntimeError, match="not running"):
             llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
     finally:
@@ -260,7 +260,7 @@ from tokenmill import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM(model={path!r}, tensor_parallel_size=2, dtype="float32", num_kv_slots=64)
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
-    print(llm.engine.workers.processes[0].pid, flush=True)
+    print(llm.engine.executor.group.processes[0].pid, flush=True)
 """
 
 

@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import LLM, Engine, SamplingParams
-from tokenmill.worker.weight_update import apply_update, stage_update
 from tokenmill.model.loader import WeightError, load_model
 from tokenmill.model.weights import checkpoint_targets
 from tokenmill.request import ParameterError, RequestOutput, accumulate
+from tokenmill.worker.weight_update import apply_update, stage_update
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PERTURBED = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)] + ["model.layers.0.self_attn.k_proj.weight"]

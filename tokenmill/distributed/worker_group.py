@@ -1,5 +1,6 @@
 """Rank 0's side of tensor parallelism: it spawns the worker processes, joins their group, sends
-each step's inputs and each call (a ``ModelWorker`` method every rank runs), keeps idle workers' collectives from timing out, watches them, and stops them.
+each step's inputs and each call (a ``ModelWorker`` method every rank runs), keeps idle workers'
+collectives from timing out, watches them, and stops them.
 
 Workers are spawned (``torch.multiprocessing``'s spawn context, daemonic: the interpreter's exit
 ends them too) by the process that builds the engine, unless ``torchrun`` started every rank
@@ -34,7 +35,7 @@ import torch.multiprocessing as mp
 
 from tokenmill.config import EngineConfig, Resolved
 from tokenmill.distributed import group, messages
-from tokenmill.distributed.worker_process import RankError, agree_on_slots, worker_main
+from tokenmill.distributed.worker_process import agree_on_slots, worker_main
 from tokenmill.model.loader import check_shardable
 from tokenmill.model.parallel import TensorParallel
 from tokenmill.worker.forward_step import ForwardStep

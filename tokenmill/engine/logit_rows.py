@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.engine import pooler
 from tokenmill.engine.forward_inputs import split_pooling
-from tokenmill.engine.sampler import prompt_logprobs
+from tokenmill.engine.logprobs import prompt_logprobs
 from tokenmill.engine.scheduler import StepPlan
 
 

@@ -7,6 +7,8 @@ of tokens with a strictly larger logprob.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from tokenmill.engine.sequence import Sequence
@@ -54,3 +56,17 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_k: list[int])
             entry.setdefault(top, Logprob(value, rank))
         result.append(entry)
     return result
+
+
+def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, range]]) -> list[list[dict[int, Logprob]]]:
+    """Per span ``(sequence, positions)``: the entries of prompt tokens ``p + 1`` for ``p`` in
+    ``positions`` (the actual token plus the top ``params.prompt_logprobs``), from the rows of
+    ``logits`` that hold the spans' positions in order."""
+    targets: list[int] = []
+    top_k: list[int] = []
+    for seq, positions in spans:
+        targets += seq.prompt_token_ids[positions.start + 1 : positions.stop + 1]
+        top_k += [seq.params.prompt_logprobs or 0] * len(positions)
+    entries = token_logprobs(logits, targets, top_k) if targets else []
+    starts = list(itertools.accumulate((len(p) for _, p in spans), initial=0))
+    return [entries[a:b] for a, b in itertools.pairwise(starts)]

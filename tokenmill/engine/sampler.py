@@ -25,14 +25,13 @@ instead of a token (and no logprobs): the output stage ends it.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.engine.grammar import apply_grammar_masks
 from tokenmill.engine.logits_processors import _filter_logits, apply_penalties
-from tokenmill.engine.logprobs import sampled_logprobs, token_logprobs
+from tokenmill.engine.logprobs import sampled_logprobs
 from tokenmill.engine.sequence import Sequence
 from tokenmill.kernels.first_maxima import first_maxima
 from tokenmill.request import Logprob
@@ -295,17 +294,3 @@ def _mark_dead_ends(
     for i, is_dead in zip(grammar_rows, dead.tolist()):
         if is_dead:
             token_ids[i], logprobs[i] = NO_ALLOWED_TOKEN, None
-
-
-def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, range]]) -> list[list[dict[int, Logprob]]]:
-    """Per span ``(sequence, positions)``: the entries of prompt tokens ``p + 1`` for ``p`` in
-    ``positions`` (the actual token plus the top ``params.prompt_logprobs``), from the rows of
-    ``logits`` that hold the spans' positions in order."""
-    targets: list[int] = []
-    top_k: list[int] = []
-    for seq, positions in spans:
-        targets += seq.prompt_token_ids[positions.start + 1 : positions.stop + 1]
-        top_k += [seq.params.prompt_logprobs or 0] * len(positions)
-    entries = token_logprobs(logits, targets, top_k) if targets else []
-    starts = list(itertools.accumulate((len(p) for _, p in spans), initial=0))
-    return [entries[a:b] for a, b in itertools.pairwise(starts)]

@@ -36,6 +36,7 @@ import itertools
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -82,10 +83,11 @@ class StepPlan:
     def n_tokens(self) -> int:
         return len(self.decode) + sum(1 + len(v.proposal) for v in self.verify) + sum(n for _, n in self.prefill)
 
-    @property
+    @cached_property
     def sample_seqs(self) -> list[Sequence]:
         """Sequences that get a next token from this step (prefill ones only on their last chunk),
-        each forked child right after its parent (it samples from the parent's logits)."""
+        each forked child right after its parent (it samples from the parent's logits); computed once,
+        on first use, which comes before any of them gets its token."""
         seqs = list(self.decode)
         for seq, _ in self.prefill:
             if seq.n_kv == seq.n_tokens and seq.pooling is None:

@@ -27,12 +27,12 @@ from pydantic import Field, StrictInt
 from safetensors import SafetensorError
 
 from tokenmill.engine.engine import Engine, EngineDeadError
-from tokenmill.worker.weight_update import MAX_WEIGHT_VERSION
 from tokenmill.model.loader import weight_files
 from tokenmill.request import ParameterError
 from tokenmill.server.http.errors import APIError
 from tokenmill.server.http.state import State
 from tokenmill.server.shared.request_body import Body
+from tokenmill.worker.weight_update import MAX_WEIGHT_VERSION
 
 
 class UpdateWeightsRequest(Body):
