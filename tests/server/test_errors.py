@@ -132,8 +132,8 @@ def test_malformed_json_never_reaches_the_engine(server: Server) -> None:
 
 
 def test_overloaded_engine_is_429_with_retry_after(server: Server) -> None:
-    config = server.engine.config
-    saved, config.max_waiting_requests = config.max_waiting_requests, 0  # every add now finds the queue full
+    config = server.engine.config  # settings are frozen: the engine reads this copy's bound instead
+    server.engine.config = config.replace(max_waiting_requests=0)  # every add now finds the queue full
     try:
         response = post(server, "/v1/chat/completions", CHAT)
         error = openai_error(response, 429)
@@ -148,7 +148,7 @@ def test_overloaded_engine_is_429_with_retry_after(server: Server) -> None:
         assert anthropic_error.status_code == 429 and int(anthropic_error.headers["retry-after"]) >= 1
         assert anthropic_error.json()["error"]["type"] == "rate_limit_error"
     finally:
-        config.max_waiting_requests = saved
+        server.engine.config = config
     assert_still_serves(server)
 
 

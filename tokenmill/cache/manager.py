@@ -36,7 +36,7 @@ from tokenmill.cache.kv_tier import KVTier
 from tokenmill.cache.radix import RadixCache
 from tokenmill.cache.storage import ReqToTokenPool
 from tokenmill.cache.tier_moves import TierLoad, TierMoves
-from tokenmill.config import EngineConfig
+from tokenmill.config.cache import CacheOptions
 
 
 @dataclass
@@ -50,7 +50,7 @@ class CacheStats:
 
 class CacheManager:
     def __init__(
-        self, config: EngineConfig, n_slots: int, req_pool: ReqToTokenPool, tier: KVTier | None = None
+        self, config: CacheOptions, n_slots: int, req_pool: ReqToTokenPool, tier: KVTier | None = None
     ) -> None:
         """``n_slots``: the KV storage's slots (``n_slots // page_size`` pages); ``req_pool``: layer 2;
         ``tier``: the second tier (needs the radix cache; its blocks a whole number of pages)."""
