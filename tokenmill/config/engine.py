@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
-from functools import cached_property
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 import torch
 
@@ -42,6 +41,22 @@ GROUPS: tuple[type, ...] = (
     PoolingOptions,
 )
 """The groups, in the order ``--help`` lists their options."""
+
+
+class GroupView(Generic[Group]):
+    """A configuration's values of one group alone, as that group (a room's settings)."""
+
+    def __init__(self, cls: type[Group]) -> None:
+        self.cls = cls
+
+    @overload
+    def __get__(self, config: None, owner: type) -> GroupView[Group]: ...
+
+    @overload
+    def __get__(self, config: EngineConfig, owner: type) -> Group: ...
+
+    def __get__(self, config: EngineConfig | None, owner: type) -> GroupView[Group] | Group:
+        return self if config is None else config.group(self.cls)
 
 
 @dataclass(frozen=True)
@@ -78,37 +93,14 @@ class EngineConfig(*reversed(GROUPS)):  # type: ignore[misc]  # a dataclass's fi
         """This configuration's values of group ``cls`` alone."""
         return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})  # type: ignore[arg-type]
 
-    @cached_property
-    def checkpoint(self) -> ModelOptions:
-        return self.group(ModelOptions)
-
-    @cached_property
-    def runtime(self) -> RuntimeOptions:
-        return self.group(RuntimeOptions)
-
-    @cached_property
-    def cache(self) -> CacheOptions:
-        return self.group(CacheOptions)
-
-    @cached_property
-    def scheduler(self) -> SchedulerOptions:
-        return self.group(SchedulerOptions)
-
-    @cached_property
-    def parallel(self) -> ParallelOptions:
-        return self.group(ParallelOptions)
-
-    @cached_property
-    def limits(self) -> LimitOptions:
-        return self.group(LimitOptions)
-
-    @cached_property
-    def lora(self) -> LoRAOptions:
-        return self.group(LoRAOptions)
-
-    @cached_property
-    def pooling(self) -> PoolingOptions:
-        return self.group(PoolingOptions)
+    checkpoint = GroupView(ModelOptions)
+    runtime = GroupView(RuntimeOptions)
+    cache = GroupView(CacheOptions)
+    scheduler = GroupView(SchedulerOptions)
+    parallel = GroupView(ParallelOptions)
+    limits = GroupView(LimitOptions)
+    lora = GroupView(LoRAOptions)
+    pooling = GroupView(PoolingOptions)
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` (checked as a new configuration)."""
