@@ -7,7 +7,7 @@ thread (a server's event loop, tokenizer pool, watchdogs: they compete with the 
 any other process does). Native threads that Python does not know (a library's own pool) count as
 the engine's. Work at a lower priority than the engine's (``nice`` above its own: the kernel's
 ``nice`` time) is left out: the scheduler hands its CPU to the engine's threads whenever they run,
-so it costs them little (measured, README "Threads that share the machine"); an engine itself
+so it costs them little (measured, docs/benchmarks.md, "Threads that share the machine"); an engine itself
 running niced counts all of it. Where ``/proc`` is not readable, nothing is measured (``sample``
 returns None).
 """

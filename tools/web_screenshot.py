@@ -1,4 +1,4 @@
-"""The README's picture of the chat page: ``tokenmill serve`` on the default model, one question asked
+"""The chat page's picture in docs/chat-page.md: ``tokenmill serve`` on the default model, one question asked
 through the page in Debian's chromium (Playwright), the page saved as a PNG.
 
     python tools/web_screenshot.py [--out docs/chat-page.png] [--question "..."]

@@ -3,7 +3,7 @@ thread, so the caller's thread keeps no OpenMP team.
 
 torch's OpenMP (libgomp) keeps a team of worker threads for every thread that ran a parallel op,
 and once it manages more threads than CPUs it barely spin-waits, which slows the engine's loop
-thread (see the README's performance notes); a thread that exits takes its team along.
+thread (see docs/performance.md); a thread that exits takes its team along.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ MAX_BACKOFF_STEPS = 64
 """Most decode steps a sequence goes without proposals after proposals that were all rejected."""
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 2, "draft_model": 1}
 """Most decoding sequences in a step for which the engine speculates, by method, when the setting
-names no ``disable_by_batch_size``: the README's crossover measurements (prompt lookup still pays
+names no ``disable_by_batch_size``: the crossover measurements in docs/benchmarks.md (prompt lookup still pays
 with two sequences at a time and not with four; a draft model already loses with two)."""
 
 

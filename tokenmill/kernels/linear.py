@@ -10,7 +10,7 @@ the CPU has them). Everything else (GPU; fp16) uses
 ``F.linear``. On CPUs where oneDNN is faster with its own weight layout (``BLOCKED_MIN_ROWS``:
 bf16 with native bf16, fp32 on AVX-512), the :class:`Linear` module keeps a blocked copy of its
 weight (see there); the functional :func:`linear` always reads the weight as stored. The thresholds
-come from the timings in the README's performance section. Every path computes
+come from the timings in docs/benchmarks.md. Every path computes
 ``x @ weight.T + bias`` (same contract as ``F.linear``).
 """
 

@@ -31,7 +31,7 @@ from tokenmill.kernels.quant_format import GROUP_SIZES, QuantizedTensors, dequan
 
 STREAM_MAX_ROWS = 128 if "avx2" in cpu_flags() and not avx512() else 6
 """Most rows of x for which the rows layout's fp32 kernel streams the packed weight (more:
-dequantize, then torch's BLAS); where the two cross over in the README's measurements: with AVX-512 the
+dequantize, then torch's BLAS); where the two cross over in docs/benchmarks.md's measurements: with AVX-512 the
 kernel dequantizes each run into registers for each few rows, with AVX2 alone it dequantizes a
 block of weight rows once into L1 for every row of x, and the BLAS's fp32 products are slower there."""
 
@@ -39,13 +39,13 @@ block of weight rows once into L1 for every row of x, and the BLAS's fp32 produc
 PANELS_MAX_ROWS = 192 if "amx_int8" in cpu_flags() else 512 if "avx512_vnni" in cpu_flags() else 2048
 """Most rows of x for which a panels-layout weight with two activation passes runs the int8 kernel
 (its integer work doubles, and with many rows that work is the cost); more rows dequantize the
-weight to x's dtype for oneDNN, which is faster beyond about this many rows (README's
+weight to x's dtype for oneDNN, which is faster beyond about this many rows (docs/benchmarks.md's
 measurements): with AMX (int8 tiles for the kernel, bf16 tiles for oneDNN) from ~200 rows on, with
 AVX-512 alone from ~512; with AVX2 alone (fp32 GEMM on the dequantized weight) not up to 2,048."""
 
 ONE_PASS_PANELS_MAX_ROWS = 192 if "amx_int8" in cpu_flags() else 2048
 """The same limit for one activation pass: half the integer work, so with AVX512-VNNI or AVX2 the
-kernel stays ahead of oneDNN up to 2,048 rows (README); with AMX one pass runs the vector path,
+kernel stays ahead of oneDNN up to 2,048 rows (docs/benchmarks.md); with AMX one pass runs the vector path,
 not the tiles, and keeps the two-pass limit."""
 
 

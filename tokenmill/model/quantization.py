@@ -116,7 +116,7 @@ def panels_on_cpu(dtype: torch.dtype) -> bool:
     """Whether a CPU model in ``dtype`` keeps its quantized projections (those whose output width
     is a multiple of 16) in the panels layout, so that their inputs are quantized to int8 passes:
     where the C++ kernels have the int8 path, a bf16 model, or an fp32 one where that path
-    is the AVX2 one (there the rows layout's fp32 products cost twice as much: README; with
+    is the AVX2 one (there the rows layout's fp32 products cost twice as much: docs/benchmarks.md; with
     AVX512-VNNI, fp32 keeps the rows layout's exact fp32 activations)."""
     isa = int8_dot_isa()
     return bool(isa) and (dtype == torch.bfloat16 or (dtype == torch.float32 and isa == "avx2"))

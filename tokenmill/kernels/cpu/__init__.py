@@ -25,8 +25,8 @@ torch caches the build under ``TORCH_EXTENSIONS_DIR`` (``~/.cache/torch_extensio
 named by :func:`extension_name`, a hash of everything the build depends on (the sources' and headers'
 content, the flags, torch's version, the CPU's feature set) and of nothing else (not their path):
 checkouts and environments with the same sources share one build, and a build, once there, is
-loaded without running the build tool. Only the first run on a machine pays the compile (see the
-README). ``load_cpu_kernels`` returns None, and logs why, when the build is impossible or
+loaded without running the build tool. Only the first run on a machine pays the compile (see
+docs/performance.md). ``load_cpu_kernels`` returns None, and logs why, when the build is impossible or
 ``TOKENMILL_CPU_KERNELS=0`` is set; every caller then uses its torch implementation.
 """
 

@@ -3,7 +3,7 @@
 A generation reply can be megabytes (``n`` choices of many tokens, each with its top logprobs).
 Rendering holds the interpreter lock however it is threaded, so every other connection, ``/health``
 included, waits for as long: :func:`json_response` renders in a thread with orjson (a tenth of the
-standard library's time on such replies; the README's measurement), compact UTF-8 as Starlette's
+standard library's time on such replies; docs/benchmarks.md's measurement), compact UTF-8 as Starlette's
 ``JSONResponse`` writes it, non-string keys as their strings (as ``json.dumps`` writes them). The
 reply's top :data:`SPLIT_LEVELS` levels of containers are joined in Python around one orjson call
 per member (a choice, an output item), so the lock is held by orjson for one member at a time
