@@ -192,7 +192,8 @@ class LLM:
         return self.engine.weight_version
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix, on the device and in the host and disk tiers (:meth:`tokenmill.Engine.reset_prefix_cache`)."""
+        """Forget every cached prefix, on the device and in the host and disk tiers
+        (:meth:`tokenmill.Engine.reset_prefix_cache`)."""
         self.engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
