@@ -4,7 +4,7 @@ Before a step, :meth:`Speculator.proposals` asks the proposer for up to k tokens
 sequence (none while more sequences decode than ``disable_by_batch_size``); the scheduler gives a
 sequence with a proposal ``1 + k`` slots, and the step computes the sequence's last token and the k
 proposed ones (a :class:`Verification`) as ``1 + k`` one-token requests on its row, in the same
-forward as the other sequences, with logits at every one of them (``engine/executor.py``).
+forward as the other sequences, with logits at every one of them (``engine/forward_inputs.py``).
 """
 
 from __future__ import annotations
