@@ -16,8 +16,8 @@ The second tier (optional, ``cache/kv_tier.py``: host memory, disk, or host memo
 disk) is reached through :class:`~tokenmill.cache.tier_moves.TierMoves`: whole blocks of a prefix
 that enter the radix cache are queued to be saved, and an admission whose device match ends where
 the tier holds the next blocks loads them instead of computing them (when reading is measured
-faster than prefill). The manager never touches KV data: ``take_tier_moves`` hands the step's
-executor the slots to save from and the blocks to store into freshly allocated slots. A handle's
+faster than prefill). The manager never touches KV data: ``take_tier_moves`` hands the step
+(``cache/tier_mover.py``) the slots to save from and the blocks to store into freshly allocated slots. A handle's
 positions waiting for a load count as computed, except that nothing caches them before the load
 is applied.
 """

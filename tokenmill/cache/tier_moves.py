@@ -4,7 +4,7 @@
 Whole blocks of a prefix that enter the radix cache are queued to be saved, and an admission whose
 device match ends where the tier holds the next blocks loads them instead of computing them (when
 reading is measured faster than prefill). Nothing here touches KV data: :meth:`TierMoves.take`
-hands the step's executor the slots to save from (before any later forward can overwrite them)
+hands the step (``cache/tier_mover.py``) the slots to save from (before any later forward can overwrite them)
 and the blocks to store into freshly allocated slots (before the forward that reads them). Only
 the base model's KV (namespace ``""``) computed in the manager's current epoch is saved. Engine
 thread only.
@@ -34,7 +34,7 @@ class TierLoad:
 
 
 class TierMoves:
-    """The saves and loads of ``tier`` queued since the executor last took them, and the prefill speed
+    """The saves and loads of ``tier`` queued since the step last took them, and the prefill speed
     that loading competes with; ``req_pool``: the rows that saves read their slots from. Without a
     tier nothing is saved and loading never pays."""
 

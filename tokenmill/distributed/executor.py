@@ -56,7 +56,8 @@ class Executor:
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """``ModelWorker.<method>(*args)`` on every rank, between steps: each rank's result by rank.
-        Raises RuntimeError naming each rank whose call raised (rank 0's own error as it is)."""
+        Rank 0's error is raised as it is; a worker's as a RuntimeError naming its rank. With several
+        ranks either fails the group (the engine turns unhealthy): the ranks may now differ."""
         results = [getattr(self.worker, method)(*args)] if self.group is None else self._call_group(method, args)
         errors = [r for r in results if isinstance(r, RankError)]
         if errors:

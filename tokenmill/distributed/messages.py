@@ -13,6 +13,7 @@ attention view over its own KV storage.
 
 from __future__ import annotations
 
+import pickle
 from enum import IntEnum
 from typing import Any
 
@@ -64,7 +65,9 @@ def send(kind: Kind, step: ForwardStep | None = None, device: torch.device | str
 
 
 def send_call(method: str, args: tuple[Any, ...], device: torch.device | str) -> None:
-    """Broadcast a call of ``method(*args)`` from rank 0 (the workers answer with :func:`gather_results`)."""
+    """Broadcast a call of ``method(*args)`` from rank 0 (the workers answer with :func:`gather_results`).
+    The arguments are pickled first: one that cannot be raises before any rank hears of the call."""
+    pickle.dumps(args)
     send(Kind.CALL, device=device)
     dist.broadcast_object_list([(method, args)], src=0, device=device)
 
@@ -77,7 +80,7 @@ def receive_call(device: torch.device | str) -> Call:
     return received[0]
 
 
-def gather_results(result: Any, device: torch.device | str) -> list[Any]:
+def gather_results(result: Any) -> list[Any]:
     """Every rank's result of a call, by rank (each rank passes its own)."""
     results: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(results, result)

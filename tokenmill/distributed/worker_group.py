@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 
 from tokenmill.config import EngineConfig, Resolved
 from tokenmill.distributed import group, messages
-from tokenmill.distributed.worker_process import agree_on_slots, worker_main
+from tokenmill.distributed.worker_process import RankError, agree_on_slots, worker_main
 from tokenmill.model.loader import check_shardable
 from tokenmill.model.parallel import TensorParallel
 from tokenmill.worker.forward_step import ForwardStep
@@ -128,15 +128,22 @@ class WorkerGroup:
     def call(self, method: str, args: tuple[Any, ...], local: Callable[[], Any]) -> list[Any]:
         """Have every worker run its ``ModelWorker``'s ``method(*args)`` while rank 0 runs ``local()``;
         every rank's result by rank (a worker's exception comes back as a :class:`RankError`). An
-        exception of ``local`` is raised after the results are gathered. Call between steps."""
+        exception of ``local`` is raised after the results are gathered (the workers wait for rank 0's
+        part of the gather). A call that raised on some rank may have changed the others: the group
+        counts as failed then (:attr:`failure`), as it would had that rank died. Call between steps."""
         with self._collective():
             messages.send_call(method, args, self.device)
-            error: Exception | None = None
+            error: BaseException | None = None
             try:
                 result = local()
-            except Exception as exc:  # the workers still wait for rank 0's part of the gather
+            except BaseException as exc:
                 error, result = exc, None
-            results = messages.gather_results(result, self.device)
+            results = messages.gather_results(result)
+        faults = [f"rank 0: {type(error).__name__}: {error}"] if error is not None else []
+        faults += [f"rank {r.rank}: {r.error}" for r in results if isinstance(r, RankError)]
+        if faults:
+            self.failure = f"tensor-parallel call {method} failed on " + "; ".join(faults)
+            logger.error("%s", self.failure)
         if error is not None:
             raise error
         return results

@@ -119,7 +119,7 @@ def serve(config: EngineConfig, tp: TensorParallel, device: torch.device, timeou
                 result = getattr(worker, method)(*args)
             except Exception as exc:  # noqa: BLE001 - rank 0 raises it, naming this rank
                 result = RankError(tp.rank, f"{type(exc).__name__}: {exc}")
-            messages.gather_results(result, device)
+            messages.gather_results(result)
 
 
 def agree_on_slots(n_slots: int, device: torch.device, timeout: float) -> int:

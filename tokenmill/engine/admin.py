@@ -9,6 +9,7 @@ loop thread built :attr:`parts`.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Callable
 from typing import TypeVar
@@ -66,7 +67,13 @@ class EngineAdmin:
 
         def apply() -> int:
             new_version = next_version(self.weight_version, version)
-            votes = executor.call("stage_weights", update)
+            try:
+                votes = executor.call("stage_weights", update)
+            except BaseException:  # nothing stays staged (the group, if it failed, is unhealthy now)
+                executor.worker.commit_weights(False)
+                with contextlib.suppress(Exception):
+                    executor.call("commit_weights", False)
+                raise
             refusals = [f"tensor-parallel rank {rank} refused the update: {r}" for rank, r in enumerate(votes) if r]
             executor.call("commit_weights", not refusals)
             if refusals:

@@ -136,9 +136,11 @@ def build(setup: EngineSetup, weight_version: Callable[[], int]) -> EngineParts:
         sampler = Sampler(mc.vocab_size, cfg.max_running_requests, device, cfg.seed)
         core = StepCore(executor, cache, scheduler, sampler, output, requests, speculator, threads, setup.eos_token_ids)
     except BaseException:  # nothing outlives a failed build: the other ranks stop, the tier's directory is unlocked
-        if tier is not None:
-            tier.close()
-        executor.shutdown()
+        try:
+            if tier is not None:
+                tier.close()
+        finally:
+            executor.shutdown()
         raise
     return EngineParts(
         executor, cache, tier, namespace, speculator, lora, scheduler, requests, output, intake, context_limit, core

@@ -209,8 +209,10 @@ class Engine(EngineLoop, EngineAdmin):
             return
         self.parts.executor.shutdown()
         if self.parts.tier is not None:
-            self.parts.core.move_tier_blocks()
-            self.parts.tier.close()
+            try:
+                self.parts.core.move_tier_blocks()
+            finally:
+                self.parts.tier.close()
 
     def _before_idle(self) -> None:
         if self.threads is not None:

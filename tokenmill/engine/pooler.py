@@ -5,7 +5,7 @@ Each chunk adds the rows the plan named (``StepPlan.pooling``) to ``Sequence.poo
 sum for "mean" (a chunk starting at position 0 starts it afresh, so a preempted and recomputed prompt
 counts each position once), the row itself for "cls" and "last". The embedding is the mean (or the
 row), its first ``dimensions`` values, then L2-normalized when asked: a float32 list. A scoring
-sequence's ``pooled`` is its logits row (the executor's): the score is the sigmoid of a one-label
+sequence's ``pooled`` is its logits row (``engine/logit_rows.py``): the score is the sigmoid of a one-label
 head's logit, or ``softmax(no, yes)[yes]`` over a decoder's logits of the token pair.
 """
 

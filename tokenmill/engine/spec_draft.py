@@ -83,14 +83,18 @@ class DraftModelProposer:
             tokenizer=None,
             speculative_config=None,
             enable_prefix_caching=False,
+            kv_cache_disk_dir=None,
+            kv_cache_host_bytes=0,
+            enable_lora=False,
+            lora_modules=(),
             max_running_requests=rows,
             max_context_len=None,
             num_kv_slots=-(-kv_tokens // target.page_size) * target.page_size,
         )
-        path = draft.model_path()
+        resolved, draft_config = resolve_config(draft)
+        path = resolved.model_path
         if is_converted(path) or checkpoint_format(path) is not None:  # loads quantized as stored
             draft = draft.replace(quantization=None)
-        resolved, draft_config = resolve_config(draft)
         if tokenizer is not None:
             if Tokenizer(path).hf.get_vocab() != tokenizer.hf.get_vocab():
                 raise ValueError(

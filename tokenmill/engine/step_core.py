@@ -5,9 +5,10 @@
 2. **execute**: the plan as plain data (``engine/forward_inputs.py``) runs on every rank
    (``distributed/executor.py``); the logits are taken apart (``engine/logit_rows.py``).
 3. **sample** (``engine/sampler.py``), isolating a failing sequence.
-4. **update** (the output stage, ``engine/output.py``): the computed prompts go into the prefix
-   cache, tokens are appended, stop rules applied, deltas emitted; verifications are accepted or cut
-   back (``engine/verifier.py``).
+4. **update** (the output stage, ``engine/output.py``): tokens are appended, stop rules applied,
+   deltas emitted; verifications are accepted or cut back (``engine/verifier.py``). The prompts the
+   forward computed went into the prefix cache already, right after it (``cache_prompts``, before
+   their first token is appended).
 
 A failure inside a step fails that step's sequences (a sampling failure only its own) and the loop
 goes on. Engine thread only; the step core knows nothing of ranks.
@@ -70,9 +71,9 @@ class StepCore:
             return False
         started = now()
         self.requests.mark_scheduled(plan.seqs, started)
-        self.move_tier_blocks()
         output = self.output
         try:
+            self.move_tier_blocks()
             worker = self.executor.worker
             logits = self.executor.execute(forward_step(plan, self.cache.req_pool, worker.device))
             if plan.prefill and not plan.decode and not plan.verify:

@@ -39,7 +39,14 @@ from tokenmill.model.registry import Model
 from tokenmill.model.weights import WeightError
 from tokenmill.worker.cuda_graphs import CudaGraphDecodeRunner, make_cuda_graph_runner
 from tokenmill.worker.forward_step import ForwardStep
-from tokenmill.worker.weight_update import StagedTensor, WeightsUpdate, apply_update, stage_update
+from tokenmill.worker.weight_update import (
+    StagedTensor,
+    WeightsUpdate,
+    apply_update,
+    receive_whole,
+    send_whole,
+    stage_update,
+)
 
 logger = logging.getLogger("tokenmill.worker")
 
@@ -124,13 +131,19 @@ class ModelWorker:
     # ------------------------------------------------------------------ calls (every rank, between steps)
     def stage_weights(self, update: WeightsUpdate) -> str | None:
         """Stage this rank's part of ``update`` until :meth:`commit_weights`; this rank's refusal, or
-        None. The rank that read the update staged its part already (``update.staged``)."""
+        None. The rank that read the update staged its part already (``update.staged``) and sends the
+        whole tensors to the others (tensor parallelism), which receive and stage theirs."""
         self._staged = update.staged
         if self._staged is not None:
+            if update.whole:
+                send_whole(update.whole, self.device)
             return None
+        received = receive_whole(update.manifest, self.device)
         try:
-            self._staged = stage_update(self.model, update.whole)
+            self._staged = stage_update(self.model, received)
         except Exception as exc:  # noqa: BLE001 - any failure to stage is this rank's refusal
+            for _ in received:  # the rest of the broadcast, staged by nobody
+                pass
             return str(exc) if isinstance(exc, WeightError) else f"{type(exc).__name__}: {exc}"
         return None
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 
 from tokenmill.model.causal_lm import CausalLM
@@ -52,21 +53,46 @@ class StagedTensor:
     whole: torch.Tensor | None = None
 
 
+Manifest = list[tuple[str, torch.dtype, tuple[int, ...]]]
+"""An update's tensors as names, dtypes and shapes."""
+
+
 @dataclass
 class WeightsUpdate:
-    """An update on its way to every rank: the whole tensors (for the ranks that stage their part
-    from them) and, on the rank that read and staged it, its staged part, which is never sent."""
+    """An update on its way to every rank. As a call's argument it is pickled with its manifest
+    alone; the rank that read it keeps the whole tensors (CPU copies; with tensor parallelism only),
+    which :func:`send_whole` streams to the others one tensor at a time, and its staged part."""
 
-    whole: list[tuple[str, torch.Tensor]]
+    manifest: Manifest
+    whole: list[tuple[str, torch.Tensor]] | None = None
     staged: list[StagedTensor] | None = None
 
     def __getstate__(self) -> dict[str, object]:
-        return {"whole": self.whole, "staged": None}
+        return {"manifest": self.manifest, "whole": None, "staged": None}
 
     @classmethod
     def of(cls, staged: list[StagedTensor]) -> WeightsUpdate:
         """The update of ``staged`` (whole copies kept where it was staged with ``keep_whole``)."""
-        return cls([(item.name, item.whole) for item in staged if item.whole is not None], staged)
+        whole = [(item.name, item.whole) for item in staged if item.whole is not None]
+        return cls([(name, t.dtype, tuple(t.shape)) for name, t in whole], whole, staged)
+
+
+def send_whole(whole: list[tuple[str, torch.Tensor]], device: torch.device) -> None:
+    """The rank that read an update: broadcast each whole tensor's bytes, in manifest order."""
+    for _, tensor in whole:
+        data = tensor.contiguous().reshape(-1).view(torch.uint8).to(device)
+        if data.numel():
+            dist.broadcast(data, src=0)
+
+
+def receive_whole(manifest: Manifest, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """The other ranks: each whole tensor of ``manifest`` as it arrives (drain the iterator even when
+    staging stops early: every rank takes part in every broadcast)."""
+    for name, dtype, shape in manifest:
+        data = torch.empty(torch.Size(shape).numel() * dtype.itemsize, dtype=torch.uint8, device=device)
+        if data.numel():
+            dist.broadcast(data, src=0)
+        yield name, data.view(dtype).view(shape)
 
 
 def next_version(current: int, requested: int | None) -> int:
