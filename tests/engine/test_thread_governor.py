@@ -1,4 +1,6 @@
-"""The engine's CPU threads: fitted to the CPUs the load beside it leaves free, measured for real."""
+"""The engine's CPU threads: fitted to the CPUs the load beside it leaves free. The load meter is measured
+for real (relative to a baseline, so the tests hold beside any other load); the governor's and the
+engine's decisions run on synthetic samples."""
 
 from __future__ import annotations
 
@@ -17,23 +19,23 @@ import torch
 from tests.tiny_models import save_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
-from tokenmill.cpu_load import ForeignLoad
+from tokenmill.cpu_load import ForeignLoad, thread_cpu_seconds
+from tokenmill.engine import thread_governor
 from tokenmill.engine.thread_governor import ThreadGovernor, engine_thread_governor, threads_for
 from tokenmill.hardware import usable_cpus
 
 
 @contextmanager
-def busy_processes(n: int, niceness: int = 0) -> Iterator[None]:
-    """``n`` processes spinning on the CPU (neighbours) at ``nice`` +``niceness``, stopped on exit."""
+def busy_neighbour(niceness: int = 0) -> Iterator[int]:
+    """One process spinning on the CPU at ``nice`` +``niceness`` (its pid), stopped on exit."""
     spin = f"import os\nos.nice({niceness})\nwhile True: pass"
-    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+    proc = subprocess.Popen([sys.executable, "-c", spin])
     try:
         time.sleep(0.3)  # started and spinning
-        yield
+        yield proc.pid
     finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.parametrize(
@@ -145,54 +147,102 @@ def test_usable_cpus_follow_affinity_and_cgroup_quota(tmp_path: Path) -> None:
     assert usable_cpus(tmp_path) == affinity  # a quota above the mask does not add CPUs
 
 
+def cpu_share(seconds_used: Callable[[], float], window_s: float) -> float:
+    """CPUs' worth ``seconds_used`` (a CPU-time counter) grows by over ``window_s`` of sleep."""
+    start = seconds_used()
+    time.sleep(window_s)
+    return (seconds_used() - start) / window_s
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds process ``pid`` has used (utime + stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_foreign_load_counts_neighbours_and_own_other_threads_not_the_engines() -> None:
+    """Measured for real, so every figure is relative to what the machine does anyway (a baseline
+    taken the same way just before) or to the CPU time the neighbour itself used: the test holds
+    beside any other load, a saturated machine included."""
     load = ForeignLoad(threading.current_thread())  # this thread plays the engine's loop thread
+
+    def foreign_over(window_s: float, work: Callable[[], None] = lambda: None) -> float:
+        load.sample()
+        started = time.monotonic()
+        while time.monotonic() - started < window_s:
+            work()
+        return load.sample()
+
+    baseline = foreign_over(0.6, lambda: time.sleep(0.01))
+    busy_engine = foreign_over(0.6)  # the "engine" spins: its own time is not foreign
+    assert busy_engine < baseline + 0.4, (busy_engine, baseline)
+    with busy_neighbour() as pid:  # a neighbour counts: at least the CPU time it got
+        load.sample()
+        share = cpu_share(lambda: process_cpu_seconds(pid), 0.6)
+        assert share > 0.2 and load.sample() > share - 0.2, share
+    baseline = foreign_over(0.6, lambda: time.sleep(0.01))
+    with busy_neighbour(niceness=10):  # lower priority than the engine's: it yields, not foreign
+        niced = foreign_over(0.6, lambda: time.sleep(0.01))
+    assert niced < baseline + 0.3, (niced, baseline)
     load.sample()
-    started = time.monotonic()
-    while time.monotonic() - started < 0.6:  # the "engine" is busy: not foreign
-        pass
-    assert load.sample() < 0.5
-    with busy_processes(1):
-        load.sample()
+    load.pause()
+    with busy_neighbour():  # beside a paused meter: not counted, nor is the time
         time.sleep(0.6)
-        assert load.sample() > 0.6
-    with busy_processes(1, niceness=10):  # lower priority than the engine's: it yields, not foreign
-        load.sample()
-        time.sleep(0.6)
-        assert load.sample() < 0.3
+    load.resume()
+    time.sleep(0.3)
+    assert load.sample() < baseline + 0.4
     stop = threading.Event()
 
     def spin() -> None:  # another thread of this process: the server's threads count as foreign
         while not stop.is_set():
             pass
 
-    load.sample()
-    load.pause()
-    with busy_processes(1):  # beside a paused meter: not counted, nor is the time
-        time.sleep(0.6)
-    load.resume()
-    time.sleep(0.3)
-    assert load.sample() < 0.5
     spinner = threading.Thread(target=spin)
     spinner.start()
     try:
+        time.sleep(0.05)
+        assert spinner.native_id is not None
         load.sample()
-        time.sleep(0.6)
-        assert load.sample() > 0.6
+        share = cpu_share(lambda: thread_cpu_seconds(spinner.native_id), 0.6)
+        assert share > 0.2 and load.sample() > share - 0.2, share
     finally:
         stop.set()
         spinner.join()
 
 
-def test_engine_gives_up_threads_to_neighbours_and_takes_them_back(tmp_path: Path) -> None:
-    """A long generation runs while ``usable_cpus()`` busy processes share the machine: the engine's
-    threads drop below the usable CPUs; once they stop, the engine takes its threads back."""
+class DialledLoad:
+    """A load meter reading the foreign load off a dial the test turns (the engine's decisions on
+    synthetic samples: the real measurement is the test above's)."""
+
+    dial = 0.0
+
+    def __init__(self, engine_thread: threading.Thread) -> None:
+        self.engine_thread = engine_thread
+
+    def sample(self) -> float:
+        return DialledLoad.dial
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+
+def test_engine_gives_up_threads_to_neighbours_and_takes_them_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long generation runs while the load beside it rises to every usable CPU: the engine's
+    threads drop below the usable CPUs between its steps; once the load is gone, it takes them back."""
     usable = usable_cpus()
     if usable < 2:
         pytest.skip("one usable CPU: there is no thread to give up")
+    monkeypatch.setattr(thread_governor, "ForeignLoad", DialledLoad)
+    DialledLoad.dial = 0.0
     save_tiny_checkpoint(tmp_path)
     llm = LLM(dtype="float32", model=str(tmp_path), num_kv_slots=4096)
     engine = llm.engine
+    assert isinstance(engine.threads._load, DialledLoad)
     params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0)
     done = threading.Event()
 
@@ -213,8 +263,9 @@ def test_engine_gives_up_threads_to_neighbours_and_takes_them_back(tmp_path: Pat
     try:
         assert engine.stats()["cpu_threads"] == usable
         generating.start()
-        with busy_processes(usable):
-            assert threads_within(lambda n: n < usable, 10.0), "threads kept beside busy neighbours"
+        DialledLoad.dial = float(usable)
+        assert threads_within(lambda n: n < usable, 10.0), "threads kept beside busy neighbours"
+        DialledLoad.dial = 0.0
         assert threads_within(lambda n: n == usable, 10.0), "threads not taken back"
         assert engine.stats()["cpu_thread_changes"] >= 2
     finally:
