@@ -179,3 +179,22 @@ def test_bench_throughput_reports_the_requested_workload(tmp_path: Path) -> None
     assert len(text) == len(expected_lines)
     for line, pattern in zip(text, expected_lines):
         assert re.fullmatch(pattern, line), (line, pattern)
+
+
+def test_a_model_that_cannot_be_had_ends_the_command_as_a_bad_flag_does(tmp_path: Path) -> None:
+    """A path that is no checkpoint, a missing draft model, a path given to ``pull``: one line
+    ``tokenmill: error: ...`` and exit status 2, no traceback (#62)."""
+    save_tiny_checkpoint(tmp_path / "tiny")
+    draft = json.dumps({"method": "draft_model", "model": str(tmp_path / "nowhere"), "num_speculative_tokens": 2})
+    script = Path(sys.executable).with_name("tokenmill")
+    command = [str(script)] if script.is_file() else [shutil.which("tokenmill") or "tokenmill"]
+    cases = [
+        (["generate", "--model", "../../x", "hi"], "no config.json in ../../x"),
+        (["generate", "--model", str(tmp_path / "tiny"), "--speculative-config", draft, "hi"], "nowhere"),
+        (["pull", "../../x"], "is not a Hugging Face id"),
+    ]
+    for args, message in cases:
+        result = subprocess.run([*command, *args], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        assert result.returncode == 2, (args, result.stderr)
+        assert "Traceback" not in result.stderr and "tokenmill: error: " in result.stderr, result.stderr
+        assert message in result.stderr, result.stderr

@@ -100,7 +100,7 @@ def config_from_args(cls: type[Config], args: argparse.Namespace) -> Config:
         _refused(exc)
 
 
-def _refused(exc: ValueError) -> NoReturn:
+def _refused(exc: Exception) -> NoReturn:
     """End the command as argparse ends it for a bad flag: ``tokenmill: error: <message>``, exit 2."""
     print(f"tokenmill: error: {exc}", file=sys.stderr)
     raise SystemExit(2) from exc
@@ -185,20 +185,35 @@ async def _stream(engine: Any, prompt: str | list[int], params: SamplingParams) 
     return "".join(text)
 
 
+MODEL_REFUSALS = (ValueError, FileNotFoundError, NotADirectoryError)
+"""What opening the models a command names raises when one is wrong (a path that is no checkpoint, a
+bad GGUF file, an id that cannot be had, a setting refused at start): the command ends as with a bad
+flag (:func:`config_from_args`), not with a traceback."""
+
+
 def start_engine(config: EngineConfig) -> Engine:
-    """The engine for ``config``; a setting it refuses at start (ValueError: a draft model with
-    another vocabulary, ...) ends the command like a bad flag (:func:`config_from_args`)."""
+    """The engine for ``config``; a model or setting it refuses at start (a missing checkpoint or draft
+    model, a draft with another vocabulary, ...) ends the command like a bad flag."""
     from tokenmill.engine.engine import Engine
 
     try:
         return Engine(config)
-    except ValueError as exc:
+    except MODEL_REFUSALS as exc:
+        _refused(exc)
+
+
+def model_dir(config: EngineConfig) -> Path:
+    """``config``'s checkpoint folder (a GGUF file converted, an id resolved); a model that cannot be
+    had ends the command like a bad flag."""
+    try:
+        return config.model_path()
+    except MODEL_REFUSALS as exc:
         _refused(exc)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     config = config_from_args(EngineConfig, args)
-    params = _sampling_params(args, config.model_path())
+    params = _sampling_params(args, model_dir(config))
     engine = start_engine(config)
     try:
         print(args.prompt, end="", flush=True)
@@ -210,7 +225,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     config = config_from_args(EngineConfig, args)
-    params = _sampling_params(args, config.model_path())
+    params = _sampling_params(args, model_dir(config))
     engine = start_engine(config)
     messages: list[dict[str, str]] = []
     if args.system:
@@ -267,6 +282,8 @@ def cmd_fetch_default_model(args: argparse.Namespace) -> int:
 def cmd_pull(args: argparse.Namespace) -> int:
     from tokenmill import hub
 
+    if not hub.REPO_ID.match(args.repo_id):
+        _refused(ValueError(f"pull: {args.repo_id!r} is not a Hugging Face id (org/name)"))
     try:
         print(hub.pull(args.repo_id, args.revision))
     except hub.HubError as exc:
