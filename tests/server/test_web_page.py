@@ -157,8 +157,9 @@ def test_the_page_asks_for_the_key_and_says_when_it_is_wrong(browser, checkpoint
 
 def test_the_page_is_open_without_the_key_and_off_with_no_web_ui(checkpoint: Path) -> None:
     with serve(engine(checkpoint), api_key=KEY) as live:
-        for path in ("/", "/web/app.js", "/web/style.css"):
-            assert httpx.get(live.url + path).status_code == 200, path
+        for path in ("/", "/web/app.js", "/web/style.css", "/web/favicon.svg", "/favicon.ico"):
+            assert httpx.get(live.url + path).status_code == 200, path  # the icon too: no 404 in the console
+        assert httpx.get(live.url + "/favicon.ico").headers["content-type"] == "image/svg+xml"
         assert httpx.get(live.url + "/status").status_code == 401
         status = httpx.get(live.url + "/status", headers={"Authorization": f"Bearer {KEY}"}).json()
         assert status["model"] == "looping" and status["running"] == 0 and status["kv_pages_free"] > 0

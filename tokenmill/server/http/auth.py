@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.server.http.errors import APIError, error_response
 
-OPEN_PATHS = frozenset({"/health", "/"})
+OPEN_PATHS = frozenset({"/health", "/", "/favicon.ico"})
 OPEN_PREFIXES = ("/web/",)
 
 

@@ -1,4 +1,5 @@
-"""The browser page: ``GET /`` (the chat page) and ``GET /web/<file>`` (its script and style).
+"""The browser page: ``GET /`` (the chat page), ``GET /web/<file>`` (its script, style and icon) and
+``GET /favicon.ico`` (the icon).
 
 The files are static, inside the package (``static/``), and open without the API key (they hold no
 data: the page asks for the key and sends it with every API call it makes). The page talks to the
@@ -15,8 +16,6 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 STATIC = Path(__file__).parent / "static"
-OPEN_PATHS = ("/", "/web/")
-"""Paths (``/`` exactly, ``/web/`` as a prefix) served without the API key."""
 
 router = APIRouter()
 
@@ -24,6 +23,12 @@ router = APIRouter()
 @router.get("/", include_in_schema=False)
 async def index() -> FileResponse:
     return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/favicon.ico", include_in_schema=False)
+async def favicon() -> FileResponse:
+    """The page's icon where a browser asks for it by the old name (a page that names none, a JSON route)."""
+    return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
 
 
 def static_files() -> StaticFiles:
