@@ -43,11 +43,14 @@ def save_tiny_encoder(
     seed: int = 0,
     st_pooling: str | None = None,
     st_normalize: bool = True,
+    st_layout: int = 5,
     **overrides: Any,
 ) -> transformers.PreTrainedModel:
     """Save a seeded random encoder of ``kind`` and its tokenizer to ``path``; with ``st_pooling``
     ("cls", "mean", "lasttoken") also sentence-transformers' ``modules.json`` and
-    ``1_Pooling/config.json`` (and a ``Normalize`` module when ``st_normalize``). Returns the model."""
+    ``1_Pooling/config.json`` (and a ``Normalize`` module when ``st_normalize``), the pooling config
+    as sentence-transformers ``st_layout`` writes it (5: a flag per mode; 6: ``pooling_mode``). Returns
+    the model."""
     family = kind.split("-")[0]
     config_class, model_class = KINDS[kind]
     settings = {**ENCODER_BASE, **({"pad_token_id": 1} if family == "xlmr" else {}), **overrides}
@@ -58,7 +61,7 @@ def save_tiny_encoder(
     model.save_pretrained(path, safe_serialization=True)
     _tokenizer(family, model.config.vocab_size).save_pretrained(path)
     if st_pooling is not None:
-        _sentence_transformers_files(path, st_pooling, st_normalize, model.config.hidden_size)
+        _sentence_transformers_files(path, st_pooling, st_normalize, model.config.hidden_size, st_layout)
     return model
 
 
@@ -85,7 +88,7 @@ def _tokenizer(family: str, vocab_size: int) -> transformers.PreTrainedTokenizer
     )
 
 
-def _sentence_transformers_files(path: Path, pooling: str, normalize: bool, hidden: int) -> None:
+def _sentence_transformers_files(path: Path, pooling: str, normalize: bool, hidden: int, layout: int) -> None:
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -96,5 +99,7 @@ def _sentence_transformers_files(path: Path, pooling: str, normalize: bool, hidd
     (path / "1_Pooling").mkdir(exist_ok=True)
     modes = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "lasttoken": "pooling_mode_lasttoken"}
     settings = {"word_embedding_dimension": hidden, **{mode: key == pooling for key, mode in modes.items()}}
+    if layout >= 6:  # sentence-transformers 6 names the mode
+        settings = {"embedding_dimension": hidden, "pooling_mode": pooling, "include_prompt": True}
     (path / "1_Pooling" / "config.json").write_text(json.dumps(settings))
     (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": False}))

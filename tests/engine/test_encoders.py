@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import queue
 from collections.abc import Callable, Iterator
@@ -118,14 +119,15 @@ def embed_in_one_step(llm: LLM, prompts: list[str | list[int]], params: PoolingP
 
 
 # ---------------------------------------------------------------------------------------- embedders
-EMBEDDERS = [("bert", "cls", True), ("bert", "mean", False), ("xlmr", "cls", False), ("xlmr", "mean", True)]
+EMBEDDERS = [("bert", "cls", True, 5), ("bert", "mean", False, 6), ("xlmr", "cls", False, 6), ("xlmr", "mean", True, 5)]
+"""(family, pooling, normalize, the sentence-transformers version whose pooling config layout the folder has)"""
 
 
-@pytest.fixture(scope="module", params=EMBEDDERS, ids=lambda p: f"{p[0]}-{p[1]}-{'norm' if p[2] else 'raw'}")
+@pytest.fixture(scope="module", params=EMBEDDERS, ids=lambda p: f"{p[0]}-{p[1]}-{'norm' if p[2] else 'raw'}-st{p[3]}")
 def embedder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Encoder]:
-    family, pooling, normalize = request.param
+    family, pooling, normalize, layout = request.param
     path = tmp_path_factory.mktemp(f"{family}-{pooling}")
-    hf = save_tiny_encoder(path, family, seed=1, st_pooling=pooling, st_normalize=normalize)
+    hf = save_tiny_encoder(path, family, seed=1, st_pooling=pooling, st_normalize=normalize, st_layout=layout)
     llm = LLM(model=str(path), dtype="float32", num_kv_slots=1024)
     yield Encoder(llm, hf, AutoTokenizer.from_pretrained(path), family, pooling, normalize)
     llm.shutdown()
@@ -385,6 +387,15 @@ def bert_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_encoder_settings_refused_at_build(bert_folder: Path, option: str, value: object) -> None:
     with pytest.raises(ValueError, match=option):
         LLM(model=str(bert_folder), dtype="float32", num_kv_slots=64, **{option: value})
+
+
+@pytest.mark.parametrize("mode", ["max", ["cls", "mean"], "weightedmean"])
+def test_a_sentence_transformers_6_pooling_we_do_not_pool_by_is_refused(tmp_path: Path, mode: object) -> None:
+    save_tiny_encoder(tmp_path, "bert", st_pooling="cls", st_layout=6)
+    config = tmp_path / "1_Pooling" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "pooling_mode": mode}))
+    with pytest.raises(ModelConfigError, match="pooling_mode"):
+        LLM(model=str(tmp_path), dtype="float32", num_kv_slots=64)
 
 
 def test_an_encoder_does_not_generate(bert_folder: Path) -> None:

@@ -43,6 +43,10 @@ ST_UNSUPPORTED_MODES = (
     "pooling_mode_mean_sqrt_len_tokens",
     "pooling_mode_weightedmean_tokens",
 )
+"""sentence-transformers' pooling flags (the layout before version 6: one boolean key per mode)."""
+ST6_POOLING_MODES = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
+"""sentence-transformers 6's ``pooling_mode`` values we pool by (it also has "max",
+"mean_sqrt_len_tokens" and "weightedmean", refused); a list of several modes concatenates them, refused."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,9 @@ def _sentence_transformers(folder: Path) -> tuple[str, bool] | None:
         if str(module.get("type", "")).endswith("Pooling"):
             config_file = folder / str(module.get("path", "")) / "config.json"
             settings: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
+            if "pooling_mode" in settings:  # sentence-transformers 6: {"pooling_mode": "mean" or a list, ...}
+                pooling = _st6_pooling(settings["pooling_mode"], config_file)
+                continue
             unsupported = [mode for mode in ST_UNSUPPORTED_MODES if settings.get(mode)]
             chosen = [value for key, value in ST_POOLING_MODES.items() if settings.get(key)]
             if unsupported or len(chosen) != 1:
@@ -147,3 +154,13 @@ def _sentence_transformers(folder: Path) -> tuple[str, bool] | None:
             pooling = chosen[0]
     normalize = any(str(module.get("type", "")).endswith("Normalize") for module in modules)
     return (pooling or "mean", normalize)
+
+
+def _st6_pooling(mode: Any, config_file: Path) -> str:
+    """The pooling of a sentence-transformers 6 ``pooling_mode`` (a mode, or a list of one)."""
+    modes = mode if isinstance(mode, list) else [mode]
+    if len(modes) != 1 or modes[0] not in ST6_POOLING_MODES:
+        raise ModelConfigError(
+            f"{config_file}: pooling_mode {mode!r}; supported: exactly one of {', '.join(ST6_POOLING_MODES)}"
+        )
+    return ST6_POOLING_MODES[modes[0]]
