@@ -359,9 +359,24 @@ def foreign_namespace(path: Path, tier: DiskKVTier) -> None:
     shutil.copyfile(other.directory / path.name, path)
 
 
+def deeply_nested_header(path: Path, tier: DiskKVTier) -> None:
+    """A header of 4,000 nested arrays: the JSON parser's recursion limit, as a miss (not an engine fault)."""
+    data = path.read_bytes()
+    header = b"[" * 4000
+    path.write_bytes(data[:8] + len(header).to_bytes(4, "little") + header)
+
+
 @pytest.mark.parametrize(
     "damage",
-    [flip_last_payload_byte, truncate_payload, cut_in_the_header, garbage, another_keys_file, foreign_namespace],
+    [
+        flip_last_payload_byte,
+        truncate_payload,
+        cut_in_the_header,
+        garbage,
+        another_keys_file,
+        foreign_namespace,
+        deeply_nested_header,
+    ],
 )
 def test_a_bad_file_reads_as_a_miss_and_is_deleted(tiers: Tiers, damage: Callable[[Path, DiskKVTier], None]) -> None:
     tier = tiers.open()
@@ -409,6 +424,42 @@ def test_leftover_temporary_files_are_deleted_at_start_and_never_served(tiers: T
 
 
 # ---------------------------------------------------------------------------------------- start errors
+@pytest.mark.parametrize("name", ["tier.json", "index.json"])
+def test_nested_or_foreign_metadata_reads_as_absent(tiers: Tiers, name: str) -> None:
+    """A tier.json or index.json the tier did not write (nested past the parser's depth, not an object /
+    a list) starts the tier all the same: tier.json as none (the blocks are cleared), index.json as
+    no order (the blocks stay)."""
+    tier = tiers.open()
+    assert tier.save(key(1), *make_block(1))
+    tier = tiers.reopen(tier)
+    for content in ("[" * 100_000, "7", '{"namespace": [1]}' if name == "tier.json" else '{"a": 1}'):
+        tiers.close(tier)
+        (tiers.directory / name).write_text(content)
+        tier = tiers.open()
+        if name == "index.json":
+            assert_block_equal(tier.load(key(1)), make_block(1))
+        else:
+            assert tier.n_files == 0 and tier.save(key(1), *make_block(1))
+            wait_written(tier, key(1))
+
+
+def test_a_folder_of_other_files_is_refused_and_left_as_it_was(tiers: Tiers, tmp_path: Path) -> None:
+    """Pointed at a folder that holds files but is no tier's (no tier.json naming a namespace), the tier
+    refuses to start and deletes, writes or locks nothing there (it would delete files it did not write)."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    mine = {"notes.txt": "keep", "draft.tmp": "keep", "x.kv": "keep", "index.json": "[]", "tier.json": "{}"}
+    for name, text in mine.items():
+        (folder / name).write_text(text)
+    with pytest.raises(DiskTierError, match="no tier.json naming a KV tier"):
+        tiers.open(directory=folder)
+    assert {p.name: p.read_text() for p in folder.iterdir()} == mine
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    tier = tiers.open(directory=empty)  # an empty folder (or a new one) is fine
+    assert tier.save(key(1), *make_block(1))
+
+
 def test_a_regular_file_as_directory_is_refused(tiers: Tiers, tmp_path: Path) -> None:
     path = tmp_path / "a-file"
     path.write_text("not a directory")

@@ -78,6 +78,15 @@ def blocks(tier: Path) -> list[Path]:
     return sorted(tier.glob(f"*{SUFFIX}"))
 
 
+def blocks_written(tier: Path, timeout: float = 30.0) -> list[Path]:
+    """The tier's block files once there are some: a running engine's tier writes in the background,
+    after the step that computed them (or when its loop goes idle)."""
+    deadline = time.monotonic() + timeout
+    while not blocks(tier) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return blocks(tier)
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_restart_serves_prefix_from_disk_equal_to_transformers(checkpoint, tmp_path: Path, page_size: int) -> None:
     path, hf_model = checkpoint
@@ -169,7 +178,7 @@ def test_weight_update_invalidates_the_tier(checkpoint, tmp_path: Path) -> None:
     llm = engine(path, tmp_path)
     try:
         run(llm, batch)
-        assert blocks(tmp_path)
+        assert blocks_written(tmp_path)
         name = "model.layers.0.mlp.down_proj.weight"
         new = dict(hf_model.named_parameters())[name].detach() + 0.5
         llm.update_weights([(name, new)])
@@ -182,7 +191,7 @@ def test_weight_update_invalidates_the_tier(checkpoint, tmp_path: Path) -> None:
             dict(updated.named_parameters())[name].copy_(new)
         updated.generation_config.eos_token_id = None
         assert tokens == hf_greedy(updated, batch[0], 8)
-        assert blocks(tmp_path)  # blocks of the new weights
+        assert blocks_written(tmp_path)  # blocks of the new weights
     finally:
         llm.shutdown()
     # a restart loads the files' weights: the updated weights' blocks must not serve

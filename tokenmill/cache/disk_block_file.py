@@ -26,8 +26,9 @@ SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 _HEADER_LEN = struct.Struct("<I")
 
-READ_ERRORS = (OSError, ValueError, AttributeError, struct.error)
-"""What reading a block file raises when it is unusable (unreadable, corrupt, truncated or foreign)."""
+READ_ERRORS = (OSError, ValueError, AttributeError, TypeError, RecursionError, struct.error)
+"""What reading a block file raises when it is unusable (unreadable, corrupt, truncated, foreign, or a
+header nested deeper than the JSON parser goes)."""
 
 
 def block_path(directory: Path, key: str) -> Path:
@@ -64,6 +65,8 @@ def read_payload(
     if n > 4096:
         raise ValueError("header too long")
     header = json.loads(file.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
     expected = _fields(namespace, key, shape, dtype)
     if any(header.get(name) != value for name, value in expected.items()):
         raise ValueError("written for another model, block or shape")
