@@ -290,7 +290,7 @@ async def _slow_body(host: str, port: int, give_up_s: float) -> str | None:
     """One connection: headers, then a byte of the announced body at a time; None if the server answers 408."""
     reader, writer = await asyncio.open_connection(host, port)
     try:
-        head = "POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+        head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         writer.write(f"{head}Content-Length: 1000\r\n\r\n{{".encode())
         deadline = time.monotonic() + give_up_s
         while time.monotonic() < deadline:

@@ -87,7 +87,7 @@ def closed_by_server(sock: socket.socket) -> bool:
 
 def post_head(path: str, content_length: int | None, auth: str = AUTH) -> bytes:
     length = f"Content-Length: {content_length}\r\n" if content_length is not None else "Transfer-Encoding: chunked\r\n"
-    return f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n{auth}{length}\r\n".encode()
+    return f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}{length}\r\n".encode()
 
 
 # ------------------------------------------------------------------------------------------ settings
@@ -134,13 +134,13 @@ def test_headers_over_the_byte_cap_get_400_however_they_arrive(guarded: Server, 
     one read or in pieces whose last completes it; a kept-alive connection's next request is counted
     afresh, and a block just under the cap is served."""
     cap = ServerConfig().max_header_bytes
-    under = f"GET /health HTTP/1.1\r\nHost: test\r\nX-Pad: {'a' * (cap - 100)}\r\n\r\n".encode()
+    under = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: {'a' * (cap - 100)}\r\n\r\n".encode()
     with connect(guarded) as sock:
         for _ in range(2):
             sock.sendall(under)
             status, _, _ = read_response(sock)
             assert status == 200
-    over = f"GET /health HTTP/1.1\r\nHost: test\r\nX-Pad: {'a' * (cap + 100)}\r\n\r\n".encode()
+    over = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: {'a' * (cap + 100)}\r\n\r\n".encode()
     with connect(guarded) as sock:
         step = -(-len(over) // pieces)
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the server may close before the end
@@ -176,7 +176,7 @@ def test_a_connection_that_sends_nothing_is_cut(guarded: Server) -> None:
 
 def test_an_idle_kept_alive_connection_is_cut(guarded: Server) -> None:
     with connect(guarded) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         status, headers, _ = read_response(sock)
         assert status == 200 and headers.get("connection") != "close"
         assert closed_by_server(sock)
@@ -348,7 +348,7 @@ OUT_OF_FDS_SERVER = textwrap.dedent(
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         time.sleep(1.5)  # the listener's accept retry comes back
         with socket.create_connection(("127.0.0.1", port)) as probe:
-            probe.sendall(b"GET /health HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n")
+            probe.sendall(b"GET /health HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\nConnection: close\\r\\n\\r\\n")
             print(probe.recv(100).split(b"\\r\\n")[0].decode(), flush=True)
     engine.shutdown()
     """

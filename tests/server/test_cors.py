@@ -60,8 +60,10 @@ def test_another_origin_gets_no_cors_headers(cors_server: Server) -> None:
 def test_cors_is_off_by_default(server: Server) -> None:
     answer = preflight(server)
     assert answer.status_code == 405 and "access-control-allow-origin" not in answer.headers
-    reply = chat(server)
-    assert reply.status_code == 200 and "access-control-allow-origin" not in reply.headers
+    reply = chat(server)  # a keyless server refuses another site's request (test_cross_site.py)
+    assert reply.status_code == 403 and "access-control-allow-origin" not in reply.headers
+    plain = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=30)  # no browser: no Origin
+    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
 
 
 def test_serve_takes_origins_repeated_or_comma_separated() -> None:

@@ -12,7 +12,9 @@ KEY``, checked before the body is read (:class:`~tokenmill.server.http.auth.APIK
 bodies over ``max_body_bytes`` are refused with 413, bodies not complete within ``body_timeout_seconds`` with 408
 (:class:`~tokenmill.server.http.body_limit.BodyLimits`). CORS is off unless ``allowed_origins`` names
 origins (``"*"``: any); then browsers on those origins may call every route (preflights are
-answered before the API-key check, which then applies as usual).
+answered before the API-key check, which then applies as usual). Another site's page cannot drive
+the server through the user's browser (:class:`~tokenmill.server.http.cross_site.CrossSiteGuard`:
+the Host name, a keyless server's request origins, form content types).
 Starting and stopping a server: :mod:`tokenmill.server.lifecycle`.
 """
 
@@ -28,6 +30,7 @@ from tokenmill.server.anthropic import messages
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.http.auth import APIKeyCheck
 from tokenmill.server.http.body_limit import BodyLimits
+from tokenmill.server.http.cross_site import CrossSiteGuard, default_allowed_hosts
 from tokenmill.server.http.errors import install_error_handlers
 from tokenmill.server.http.state import ServerState
 from tokenmill.server.openai import chat, completions, embeddings, models, responses, scoring, tokenization
@@ -52,6 +55,13 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
     )
     if config.api_key is not None:  # added last, so it runs first: before anything reads the body
         app.add_middleware(APIKeyCheck, api_key=config.api_key)
+    allowed_hosts = default_allowed_hosts(config.host, config.allowed_hosts, keyless=config.api_key is None)
+    app.add_middleware(  # runs before the key check (after CORS, which only answers preflights itself)
+        CrossSiteGuard,
+        allowed_hosts=allowed_hosts,
+        allowed_origins=config.allowed_origins,
+        check_origin=config.api_key is None,
+    )
     if config.allowed_origins:  # after the key check, so it runs before it: preflights carry no key
         app.add_middleware(
             CORSMiddleware,

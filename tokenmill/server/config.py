@@ -58,6 +58,15 @@ class ServerConfig:
         section="server",
     )
 
+    allowed_hosts: tuple[str, ...] = option(
+        (),
+        "Host header names the server answers to (DNS rebinding: another site's name pointed at this "
+        "address); repeatable or comma-separated; none: the loopback names for a server without an API key "
+        "listening on a loopback address, else any",
+        section="server",
+        metavar="LIST",
+        comma_separated=True,
+    )
     allowed_origins: tuple[str, ...] = option(
         (),
         "origins browsers may call the server from, '*' for any; repeatable or comma-separated; none: CORS off",
