@@ -97,10 +97,7 @@ class EngineConfig(*reversed(GROUPS)):  # type: ignore[misc]  # a dataclass's fi
     runtime = GroupView(RuntimeOptions)
     cache = GroupView(CacheOptions)
     scheduler = GroupView(SchedulerOptions)
-    parallel = GroupView(ParallelOptions)
     limits = GroupView(LimitOptions)
-    lora = GroupView(LoRAOptions)
-    pooling = GroupView(PoolingOptions)
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` (checked as a new configuration)."""

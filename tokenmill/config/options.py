@@ -28,11 +28,3 @@ def at_least(options: object, low: int | float, *names: str) -> None:
         value = getattr(options, name)
         if value is not None and value < low:
             raise ValueError(f"{name} must be >= {low}, got {value}")
-
-
-def one_of(options: object, name: str, choices: tuple[object, ...]) -> None:
-    """Raise ValueError unless ``options.<name>`` is one of ``choices``."""
-    value = getattr(options, name)
-    if value not in choices:
-        listed = ", ".join(repr(choice) for choice in choices)
-        raise ValueError(f"{name} must be one of {listed}, got {value!r}")

@@ -155,7 +155,7 @@ def _intake(setup: EngineSetup, context_limit: int) -> Intake:
         grammars = GrammarCompiler(setup.tokenizer.hf, mc.vocab_size, setup.eos_token_ids, timeout, cache_bytes)
     return Intake(
         setup.tokenizer,
-        cfg.request_limits(mc.vocab_size),
+        cfg.limits.request_limits(mc.vocab_size),
         context_limit,
         setup.resolved.device,
         grammars,
