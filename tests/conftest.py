@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -16,6 +19,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # tests that name no model run on the tiny model (the real default has its own tests: test_default_model.py)
 os.environ["TOKENMILL_DEFAULT_MODEL"] = str(TINY_MODEL_DIR)
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# GGUF conversions and repacked weights go to a cache of the session's own, never the user's
+os.environ["TOKENMILL_CACHE_DIR"] = tempfile.mkdtemp(prefix="tokenmill-test-cache-")
+atexit.register(shutil.rmtree, os.environ["TOKENMILL_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

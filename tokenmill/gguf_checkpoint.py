@@ -93,7 +93,7 @@ def checkpoint_folder(path: str | Path) -> Path:
     file = gguf_file(path)
     if file is None:
         return Path(path)
-    folder = _cache_root() / "gguf" / f"{file.stem}-{_key(file)}"
+    folder = cache_root() / "gguf" / f"{file.stem}-{_key(file)}"
     if not is_converted(folder):
         folder.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
@@ -276,6 +276,6 @@ def _key(file: Path) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
     root = os.environ.get("TOKENMILL_CACHE_DIR")
     return Path(root) if root else Path.home() / ".cache" / "tokenmill"

@@ -65,6 +65,13 @@ class ModelOptions:
         "channel, int4 the largest of 128, 64, 32 that divides each layer's input width.",
         section="model",
     )
+    weight_cache: bool = option(
+        True,
+        "Keep weights repacked at load (a GGUF file's, a pre-quantized or an at-load quantized "
+        "checkpoint's) on disk under the cache directory ($TOKENMILL_CACHE_DIR/repacked), so that later "
+        "starts of the same model read them instead of repacking; a copy of the weights per model.",
+        section="model",
+    )
     quantized_activations: str = option(
         "int16",
         "How products with a quantized weight in the CPU kernels' panels layout (int8 activations x "

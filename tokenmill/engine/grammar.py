@@ -23,14 +23,17 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.engine.grammar_compile_worker import WORKERS, CompileFailed, CompileTimeout, GrammarSource
 from tokenmill.engine.overload import EngineOverloadedError
 from tokenmill.request import ParameterError, StructuredOutputsParams
+
+if TYPE_CHECKING:  # xgrammar is imported where a grammar is first used (it takes a second to import)
+    import xgrammar as xgr
 
 PARAM = "structured_outputs"
 MAX_CONCURRENT_COMPILES = 2
@@ -53,6 +56,8 @@ class SequenceGrammar:
 
     def __init__(self, compiled: xgr.CompiledGrammar, non_stop_bits: torch.Tensor) -> None:
         """``non_stop_bits``: a bitmask (int32 ``[1, words]``) with every bit set but the stop tokens'."""
+        import xgrammar as xgr
+
         self._matcher = xgr.GrammarMatcher(compiled)
         self._non_stop_bits = non_stop_bits
         self.bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
@@ -176,6 +181,8 @@ class GrammarCompiler:
         return SequenceGrammar(compiled, self._non_stop_bits)
 
     def _compile_in_worker(self, source: GrammarSource, kind: str) -> xgr.CompiledGrammar:
+        import xgrammar as xgr
+
         if not self._slots.acquire(timeout=self._timeout):
             raise EngineOverloadedError(
                 f"all {MAX_CONCURRENT_COMPILES} grammar-compile slots stayed busy for {self._timeout:g}s; retry later"
@@ -215,6 +222,8 @@ class GrammarCompiler:
                 self._cached_bytes -= dropped
 
     def _load_tokenizer_info(self) -> None:
+        import xgrammar as xgr
+
         with self._lock:
             if self._tokenizer_info is not None:
                 return

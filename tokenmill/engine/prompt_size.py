@@ -29,13 +29,13 @@ def bytes_per_token_bound(tokenizer: Tokenizer) -> int | None:
     unknown (slow tokenizers, and the pipelines named in the module docstring)."""
     if not tokenizer.hf.is_fast:
         return None
-    spec = json.loads(tokenizer.hf.backend_tokenizer.to_str())
-    if any(token.get("lstrip") or token.get("rstrip") for token in spec.get("added_tokens", [])):
+    backend = tokenizer.hf.backend_tokenizer
+    if any(token.lstrip or token.rstrip for token in backend.get_added_tokens_decoder().values()):
         return None
-    shrink = _normalizer_shrink(spec.get("normalizer"))
-    if shrink is None or not _keeps_text(spec.get("pre_tokenizer")) or not _model_covers_text(spec["model"]):
+    shrink = _normalizer_shrink(_state(backend.normalizer))
+    if shrink is None or not _keeps_text(_state(backend.pre_tokenizer)) or not _model_covers_text(backend.model):
         return None
-    longest = max(len(token.encode("utf-8", "surrogatepass")) for token in tokenizer.hf.get_vocab())
+    longest = max(len(token.encode("utf-8", "surrogatepass")) for token in backend.get_vocab(with_added_tokens=True))
     return max(longest, 4) * shrink  # 4: an unknown token stands for one character
 
 
@@ -68,10 +68,20 @@ def _keeps_text(node: dict[str, Any] | None) -> bool:
     return node["type"] in _KEEPING_PRE_TOKENIZERS
 
 
-def _model_covers_text(node: dict[str, Any]) -> bool:
-    """True when every token covers a bounded piece of text (no fused or whole-word unknowns)."""
-    if node.get("byte_fallback"):
-        return True
-    if node["type"] == "BPE":
-        return node.get("unk_token") is None or not node.get("fuse_unk")
-    return node["type"] == "Unigram" and node.get("unk_id") is None
+def _state(component: Any) -> dict[str, Any] | None:
+    """A ``tokenizers`` pipeline component (normalizer, pre-tokenizer) as its JSON, None for none."""
+    return None if component is None else json.loads(component.__getstate__())
+
+
+def _model_covers_text(model: Any) -> bool:
+    """True when every token of ``model`` (a ``tokenizers`` model) covers a bounded piece of text (no
+    fused or whole-word unknowns). A BPE model is read through its attributes (its JSON holds the
+    whole vocabulary and merges: a second to write and parse at 128k tokens), a Unigram one through
+    its JSON (the attributes lack ``unk_id``)."""
+    kind = type(model).__name__
+    if kind == "BPE":
+        return model.byte_fallback or model.unk_token is None or not model.fuse_unk
+    if kind == "Unigram":
+        state = json.loads(model.__getstate__())
+        return bool(state.get("byte_fallback")) or state.get("unk_id") is None
+    return False

@@ -33,6 +33,16 @@ SPLIT_PROJECTIONS: dict[str, tuple[str, int]] = {
 gate, up as separate projections."""
 
 
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` that leaves a table on the meta device uninitialized (models are built there
+    and then loaded): torch's ``normal_`` on a meta tensor imports ``torch._dynamo``, a second of
+    every start."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

@@ -44,7 +44,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.kernels.linear import Linear, linear
 from tokenmill.kernels.quant_format import QuantScheme
 from tokenmill.model import parallel
-from tokenmill.model.blocks import RMSNorm, RotaryEmbedding
+from tokenmill.model.blocks import Embedding, RMSNorm, RotaryEmbedding
 from tokenmill.model.capabilities import Combination, FamilyCapabilities, check_tensor_parallel, choose_backend
 from tokenmill.model.config import ModelConfig
 
@@ -86,7 +86,7 @@ class DecoderStack(nn.Module):
         super().__init__()
         tp = parallel.current()
         if tp.size == 1:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = parallel.VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(layers)
@@ -111,7 +111,9 @@ class CausalLM(nn.Module, ABC):
         check_tensor_parallel(config.architecture, self.capabilities, tp.size)
         layers = [self.decoder_layer(config, i) for i in range(config.num_layers)]
         self.model = DecoderStack(config, layers, self.norm_class)
-        self.build_rotary()
+        # a model built on the meta device gets its tables on the CPU (torch's meta versions of their
+        # ops import torch._dynamo, a second of every start); the loader rebuilds them on the weights' device
+        self.build_rotary("cpu" if torch.get_default_device().type == "meta" else None)
         self._sliding_rope_layers = [config.layer_rope(i) is not config.rope for i in range(config.num_layers)]
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -132,12 +134,13 @@ class CausalLM(nn.Module, ABC):
         ``sliding_rotary`` (``config.sliding_rope``, None without one). Their buffers are not
         checkpoint weights, so the loader rebuilds them after materializing a meta-initialized model."""
         cfg = self.config
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope, cfg.max_position_embeddings).to(device)
-        self.sliding_rotary = (
-            None
-            if cfg.sliding_rope is None
-            else RotaryEmbedding(cfg.rotary_dim, cfg.sliding_rope, cfg.max_position_embeddings).to(device)
-        )
+        with torch.device(device if device is not None else torch.get_default_device()):
+            self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope, cfg.max_position_embeddings)
+            self.sliding_rotary = (
+                None
+                if cfg.sliding_rope is None
+                else RotaryEmbedding(cfg.rotary_dim, cfg.sliding_rope, cfg.max_position_embeddings)
+            )
 
     @property
     def attention_scale(self) -> float:

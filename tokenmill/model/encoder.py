@@ -30,7 +30,7 @@ from tokenmill.attention.base import AttentionBackend
 from tokenmill.cache.views import KVView, PrefillKVCache
 from tokenmill.kernels.linear import Linear
 from tokenmill.model import parallel
-from tokenmill.model.blocks import PackedLinear
+from tokenmill.model.blocks import Embedding, PackedLinear
 from tokenmill.model.capabilities import FamilyCapabilities, check_tensor_parallel
 from tokenmill.model.config import EncoderConfig, ModelConfig, ModelConfigError
 
@@ -70,9 +70,9 @@ class EncoderEmbeddings(nn.Module):
     def __init__(self, config: ModelConfig, encoder: EncoderConfig) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.word_embeddings = nn.Embedding(config.vocab_size, hidden)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings + encoder.position_offset, hidden)
-        self.token_type_embeddings = nn.Embedding(encoder.type_vocab_size, hidden)
+        self.word_embeddings = Embedding(config.vocab_size, hidden)
+        self.position_embeddings = Embedding(config.max_position_embeddings + encoder.position_offset, hidden)
+        self.token_type_embeddings = Embedding(encoder.type_vocab_size, hidden)
         self.LayerNorm = nn.LayerNorm(hidden, eps=encoder.layer_norm_eps)
         self.position_offset = encoder.position_offset
 

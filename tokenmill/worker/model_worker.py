@@ -36,6 +36,7 @@ from tokenmill.model.lora import LoRASlots, ModuleDelta
 from tokenmill.model.parallel import TensorParallel
 from tokenmill.model.quantization import quantization_scheme, quantize_model, set_activation_passes
 from tokenmill.model.registry import Model
+from tokenmill.model.repacked_cache import load_repacked
 from tokenmill.model.weights import WeightError
 from tokenmill.worker.cuda_graphs import CudaGraphDecodeRunner, make_cuda_graph_runner
 from tokenmill.worker.forward_step import ForwardStep
@@ -170,10 +171,13 @@ def build_model_worker(
     storage for its heads (``agree_on_slots`` turns this rank's slot count into the one every rank
     uses), and ``table`` (rank 0's request-to-token table; None: a zeroed replica of the same shape)."""
     dtype, device = resolved.dtype, resolved.device
-    model = load_model(resolved.model_path, dtype, device, tp)
     scheme = quantization_scheme(config.checkpoint)
-    if scheme is not None:
-        quantize_model(model, scheme)
+    if torch.device(device).type == "cpu" and tp.size == 1:
+        model = load_repacked(resolved.model_path, dtype, scheme, config.weight_cache)
+    else:
+        model = load_model(resolved.model_path, dtype, device, tp)
+        if scheme is not None:
+            quantize_model(model, scheme)
     if config.quantized_activations == "int8":
         n_projections = set_activation_passes(model, 1)
         if n_projections:
