@@ -29,12 +29,6 @@ def materialize_on_huge_pages(model: nn.Module) -> nn.Module:
     return model
 
 
-def place_on_huge_pages(tensors: list[torch.Tensor]) -> None:
-    """Give CPU ``tensors`` (parameters or buffers) fresh, uninitialized memory in one new huge-page
-    mapping where the OS supports it (their values are not kept: for tensors about to be filled)."""
-    _into_one_mapping(tensors, copy=False)
-
-
 def move_to_huge_pages(tensors: list[torch.Tensor]) -> None:
     """Move CPU ``tensors`` (parameters or buffers, their values kept) into one new huge-page
     mapping where the OS supports it; the memory they held before is freed once nothing else views it."""

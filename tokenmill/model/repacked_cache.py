@@ -7,10 +7,13 @@ groups, a checkpoint quantized at load; see ``gguf_loader.py``, ``prequantized.p
 quantized projection's ``qweight`` / ``qscale`` / ``qmin``) to one file under the cache
 (``$TOKENMILL_CACHE_DIR``, default ``~/.cache/tokenmill``, then ``repacked/``), with a manifest of
 what is not a tensor (which projections are quantized and how, which MoE stacks are unstacked); a
-later start of the same model builds the model's skeleton from the manifest, gives its tensors one
-huge-page mapping (as a load does) and reads the file's bytes straight into them. The file is in
-the safetensors format (any safetensors reader can open it); this module writes and reads it itself,
-because the library refuses tensors that share one mapping and cannot read into place.
+later start of the same model builds the model's skeleton from the manifest and points its tensors
+into a private memory map of the file (as llama.cpp maps a GGUF file: no copy, the pages shared
+with the page cache, read in at start-up so that the first requests do not fault them in; a write to
+a tensor copies its page). The file is in the safetensors format (any safetensors reader can open
+it), written by this module because the library refuses tensors that share one mapping; each
+tensor starts on a cache line (whole-line tensors first, the header padded), the odd-sized ones
+at the end are copied out of the map.
 
 The file's name holds a hash of everything the repacked tensors depend on (:func:`cache_key`):
 the source files (path, size, modification time), the dtype, the quantization scheme, the CPU's
