@@ -194,8 +194,11 @@ def _fp16_exact(tensors: QuantizedTensors) -> QuantizedTensors:
 @pytest.mark.parametrize("scheme", [*SCHEMES, QuantScheme(8, 16)], ids=lambda s: s.name)
 def test_panels_keep_scales_in_fp16_exactly_where_every_one_is_an_fp16_number(scheme: QuantScheme) -> None:
     torch.manual_seed(3)
-    tensors = quantize(torch.randn(32, 128), scheme)
-    assert to_panels(tensors).scale.dtype == torch.float32  # absmax / 7 etc.: not fp16 numbers
+    quantized = quantize(torch.randn(32, 128), scheme)  # scales (and mins) rounded to fp16 numbers
+    assert to_panels(quantized).scale.dtype == torch.float16
+    nudged = quantized.scale * (1 + 2**-20)  # no longer fp16 numbers
+    tensors = QuantizedTensors(quantized.qweight, nudged, quantized.min, quantized.bits, quantized.group)
+    assert to_panels(tensors).scale.dtype == torch.float32
     exact = _fp16_exact(tensors)
     panels = to_panels(exact)
     assert panels.scale.dtype == torch.float16 and (panels.min is None or panels.min.dtype == torch.float16)

@@ -17,7 +17,13 @@ from tokenmill.kernels.quant_linear import int8_dot_products
 from tokenmill.model import quantization
 from tokenmill.model.loader import load_model
 from tokenmill.model.moe import Experts
-from tokenmill.model.quantization import LM_HEAD_SCHEME, fake_quantize_model, quantize_model, set_activation_passes
+from tokenmill.model.quantization import (
+    INT4_DEFAULT_GROUP,
+    LM_HEAD_SCHEME,
+    fake_quantize_model,
+    quantize_model,
+    set_activation_passes,
+)
 from tokenmill.model.weights import WeightError
 
 CASES = {
@@ -42,8 +48,9 @@ def test_quantized_model_matches_transformers_on_the_dequantized_weights(case, s
     assert n_quantized > 0 and model.quantization == scheme
     stacks = [m for m in model.modules() if isinstance(m, Experts)]
     assert all(layer.quantization == scheme for m in stacks for pair in m.layers for layer in pair)  # MoE experts too
-    head = model.lm_head  # untied heads are kept int8 whatever the scheme; a tied one is the embedding table
-    assert head is None if hf_model.config.tie_word_embeddings else head.quantization == LM_HEAD_SCHEME
+    assert model.lm_head.quantization == LM_HEAD_SCHEME  # int8 whatever the scheme, tied to the embeddings or not
+    if hf_model.config.tie_word_embeddings:  # the table itself stays for the lookups
+        assert torch.equal(model.model.embed_tokens.weight, hf_model.get_input_embeddings().weight)
     fake_quantize_model(hf_model, scheme)
     assert_counting_prompts_match(model, hf_model)
 
@@ -86,7 +93,7 @@ def test_engine_with_int8_activations_generates_what_transformers_does_with_them
     transformers' on the dequantized weights with inputs so quantized."""
     monkeypatch.setattr(quantization, "panels_on_cpu", lambda dtype: True)
     hf_model = save_tiny_checkpoint(tmp_path)
-    scheme = QuantScheme(4, symmetric=False)  # the engine's "int4"
+    scheme = QuantScheme(4, INT4_DEFAULT_GROUP, symmetric=False)  # the engine's "int4"
     llm = LLM(
         model=str(tmp_path),
         dtype="float32",
@@ -136,7 +143,8 @@ def test_engine_generates_what_transformers_does_with_the_dequantized_weights(qu
     """The real path: ``LLM(quantization=...)`` (C++ kernels, cpu backend, chunked prefill)."""
     hf_model = save_tiny_checkpoint(tmp_path)
     llm = LLM(model=str(tmp_path), dtype="float32", quantization=quantization, max_num_batched_tokens=16)
-    scheme = QuantScheme(8) if quantization == "int8" else QuantScheme(4, symmetric=False)  # the engine's
+    engine_int4 = QuantScheme(4, INT4_DEFAULT_GROUP, symmetric=False)
+    scheme = QuantScheme(8) if quantization == "int8" else engine_int4  # the engine's
     fake_quantize_model(hf_model, scheme)
     prompts = [[5, 6, 7], list(range(3, 30))]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)

@@ -98,9 +98,19 @@ def test_a_gguf_file_starts_from_its_repacked_weights_bit_for_bit(
     assert_same_model(load_repacked(gguf_folder, dtype, None), first)
 
 
-def test_an_at_load_quantized_checkpoint_is_cached_per_scheme(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+AT_LOAD_CASES = {
+    "mixtral_unstacked_experts": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "qwen2_tied_head_quantized_on_its_own": ("qwen2", dict(tie_word_embeddings=True)),
+}
+
+
+@pytest.mark.parametrize("case", AT_LOAD_CASES)
+def test_an_at_load_quantized_checkpoint_is_cached_per_scheme(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = tmp_path / "hf"
-    save_tiny_checkpoint(folder, "mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    kind, overrides = AT_LOAD_CASES[case]
+    save_tiny_checkpoint(folder, kind, **overrides)
     oracle = load_model(folder, torch.float32, "cpu")
     quantize_model(oracle, INT4)
     first = load_repacked(folder, torch.float32, INT4)

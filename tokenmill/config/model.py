@@ -62,7 +62,7 @@ class ModelOptions:
     quantization_group_size: int | None = option(
         None,
         "Values of a row sharing one quantization scale: 32, 64 or 128; None: int8 one per output "
-        "channel, int4 the largest of 128, 64, 32 that divides each layer's input width.",
+        "channel, int4 32 (as llama.cpp's Q4_0 / Q4_1).",
         section="model",
     )
     weight_cache: bool = option(

@@ -12,7 +12,8 @@ may also have groups of 16, :data:`PANELS_INT8_GROUP`):
   16-wide vectors).
 
 ``scale`` and ``min`` are fp32 ``[N, K / group_size]``. Checkpoint formats (AWQ, GPTQ, GGUF) are
-repacked into this one at load. Quantizing here is round-to-nearest.
+repacked into this one at load. Quantizing here is round-to-nearest, with scales and mins rounded
+to fp16 numbers first (where all are finite there), as GGUF's blocks keep theirs.
 
 That is the *rows* layout. The *panels* layout (:func:`to_panels`; needs N a multiple of 16) holds
 the same values for the int8-activation kernel: ``qweight`` 3-D ``[N / 16, K / 4, 64 | 32]``, per
@@ -111,15 +112,15 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedTensors:
     group = scheme.group_for(k)
     w = weight.detach().float().reshape(n, k // group, group)
     if scheme.bits == 8:
-        scale = w.abs().amax(dim=-1) / 127.0
+        scale = _fp16_where_finite(w.abs().amax(dim=-1) / 127.0)
         q = torch.round(w / _nonzero(scale)[..., None]).clamp_(-127, 127).to(torch.int8)
         return QuantizedTensors(q.reshape(n, k).contiguous(), scale.contiguous(), None, 8, group)
     if scheme.symmetric:
-        scale = w.abs().amax(dim=-1) / 7.0
+        scale = _fp16_where_finite(w.abs().amax(dim=-1) / 7.0)
         low = -8.0 * scale
     else:
-        low, high = w.amin(dim=-1), w.amax(dim=-1)
-        scale = (high - low) / 15.0
+        low = _fp16_where_finite(w.amin(dim=-1))
+        scale = _fp16_where_finite((w.amax(dim=-1) - low) / 15.0)
     q = torch.round((w - low[..., None]) / _nonzero(scale)[..., None]).clamp_(0, 15).to(torch.uint8)
     return QuantizedTensors(pack_int4(q.reshape(n, k)), scale.contiguous(), low.contiguous(), 4, group)
 
@@ -228,6 +229,13 @@ def _row_major(per_panel: torch.Tensor) -> torch.Tensor:
 def _exact_in_fp16(values: torch.Tensor) -> bool:
     """Whether every one of the fp32 ``values`` is an fp16 number (finite, no precision lost)."""
     return bool(torch.equal(values.half().float(), values))
+
+
+def _fp16_where_finite(values: torch.Tensor) -> torch.Tensor:
+    """fp32 ``values`` rounded to fp16 numbers (so that the panels layout streams them in half the
+    bytes, as GGUF's blocks store theirs) unless one would not be a finite fp16 number."""
+    rounded = values.half().float()
+    return rounded if bool(torch.isfinite(rounded).all()) else values
 
 
 def _nonzero(scale: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,12 @@
 
 Every :class:`~tokenmill.kernels.linear.Linear` inside the decoder layers (attention and MLP
 projections, packed or tensor-parallel shards alike: rows are quantized independently and groups
-run along this rank's K) keeps its weight quantized from then on with the scheme asked for; an
-untied LM head (its vocabulary shard, with tensor parallelism) with :data:`LM_HEAD_SCHEME`, int8
-per output channel whatever the scheme (its error goes straight into the logits: 8 bits, as
-llama.cpp's 4-bit files keep their output matrix at 6-8). What stays in the checkpoint's
-precision: embeddings (and so a tied LM head), norms and MoE routers (modules named ``gate``).
+run along this rank's K) keeps its weight quantized from then on with the scheme asked for; the
+LM head (its vocabulary shard, with tensor parallelism) with :data:`LM_HEAD_SCHEME`, int8 per
+output channel whatever the scheme (its error goes straight into the logits: 8 bits, as llama.cpp's
+4-bit files keep their output matrix at 6-8); a head tied to the embeddings gets one of its own
+(:func:`untied_head`, at tp=1), quantized, while the table stays for the lookups. What stays in the
+checkpoint's precision: embeddings, norms and MoE routers (modules named ``gate``).
 Stacked MoE experts are quantized with the scheme too, each expert's projections becoming quantized
 ``Linear`` layers (``moe.Experts.quantize_``). On CPU the remaining tensors and the quantized ones
 are then moved into one fresh huge-page mapping, which frees the full-precision weights.
@@ -41,6 +42,9 @@ LinearT = TypeVar("LinearT", bound=torch.nn.Linear)
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 LM_HEAD_SCHEME = QuantScheme(8)
 """How a quantized model's untied LM head is kept, whatever its projections' scheme."""
+INT4_DEFAULT_GROUP = 32
+"""``quantization="int4"``'s group size unless one is asked for: llama.cpp's Q4_0/Q4_1 groups, whose
+scale and min per 32 values (fp16 where exact: ``quant_format.quantize``) cost a bit a weight."""
 ROUTER_NAME = "gate"
 """The attribute name of an MoE router, which stays unquantized (its scores pick experts)."""
 
@@ -49,8 +53,9 @@ def quantization_scheme(config: ModelOptions) -> QuantScheme | None:
     """The scheme ``config`` asks for (None: no quantization)."""
     if config.quantization is None:
         return None
-    bits = 8 if config.quantization == "int8" else 4
-    return QuantScheme(bits, config.quantization_group_size, symmetric=bits == 8)
+    if config.quantization == "int8":
+        return QuantScheme(8, config.quantization_group_size)
+    return QuantScheme(4, config.quantization_group_size or INT4_DEFAULT_GROUP, symmetric=False)
 
 
 def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
@@ -64,9 +69,10 @@ def quantize_model(model: CausalLM, scheme: QuantScheme) -> int:
         module.quantize_(scheme, panels=keeps_panels(model, module))
     for stack in experts:
         targets += stack.quantize_(scheme, lambda layer: keeps_panels(model, layer))
-    head = _quantizable_head(model.lm_head)
+    head = _quantizable_head(model.lm_head if model.lm_head is not None or model.tp.size > 1 else untied_head(model))
     if head is not None:
         head.quantize_(LM_HEAD_SCHEME, panels=keeps_panels(model, head))
+        model.lm_head = head
         targets.append(head)
     model.quantization = scheme
     if next(model.parameters()).device.type == "cpu":
@@ -91,6 +97,17 @@ def set_activation_passes(model: torch.nn.Module, passes: int) -> int:
     for module in quantized:
         module.activation_passes = passes
     return len(quantized)
+
+
+def untied_head(model: CausalLM) -> Linear:
+    """A head of its own for a model whose LM head is its embedding table: a :class:`Linear` whose
+    weight is the table (shared, on the table's device), to be quantized; the table stays for the
+    embedding lookups."""
+    table = model.model.embed_tokens.weight
+    with torch.device("meta"):
+        head = Linear(table.shape[1], table.shape[0], bias=False)
+    head.weight = torch.nn.Parameter(table.detach(), requires_grad=False)
+    return head
 
 
 def _fitting_experts(layers: torch.nn.Module, scheme: QuantScheme) -> list[Experts]:
@@ -168,11 +185,11 @@ def fake_quantize_model(
     forward pre-hook: ``fake_quantize_activations`` per ``activation_block``); a model with stacked experts then raises
     ValueError (their products are internal to the module)."""
     targets = [(module, scheme) for module in _fitting_projections(model.model.layers, scheme, torch.nn.Linear)]
-    head = model.get_output_embeddings()
-    if head is not None and head.weight is not model.get_input_embeddings().weight:
-        head = _quantizable_head(head)
-        if head is not None:
-            targets.append((head, LM_HEAD_SCHEME))
+    head = _quantizable_head(model.get_output_embeddings())
+    if head is not None:
+        if head.weight is model.get_input_embeddings().weight:  # tied: the head gets a copy of its own
+            head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+        targets.append((head, LM_HEAD_SCHEME))
     stacks = [m for m in model.model.layers.modules() if _stacked_experts(m)]
     if stacks and int8_activations:
         raise ValueError("int8 activations are not modelled inside stacked experts (their products are internal)")

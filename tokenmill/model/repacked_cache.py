@@ -54,7 +54,7 @@ from tokenmill.model.huge_pages import ALIGN_BYTES
 from tokenmill.model.loader import load_model, weight_files
 from tokenmill.model.moe import Experts
 from tokenmill.model.prequantized import checkpoint_format
-from tokenmill.model.quantization import quantize_model
+from tokenmill.model.quantization import quantize_model, untied_head
 from tokenmill.model.registry import load_model_config, model_class
 
 logger = logging.getLogger("tokenmill.model")
@@ -290,6 +290,8 @@ def _skeleton(path: str | Path, dtype: torch.dtype, manifest: dict[str, Any], he
             raise ValueError(f"{name!r} is not an expert stack")
         stack.unstack_()
     for name, (bits, group, symmetric) in manifest["quantized"].items():
+        if name == "lm_head" and model.lm_head is None:  # a tied head quantized on its own
+            model.lm_head = untied_head(model)
         layer = model.get_submodule(name)
         if not isinstance(layer, Linear):
             raise ValueError(f"{name!r} is not a projection")
