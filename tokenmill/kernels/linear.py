@@ -81,7 +81,7 @@ def _on_rows(x: torch.Tensor, out_features: int, product: Callable[[torch.Tensor
 
 class BlockedCopy:
     """A copy of a CPU weight in oneDNN's blocked layout, for the products where it is faster
-    (``BLOCKED_MIN_ROWS[dtype]`` rows or more), made on first use and remade
+    (``BLOCKED_MIN_ROWS[dtype]`` rows or more), made on first use (or at start-up: :meth:`make_now`) and remade
     whenever the weight is not the one it was made from: another storage, dtype or shape
     (``Module.to``, ``weight.data = ...``) or an in-place change (its version counter moves:
     loading, weight updates). So the weight is not re-laid-out on every call; the copy doubles the
@@ -104,6 +104,13 @@ class BlockedCopy:
         if self._made is None or self._made[0] != source:
             self._made = (source, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BLOCKED_BATCH_HINT))
         return self._made[1]
+
+    def make_now(self, weight: torch.Tensor) -> None:
+        """Make the copy the products of ``weight`` with enough rows will use, now (at start-up),
+        rather than on the first such product (a first request's cost); nothing where none is used."""
+        min_rows = BLOCKED_MIN_ROWS.get(weight.dtype)
+        if min_rows is not None:
+            self.for_rows(weight, weight.dtype, min_rows)
 
 
 def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, copy: BlockedCopy) -> torch.Tensor:
@@ -188,6 +195,11 @@ class Linear(nn.Linear):
         return QuantizedTensors(
             self.qweight, self.qscale, self.qmin, self.quantization.bits, group, self.activation_passes
         )
+
+    def make_blocked_copy(self) -> None:
+        """Make the blocked copy of an unquantized weight now (:meth:`BlockedCopy.make_now`)."""
+        if self.quantization is None:
+            self._blocked.make_now(self.weight)
 
     def blocked_weight(self, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
         """The blocked copy that :meth:`forward` multiplies a CPU input of ``dtype`` and ``rows`` rows

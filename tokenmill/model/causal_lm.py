@@ -47,6 +47,7 @@ from tokenmill.model import parallel
 from tokenmill.model.blocks import Embedding, RMSNorm, RotaryEmbedding
 from tokenmill.model.capabilities import Combination, FamilyCapabilities, check_tensor_parallel, choose_backend
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.moe import Experts
 
 CPU_DECODE_LAYER_WEIGHTS = (
     "input_layernorm.weight",
@@ -216,6 +217,15 @@ class CausalLM(nn.Module, ABC):
         if self.lm_head is None:
             return self.model.embed_tokens.weight
         return self.lm_head.qweight if self.lm_head.quantization is not None else self.lm_head.weight
+
+    def make_blocked_copies(self) -> None:
+        """Make every blocked weight copy the products will use (``kernels/linear.py``) now, at
+        start-up, so that the first requests are as fast as the later ones."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.make_blocked_copy()
+            elif isinstance(module, Experts):
+                module.make_blocked_copies()
 
     def cpu_decode_weights(self) -> CpuDecodeWeights | None:
         """The weights of the C++ decode forward, or None when it would not compute this instance

@@ -164,6 +164,14 @@ class Experts(nn.Module, CheckpointShards):
             start += n
         return torch.zeros_like(x).index_add_(0, token_of, outputs)
 
+    def make_blocked_copies(self) -> None:
+        """Make the stacked experts' blocked copies now (:meth:`BlockedCopy.make_now`); unstacked
+        experts are :class:`Linear` layers, which make their own."""
+        if self.layers is None:
+            for e, (gate_up_copy, down_copy) in enumerate(self._blocked):
+                gate_up_copy.make_now(self.gate_up_proj[e])
+                down_copy.make_now(self.down_proj[e])
+
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s SwiGLU MLP on its tokens ``x``."""
         if self.layers is not None:

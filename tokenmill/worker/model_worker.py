@@ -186,6 +186,7 @@ def build_model_worker(
             logger.warning("quantized_activations int8 changes nothing: no projection of this model is quantized")
     if not model.is_encoder:
         model.backend = model.make_backend(config, dtype)
+        model.make_blocked_copies()
     dtype_name = str(dtype).removeprefix("torch.") + (" (auto)" if config.dtype == "auto" else "")
     attention = "bidirectional (no KV cache)" if model.backend is None else model.backend.name
     logger.info("%s on %s in %s, attention %s", model.config.architecture, device, dtype_name, attention)
