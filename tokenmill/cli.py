@@ -343,11 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
     listing = sub.add_parser("list", help="the models in the Hugging Face cache: id, size, revisions")
     listing.set_defaults(func=cmd_list)
 
+    from tokenmill.bench import decode as bench_decode
     from tokenmill.bench import serve as bench_serve
     from tokenmill.bench import throughput as bench_throughput
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    for name, module in (("throughput", bench_throughput), ("serve", bench_serve)):
+    for name, module in (("throughput", bench_throughput), ("serve", bench_serve), ("decode", bench_decode)):
         doc = module.__doc__ or ""
         sub_bench = bench.add_parser(
             name, help=doc.splitlines()[0], description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
