@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -150,6 +151,8 @@ WORKERS = CompileWorkerPool()
 def _serve(requests: Connection, replies: Connection, parent_pid: int) -> None:
     """The child's loop: compile each request, reply ``(True, serialized)`` or ``(False, message)``."""
     os.nice(CHILD_NICENESS)
+    # a terminal's Ctrl-C reaches the whole process group: the parent ends this child, not the signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     try:
         import xgrammar as xgr
