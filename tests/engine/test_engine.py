@@ -349,7 +349,7 @@ def test_the_loop_thread_builds_the_model_and_cache(checkpoint, monkeypatch: pyt
     from tokenmill.worker import model_worker as engine_module
 
     builders: list[str] = []
-    load_model, storage = engine_module.load_model, engine_module.KVStorage
+    load_model, storage = engine_module.load_repacked, engine_module.KVStorage  # (a CPU model at tp=1)
 
     def spy_load(*args, **kwargs):
         builders.append(threading.current_thread().name)
@@ -359,7 +359,7 @@ def test_the_loop_thread_builds_the_model_and_cache(checkpoint, monkeypatch: pyt
         builders.append(threading.current_thread().name)
         return storage(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "load_model", spy_load)
+    monkeypatch.setattr(engine_module, "load_repacked", spy_load)
     monkeypatch.setattr(engine_module, "KVStorage", spy_storage)
     llm = LLM(dtype="float32", model=str(checkpoint[0]), num_kv_slots=256, skip_tokenizer_init=True)
     try:
