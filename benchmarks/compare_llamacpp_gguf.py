@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,15 +106,7 @@ def llama_task(spec: dict[str, Any]) -> dict[str, Any]:
 
     threads = spec["threads"]
     llm = Llama(spec["model"], n_ctx=1024, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
-
-    def run(prompt: list[int], n: int) -> float:
-        llm.reset()
-        t = time.perf_counter()
-        for i, _ in enumerate(llm.generate(prompt, temp=0, reset=True)):
-            if i + 1 == n:
-                break
-        return time.perf_counter() - t
-
+    run = llama_timer(llm)
     decode_prompt = list(range(100, 100 + DECODE_PROMPT))
     run(decode_prompt, DECODE_TOKENS)
     decode = [
@@ -129,6 +122,21 @@ def llama_task(spec: dict[str, Any]) -> dict[str, Any]:
         "throughput_tok_s": max(by_slots.values()),
         "throughput_by_slots": by_slots,
     }
+
+
+def llama_timer(llm: Any) -> Callable[[list[int], int], float]:
+    """``run(prompt, n)``: seconds llama.cpp's ``llm`` (a ``llama_cpp.Llama``) takes for ``n`` greedy
+    tokens after ``prompt``, from a fresh context."""
+
+    def run(prompt: list[int], n: int) -> float:
+        llm.reset()
+        t = time.perf_counter()
+        for i, _ in enumerate(llm.generate(prompt, temp=0, reset=True)):
+            if i + 1 == n:
+                break
+        return time.perf_counter() - t
+
+    return run
 
 
 def llama_slots_throughput(spec: dict[str, Any], slots: int, n_batch: int = 2048) -> float:
@@ -214,17 +222,17 @@ def call(python: str, task: str, spec: dict[str, Any], env: dict[str, str] | Non
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def safetensors_copy(gguf: Path, out: Path) -> Path:
-    """The GGUF's model as a bf16 safetensors checkpoint (transformers dequantizes), written once."""
+def safetensors_copy(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
+    """The GGUF's model as a safetensors checkpoint in ``dtype`` (transformers dequantizes), written once."""
     if not (out / "model.safetensors").is_file():
         import torch
         from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype))
         out.mkdir(parents=True, exist_ok=True)
         config = model.config.to_dict()  # (save_pretrained refuses a model loaded from GGUF)
-        config.pop("quantization_config", None)  # the saved weights are plain bf16
+        config.pop("quantization_config", None)  # the saved weights are plain floats
         config["architectures"] = [type(model).__name__]
         (out / "config.json").write_text(json.dumps(config, indent=1))
         tensors = {k: v.contiguous() for k, v in model.state_dict().items()}

@@ -33,26 +33,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def fp32_copy(out: Path) -> Path:
     """The default model's GGUF as an fp32 safetensors checkpoint (transformers dequantizes), written once."""
-    if not (out / "model.safetensors").is_file():
-        import torch
-        from safetensors.torch import save_file
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    from compare_llamacpp_gguf import safetensors_copy
 
-        from tokenmill.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_FILE
+    from tokenmill.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_FILE
 
-        folder, name = str(DEFAULT_MODEL_DIR), DEFAULT_MODEL_FILE
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        out.mkdir(parents=True, exist_ok=True)
-        config = model.config.to_dict()  # (save_pretrained refuses a model loaded from GGUF)
-        config.pop("quantization_config", None)
-        config["architectures"] = [type(model).__name__]
-        (out / "config.json").write_text(json.dumps(config, indent=1))
-        tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if config.get("tie_word_embeddings"):
-            del tensors["lm_head.weight"]  # the embedding table's copy
-        save_file(tensors, str(out / "model.safetensors"))
-        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(str(out))
-    return out
+    return safetensors_copy(DEFAULT_MODEL_DIR / DEFAULT_MODEL_FILE, out, "float32")
 
 
 def corpus_prompts(folder: Path, count: int, length: int) -> list[list[int]]:

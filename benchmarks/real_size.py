@@ -29,17 +29,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from results import save  # this script's folder is on sys.path
+from fresh_process import answer, call  # this script's folder is on sys.path
+from results import save
 
 LLAMA_PYTHON = "/work/llama-venv/bin/python"
 CONTEXT, DECODE_TOKENS, PREFILL_TOKENS = 512, 64, 512
@@ -179,6 +178,7 @@ def llama_task(spec: dict[str, Any]) -> dict[str, Any]:
 
         work = {**spec, "prompts": concurrent_prompts(), "outs": [CONCURRENT_OUT] * CONCURRENT}
         return {"concurrent_tok_s": llama_slots_throughput(work, CONCURRENT)}
+    from compare_llamacpp_gguf import llama_timer
     from llama_cpp import Llama
 
     start = time.perf_counter()
@@ -187,16 +187,7 @@ def llama_task(spec: dict[str, Any]) -> dict[str, Any]:
     ready = time.perf_counter() - start
     if spec["task"] == "ready":
         return {"ready_s": ready}
-
-    def run(prompt: list[int], n: int) -> float:
-        llm.reset()
-        t = time.perf_counter()
-        for i, _ in enumerate(llm.generate(prompt, temp=0, reset=True)):
-            if i + 1 == n:
-                break
-        return time.perf_counter() - t
-
-    return {"ready_s": ready, **measure(spec, run)}
+    return {"ready_s": ready, **measure(spec, llama_timer(llm))}
 
 
 def quantize_task(spec: dict[str, Any]) -> dict[str, Any]:
@@ -214,19 +205,6 @@ def roof_task(spec: dict[str, Any]) -> dict[str, Any]:
     return {"read_gbps": read_gbps()}
 
 
-def call(python: str, task: str, spec: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run ``task`` in a fresh process of ``python``; its one-line JSON answer."""
-    done = subprocess.run(
-        [python, __file__, "--worker", task, json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"{task} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def decode_bytes(path: Path) -> int:
     """Bytes one batch-1 decode step reads: every tensor but an untied embedding table."""
     from gguf import GGUFReader
@@ -242,20 +220,21 @@ def summary(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
 
 
 def bench_file(path: Path, args: argparse.Namespace, base: dict[str, Any]) -> dict[str, Any]:
-    roof = call(sys.executable, "roof", {})["read_gbps"]
+    roof = call(__file__, sys.executable, "roof", {})["read_gbps"]
     engines = {"tokenmill": (sys.executable, "tokenmill"), "llama.cpp": (args.llama_python, "llama")}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
     cache = tempfile.mkdtemp(dir=args.work_dir)  # tokenmill's cache: its first start is the empty one
     for _start in range(args.starts):
         for name, (python, task) in engines.items():
             env = {"TOKENMILL_CACHE_DIR": cache} if name == "tokenmill" else None
-            runs[name].append(call(python, task, {**base, "model": str(path), "task": "decode"}, env))
+            runs[name].append(call(__file__, python, task, {**base, "model": str(path), "task": "decode"}, env))
             print(json.dumps({path.name: {name: runs[name][-1]}}), file=sys.stderr, flush=True)
     result: dict[str, Any] = {"read_gbps": roof, "decode_bytes": decode_bytes(path)}
     for name, (python, task) in engines.items():
         env = {"TOKENMILL_CACHE_DIR": cache} if name == "tokenmill" else None
-        concurrent = call(python, task, {**base, "model": str(path), "task": "concurrent"}, env)
-        ready = [call(python, task, {**base, "model": str(path), "task": "ready"}, env)["ready_s"] for _ in range(2)]
+        concurrent = call(__file__, python, task, {**base, "model": str(path), "task": "concurrent"}, env)
+        spec = {**base, "model": str(path), "task": "ready"}
+        ready = [call(__file__, python, task, spec, env)["ready_s"] for _ in range(2)]
         decode = summary(runs[name], "decode_ms_per_token")
         result[name] = {
             "decode_ms_per_token": decode,
@@ -287,12 +266,11 @@ def main() -> None:
                         help="a tokenmill LLM option, e.g. --option quantized_activations '\"int8\"'")  # fmt: skip
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "tokenmill-bench-real-size"))
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        task, spec = args.worker[0], json.loads(args.worker[1])
-        work = {"tokenmill": tokenmill_task, "llama": llama_task, "quantize": quantize_task, "roof": roof_task}[task]
-        print(json.dumps(work(spec)))
+        tasks = {"tokenmill": tokenmill_task, "llama": llama_task, "quantize": quantize_task, "roof": roof_task}
+        answer(args.worker, tasks)
         return
     work_dir = Path(args.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -306,7 +284,7 @@ def main() -> None:
         path = work_dir / f"{args.shape}.{fmt}.gguf"
         if not path.is_file():
             spec = {"model": str(f16), "out": str(path), "format": fmt, "threads": args.threads}
-            call(args.llama_python, "quantize", spec)
+            call(__file__, args.llama_python, "quantize", spec)
         results[fmt] = bench_file(path, args, base)
         print(json.dumps({fmt: results[fmt]["ratios"]}), file=sys.stderr, flush=True)
     print(json.dumps(results) if args.json else json.dumps(results, indent=1))

@@ -15,18 +15,18 @@ it), written by this module because the library refuses tensors that share one m
 tensor starts on a cache line (whole-line tensors first, the header padded), the odd-sized ones
 at the end are copied out of the map.
 
-The file's name holds a hash of everything the repacked tensors depend on (:func:`cache_key`):
-the source files (path, size, modification time), the dtype, the quantization scheme, the CPU's
-features and the ``TOKENMILL_CPU_MARCH`` that pick the layouts, and the source text of the modules
-that repack; so a changed file, another CPU or another tokenmill version misses, and nothing is ever
-read across them. A file is checked before any of it is used: its manifest's key must be the one
-expected, it must hold exactly the tensors the model needs, each of the expected shape and dtype,
-laid end to end to the file's last byte; a file that fails (or cannot be read) is a miss, logged,
-and the model loads from its source and the file is written again. Files are written beside their
-final name and renamed into place; an entry of the same source made for a since-changed file is
-removed when the new one is written. The cache is trusted as the user's own files are (whoever can
-write it chooses the weights); it holds a copy of each cached model's weights
-(``weight_cache=False`` turns it off).
+The file's name holds a hash of everything the repacked tensors depend on (:func:`cache_key`): the
+source files (path, size, modification time), the dtype, the quantization scheme, the CPU's features
+and the ``TOKENMILL_CPU_MARCH`` that pick the layouts, and the source text of the modules that may
+repack (every ``model/`` module and ``kernels/quant_format.py``); so a changed file, another CPU or
+another tokenmill version misses, and nothing is ever read across them. A file is checked before any
+of it is used: its manifest's key must be the one expected, it must hold exactly the tensors the
+model needs, each of the expected shape and dtype, laid end to end to the file's last byte; a file
+that fails (or cannot be read) is a miss, logged, and the model loads from its source and the file
+is written again. Files are written beside their final name and renamed into place; an entry of the
+same source made for a since-changed file is removed when the new one is written. The cache is
+trusted as the user's own files are (whoever can write it chooses the weights); it holds a copy of
+each cached model's weights (``weight_cache=False`` turns it off).
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ import torch
 
 from tokenmill.gguf_checkpoint import cache_root, read_index
 from tokenmill.hardware import cpu_flags
+from tokenmill.kernels import quant_format
 from tokenmill.kernels.linear import Linear
 from tokenmill.kernels.quant_format import QuantScheme
 from tokenmill.kernels.quant_linear import int8_dot_isa
-from tokenmill.model import gguf_loader, gguf_tensors, prequantized, quantization
+from tokenmill.model import quantization
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.huge_pages import ALIGN_BYTES
 from tokenmill.model.loader import load_model, weight_files
@@ -59,8 +60,9 @@ from tokenmill.model.registry import load_model_config, model_class
 
 logger = logging.getLogger("tokenmill.model")
 
-REPACKING_MODULES = (gguf_loader, gguf_tensors, prequantized, quantization)
-"""The modules whose code decides the repacked tensors (their source text is part of the key)."""
+REPACKING_CODE = (Path(quant_format.__file__ or ""), *sorted(Path(__file__).parent.glob("*.py")))
+"""The source files whose code may decide the repacked tensors (every model module and the quantized
+format's): their text is part of the key, so any change to them misses."""
 QUANTIZED_BUFFERS = ("qweight", "qscale", "qmin")
 SAFETENSORS_DTYPES = {
     torch.float32: "F32",
@@ -113,8 +115,8 @@ def cache_key(path: str | Path, dtype: torch.dtype, scheme: QuantScheme | None) 
     index = read_index(path)
     sources = [Path(index["file"])] if index is not None else [Path(path) / "config.json", *weight_files(path)]
     code = hashlib.sha256()
-    for module in REPACKING_MODULES:
-        code.update(Path(module.__file__ or "").read_bytes())
+    for file in REPACKING_CODE:
+        code.update(file.read_bytes())
     return {
         "sources": [_identity(file) for file in sources],
         "dtype": str(dtype),
