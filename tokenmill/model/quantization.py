@@ -41,7 +41,7 @@ logger = logging.getLogger("tokenmill.model")
 LinearT = TypeVar("LinearT", bound=torch.nn.Linear)
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 LM_HEAD_SCHEME = QuantScheme(8)
-"""How a quantized model's untied LM head is kept, whatever its projections' scheme."""
+"""How a quantized model's LM head (tied or not) is kept, whatever its projections' scheme."""
 INT4_DEFAULT_GROUP = 32
 """``quantization="int4"``'s group size unless one is asked for: llama.cpp's Q4_0/Q4_1 groups, whose
 scale and min per 32 values (fp16 where exact: ``quant_format.quantize``) cost a bit a weight."""

@@ -141,7 +141,8 @@ def _slug(text: str) -> str:
 
 
 def _repacked(model: CausalLM) -> bool:
-    return model.quantization is not None or model.checkpoint_quantization is not None
+    """Whether ``model`` is a decoder whose weights were repacked (encoders are not cached)."""
+    return isinstance(model, CausalLM) and (model.quantization is not None or model.checkpoint_quantization is not None)
 
 
 def _quantized_layers(model: CausalLM) -> dict[str, Linear]:
