@@ -81,10 +81,11 @@ def load_repacked(path: str | Path, dtype: torch.dtype, scheme: QuantScheme | No
     """The model at ``path`` on the CPU in ``dtype``, quantized with ``scheme`` (None: as the checkpoint
     is), from its cache file where there is a good one, else loaded (and cached where it was repacked
     and ``enabled``)."""
-    file = cache_file(path, dtype, scheme) if enabled else None
-    if file is not None and file.is_file():
+    key = cache_key(path, dtype, scheme) if enabled and _repacks(path, scheme) else None
+    file = None if key is None else _file(path, key)
+    if file is not None and key is not None and file.is_file():
         started = time.perf_counter()
-        model = _restore(file, path, dtype, cache_key(path, dtype, scheme))
+        model = _restore(file, path, dtype, key)
         if model is not None:
             logger.info("repacked weights read from %s in %.1f s", file, time.perf_counter() - started)
             return model
@@ -92,21 +93,29 @@ def load_repacked(path: str | Path, dtype: torch.dtype, scheme: QuantScheme | No
     model = load_model(path, dtype, "cpu")
     if scheme is not None:
         quantize_model(model, scheme)
-    if file is not None and _repacked(model):
+    if file is not None and key is not None and _repacked(model):
         logger.info(
             "weights loaded and repacked in %.1f s; saving them for later starts", time.perf_counter() - started
         )
-        _store(model, file, cache_key(path, dtype, scheme))
+        _store(model, file, key)
     return model
 
 
 def cache_file(path: str | Path, dtype: torch.dtype, scheme: QuantScheme | None) -> Path | None:
     """Where the repacked weights of this load are cached; None for a checkpoint loaded as it is."""
+    return _file(path, cache_key(path, dtype, scheme)) if _repacks(path, scheme) else None
+
+
+def _repacks(path: str | Path, scheme: QuantScheme | None) -> bool:
+    """Whether loading ``path`` with ``scheme`` repacks weights (a GGUF file, a pre-quantized checkpoint
+    or quantizing at load)."""
+    return scheme is not None or read_index(path) is not None or checkpoint_format(path) is not None
+
+
+def _file(path: str | Path, key: dict[str, Any]) -> Path:
     index = read_index(path)
-    if index is None and scheme is None and checkpoint_format(path) is None:
-        return None
     source = Path(index["file"]).stem if index is not None else Path(path).resolve().name
-    digest = hashlib.sha256(json.dumps(cache_key(path, dtype, scheme), sort_keys=True).encode()).hexdigest()[:20]
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_root() / "repacked" / f"{_slug(source)}-{digest}.safetensors"
 
 
